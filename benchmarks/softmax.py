@@ -1,0 +1,11 @@
+"""Record the softmax benchmark on a GPU: `python benchmarks/softmax.py --out DIR`.
+
+The sweep itself lives in llmnote.bench.suites.softmax so that the book's notebooks
+can run the same measurement live; see that module for what is timed.
+"""
+
+from llmnote.bench.cli import main
+from llmnote.bench.suites.softmax import BENCH, run
+
+if __name__ == "__main__":
+    main(run, BENCH)

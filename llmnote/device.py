@@ -1,0 +1,186 @@
+"""Where and how llmnote's kernels run.
+
+Three backends, chosen once when ``llmnote`` is imported:
+
+``"triton"``
+    A CUDA GPU is present: kernels are compiled by Triton. Compute capability
+    8.0 (Ampere) and newer run every kernel; on 7.5 (Turing, Colab's T4) the
+    kernels compile too, but there is no bf16 and ``tl.dot`` has no bf16 tensor
+    cores, so the default dtype is fp16 and ops that need sm_80 fall back to
+    their PyTorch reference (each says so once).
+``"interpreter"``
+    No CUDA GPU: ``TRITON_INTERPRET=1`` is set before any kernel is defined and
+    the same kernels run in Triton's interpreter on CPU tensors (slowly, so
+    notebooks keep sizes small there).
+``"reference"``
+    Every op runs its plain-PyTorch ``<op>_ref``. Chosen with
+    ``LLMNOTE_BACKEND=reference`` or when Triton cannot be imported.
+
+``LLMNOTE_BACKEND`` (``triton``/``interpreter``/``reference``) overrides the
+choice; a user-set ``TRITON_INTERPRET=1`` selects the interpreter.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import platform
+import sys
+import warnings
+
+import torch
+
+BACKENDS = ("triton", "interpreter", "reference")
+MIN_CAPABILITY = (8, 0)  # every kernel runs compiled from here on
+
+
+def _cuda_capability() -> tuple[int, int] | None:
+    if not torch.cuda.is_available():
+        return None
+    return torch.cuda.get_device_capability()
+
+
+def _triton_importable() -> bool:
+    try:
+        import triton  # noqa: F401
+    except Exception:  # ImportError, or a broken install raising at import
+        return False
+    return True
+
+
+def _choose_backend() -> str:
+    # TRITON_INTERPRET must be set before `import triton`: Triton's own
+    # @jit helpers (tl.max, tl.sum, ...) are decorated when triton is imported.
+    forced = os.environ.get("LLMNOTE_BACKEND", "").strip().lower()
+    if forced and forced not in BACKENDS:
+        raise ValueError(f"LLMNOTE_BACKEND must be one of {BACKENDS}, got {forced!r}")
+    user_interpret = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+    if forced == "interpreter" or (not forced and not user_interpret and _cuda_capability() is None):
+        if "triton" in sys.modules and not user_interpret:
+            warnings.warn(
+                "triton was imported before llmnote without TRITON_INTERPRET=1, so its "
+                "interpreter cannot be switched on any more; llmnote falls back to the "
+                "PyTorch reference ops. Import llmnote first (or set TRITON_INTERPRET=1) "
+                "to run the Triton kernels on the CPU.",
+                stacklevel=3,
+            )
+            return "reference"
+        os.environ["TRITON_INTERPRET"] = "1"
+        user_interpret = True
+    if forced == "reference":
+        return "reference"
+    if not _triton_importable():
+        return "reference"
+    if forced == "triton":
+        return "triton"
+    return "interpreter" if user_interpret else "triton"
+
+
+_BACKEND = _choose_backend()
+
+
+def backend() -> str:
+    """``"triton"``, ``"interpreter"`` or ``"reference"`` (see the module doc)."""
+    return _BACKEND
+
+
+def interpreting() -> bool:
+    """True when kernels run in Triton's CPU interpreter.
+
+    Kernels whose ``tl.dot`` takes bf16 tiles pass this as a ``constexpr`` and
+    upcast those tiles to fp32 when it is set: the interpreter's bf16 ``tl.dot``
+    returns wrong values (see the book's setup page). This is the one place
+    that decision is made.
+    """
+    return _BACKEND == "interpreter"
+
+
+def on_gpu() -> bool:
+    """True when kernels are compiled for a CUDA GPU."""
+    return _BACKEND == "triton"
+
+
+def capability() -> tuple[int, int] | None:
+    """The CUDA compute capability of the current GPU, or None without one."""
+    return _cuda_capability()
+
+
+def default_device() -> torch.device:
+    """Where tensors for llmnote's kernels live: ``cuda`` when compiled, else ``cpu``."""
+    return torch.device("cuda" if _BACKEND == "triton" else "cpu")
+
+
+def default_dtype() -> torch.dtype:
+    """bf16 on GPUs that have it (sm_80+), fp16 on older GPUs, fp32 on the CPU."""
+    cap = _cuda_capability()
+    if _BACKEND != "triton" or cap is None:
+        return torch.float32
+    return torch.bfloat16 if cap >= (8, 0) else torch.float16
+
+
+def supports(min_capability: tuple[int, int] = MIN_CAPABILITY) -> bool:
+    """Whether a kernel needing ``min_capability`` can run compiled here.
+
+    The interpreter runs every kernel; the reference backend runs none.
+    """
+    if _BACKEND == "interpreter":
+        return True
+    if _BACKEND == "reference":
+        return False
+    cap = _cuda_capability()
+    return cap is not None and cap >= min_capability
+
+
+@functools.cache
+def _notice(op: str, reason: str) -> None:
+    warnings.warn(f"llmnote.ops.{op}: {reason}; using {op}_ref (PyTorch).", stacklevel=3)
+
+
+def use_reference(op: str, min_capability: tuple[int, int] = MIN_CAPABILITY) -> bool:
+    """True when ``op`` must run its PyTorch reference here; warns once per op."""
+    if _BACKEND == "reference":
+        return True
+    if not supports(min_capability):
+        cap = _cuda_capability()
+        _notice(op, f"needs compute capability {min_capability}, this GPU has {cap}")
+        return True
+    return False
+
+
+def gpu_name() -> str:
+    """The GPU's name, or ``"CPU"`` when kernels do not run on a GPU."""
+    if torch.cuda.is_available():
+        return torch.cuda.get_device_name()
+    return "CPU"
+
+
+def _triton_version() -> str:
+    try:
+        import triton
+    except Exception:
+        return "not installed"
+    return triton.__version__
+
+
+def describe() -> str:
+    """One line: the GPU (or CPU), torch, triton and the backend in use."""
+    cap = _cuda_capability()
+    if cap is not None:
+        where = f"{gpu_name()} (sm_{cap[0]}{cap[1]})"
+    else:
+        where = f"CPU ({platform.machine()}, no CUDA GPU)"
+    how = {
+        "triton": "compiled Triton kernels",
+        "interpreter": "Triton interpreter (TRITON_INTERPRET=1)",
+        "reference": "PyTorch reference ops",
+    }[_BACKEND]
+    line = (
+        f"{where} | torch {torch.__version__} | triton {_triton_version()} "
+        f"| backend: {_BACKEND} ({how})"
+    )
+    if _BACKEND == "triton" and cap is not None and cap < MIN_CAPABILITY:
+        line += (
+            f" | sm_{cap[0]}{cap[1]}: kernels compile in fp16 (no bf16, no bf16 tensor "
+            "cores); ops that need sm_80 use their PyTorch reference"
+        )
+    return line

@@ -1,0 +1,142 @@
+"""Row-wise softmax, fused into one pass over memory.
+
+For a row ``x`` of length N::
+
+    softmax(x)_j = exp(x_j - max(x)) / sum_k exp(x_k - max(x))
+
+Subtracting the row maximum changes nothing mathematically and keeps ``exp``
+from overflowing ("safe" softmax). In PyTorch eager this is several kernels,
+each reading and writing the whole tensor (max, subtract, exp, sum, divide:
+about 5 reads and 3 writes of MN elements). The fused kernel reads each row
+once into registers and writes the result once: 1 read + 1 write of MN
+elements, the least any softmax can move.
+
+Two kernels:
+
+* ``_softmax_fused_kernel`` -- a program owns ``BLOCK_M`` whole rows of at
+  most ``MAX_FUSED_N`` elements (padded to a power of two, the tail masked with
+  ``-inf`` so it adds ``exp(-inf) = 0`` to the sum).
+* ``_softmax_online_kernel`` -- for longer rows, one program per row loops over
+  chunks twice: first the *online* softmax recurrence (Milakov & Gimelshein,
+  2018) keeps a running maximum and a running sum rescaled whenever the maximum
+  grows; then it writes ``exp(x - m) / s``. That reads the row twice (2 reads +
+  1 write), the price of rows that do not fit on chip.
+
+Math is in fp32 for fp16/bf16 inputs; the output has the input's dtype. A row
+that is all ``-inf`` gives NaN, as ``torch.softmax`` does.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from llmnote import device
+from llmnote.ops._validate import FLOAT_DTYPES, check_tensor
+
+MAX_FUSED_N = 16384  # longest row (padded) kept whole in registers by one program
+_LOG2E = 1.4426950408889634
+
+
+def softmax_ref(x: torch.Tensor) -> torch.Tensor:
+    """Safe softmax over the last dimension in plain PyTorch (fp32 math)."""
+    xf = x.float()
+    m = xf.amax(dim=-1, keepdim=True)  # read MN, write M
+    e = torch.exp(xf - m)  # read MN, write MN
+    return (e / e.sum(dim=-1, keepdim=True)).to(x.dtype)  # read 2MN, write MN + M
+
+
+@triton.jit
+def _softmax_fused_kernel(
+    x_ptr, y_ptr, M, N,
+    stride_xm, stride_xn, stride_ym,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    pid = tl.program_id(0).to(tl.int64)
+    rows = pid * BLOCK_M + tl.arange(0, BLOCK_M)  # (BLOCK_M,)
+    cols = tl.arange(0, BLOCK_N)  # (BLOCK_N,)
+    mask = (rows[:, None] < M) & (cols[None, :] < N)  # (BLOCK_M, BLOCK_N)
+    x_ptrs = x_ptr + rows[:, None] * stride_xm + cols[None, :] * stride_xn
+    x = tl.load(x_ptrs, mask=mask, other=-float("inf")).to(tl.float32)  # read once
+    m = tl.max(x, axis=1)  # (BLOCK_M,) row maxima
+    e = tl.exp2((x - m[:, None]) * 1.4426950408889634)  # exp(x - m), padding -> 0
+    s = tl.sum(e, axis=1)  # (BLOCK_M,)
+    y = e / s[:, None]
+    y_ptrs = y_ptr + rows[:, None] * stride_ym + cols[None, :]
+    tl.store(y_ptrs, y.to(y_ptr.dtype.element_ty), mask=mask)  # write once
+
+
+@triton.jit
+def _softmax_online_kernel(
+    x_ptr, y_ptr, N,
+    stride_xm, stride_xn, stride_ym,
+    BLOCK_N: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    x_row = x_ptr + row * stride_xm
+    y_row = y_ptr + row * stride_ym
+    cols = tl.arange(0, BLOCK_N)
+    # Pass 1: per-lane running max m_i and running sum s_i (rescaled when m_i grows).
+    m_i = tl.full((BLOCK_N,), -float("inf"), tl.float32)
+    s_i = tl.zeros((BLOCK_N,), tl.float32)
+    for start in range(0, N, BLOCK_N):
+        c = start + cols
+        x = tl.load(x_row + c * stride_xn, mask=c < N, other=-float("inf")).to(tl.float32)
+        m_new = tl.maximum(m_i, x)
+        empty = m_new == -float("inf")  # lane has seen only -inf: keep its sum at 0
+        scaled = s_i * tl.exp2((m_i - m_new) * 1.4426950408889634)
+        s_i = tl.where(empty, 0.0, scaled + tl.exp2((x - m_new) * 1.4426950408889634))
+        m_i = m_new
+    # Combine the lanes: one max, and every lane's sum rescaled to it.
+    m = tl.max(m_i, axis=0)
+    s = tl.sum(tl.where(m_i == -float("inf"), 0.0, s_i * tl.exp2((m_i - m) * 1.4426950408889634)), axis=0)
+    # Pass 2: read the row again and write exp(x - m) / s.
+    for start in range(0, N, BLOCK_N):
+        c = start + cols
+        x = tl.load(x_row + c * stride_xn, mask=c < N, other=-float("inf")).to(tl.float32)
+        y = tl.exp2((x - m) * 1.4426950408889634) / s
+        tl.store(y_row + c, y.to(y_ptr.dtype.element_ty), mask=c < N)
+
+
+def _fused_config(n: int) -> tuple[int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_warps) for the fused kernel.
+
+    A program should hold a few thousand elements: short rows are packed
+    several to a program, long rows get more warps so each thread keeps at most
+    ~16-32 values in registers.
+    """
+    block_n = triton.next_power_of_2(n)
+    block_m = max(1, min(16, 2048 // block_n))
+    elems = block_m * block_n
+    num_warps = max(1, min(16, elems // 256))
+    return block_m, block_n, num_warps
+
+
+def softmax(x: torch.Tensor) -> torch.Tensor:
+    """Softmax over the last dimension of ``x`` (any leading shape, any row stride).
+
+    Returns a new contiguous tensor of ``x``'s shape and dtype.
+    """
+    check_tensor("x", x, dtypes=FLOAT_DTYPES, min_ndim=1)
+    if device.use_reference("softmax", min_capability=(7, 0)):
+        return softmax_ref(x)
+    n = x.shape[-1]
+    x2 = x.reshape(-1, n)  # a view when the leading dims allow it (2-D strided rows do)
+    m = x2.shape[0]
+    y = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    if x.numel() == 0:
+        return y.reshape(x.shape)
+    if triton.next_power_of_2(n) <= MAX_FUSED_N:
+        block_m, block_n, num_warps = _fused_config(n)
+        grid = (triton.cdiv(m, block_m),)
+        _softmax_fused_kernel[grid](
+            x2, y, m, n, x2.stride(0), x2.stride(1), y.stride(0),
+            BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps,
+        )
+    else:
+        _softmax_online_kernel[(m,)](
+            x2, y, n, x2.stride(0), x2.stride(1), y.stride(0),
+            BLOCK_N=4096, num_warps=8,
+        )
+    return y.reshape(x.shape)

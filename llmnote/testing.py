@@ -1,0 +1,115 @@
+"""Comparing a kernel with its reference: the one helper used by the tests, the
+notebooks, the GPU benchmark scripts (full-size checks before timing) and the
+assignment checks.
+
+Tolerance rule for low precision (from STYLE.md): compute the reference in
+fp32 from the same inputs, and accept the kernel when its error against that is
+at most twice the error of PyTorch's own low-precision result, plus ``atol``::
+
+    max|kernel - ref32| <= 2 * max|torch_lowp - ref32| + atol
+"""
+
+from __future__ import annotations
+
+import torch
+
+# Default (atol, rtol) per dtype for direct comparisons against an fp32 reference.
+TOLERANCES: dict[torch.dtype, tuple[float, float]] = {
+    torch.float32: (1e-5, 1e-5),
+    torch.float16: (1e-3, 1e-3),
+    torch.bfloat16: (8e-3, 1e-2),
+}
+
+
+class MismatchError(AssertionError):
+    """Raised with a readable report of where two tensors disagree."""
+
+
+def describe_mismatch(actual: torch.Tensor, expected: torch.Tensor, k: int = 5) -> str:
+    """The worst ``k`` mismatches, as lines ``index: actual vs expected (|diff|)``."""
+    a = actual.detach().float().cpu()
+    e = expected.detach().float().cpu()
+    diff = (a - e).abs()
+    diff = torch.where(torch.isnan(diff), torch.full_like(diff, float("inf")), diff)
+    flat = diff.flatten()
+    k = min(k, flat.numel())
+    worst = torch.topk(flat, k).indices
+    lines = []
+    for i in worst.tolist():
+        idx = tuple(int(v) for v in torch.unravel_index(torch.tensor(i), a.shape))
+        lines.append(f"  at {idx}: got {a[idx].item():.6g}, expected {e[idx].item():.6g} "
+                     f"(|diff| {flat[i].item():.3g})")
+    return "\n".join(lines)
+
+
+def assert_close(
+    actual: torch.Tensor,
+    expected: torch.Tensor,
+    *,
+    atol: float | None = None,
+    rtol: float | None = None,
+    name: str = "output",
+) -> None:
+    """Check shape, dtype, NaNs and values; on failure list the worst mismatches.
+
+    ``atol``/``rtol`` default to :data:`TOLERANCES` for ``actual.dtype``.
+    """
+    if not isinstance(actual, torch.Tensor):
+        raise MismatchError(f"{name}: expected a torch.Tensor, got {type(actual).__name__}")
+    if tuple(actual.shape) != tuple(expected.shape):
+        raise MismatchError(
+            f"{name}: shape {tuple(actual.shape)} differs from expected {tuple(expected.shape)}"
+        )
+    if actual.dtype != expected.dtype:
+        raise MismatchError(f"{name}: dtype {actual.dtype} differs from expected {expected.dtype}")
+    d_atol, d_rtol = TOLERANCES.get(actual.dtype, (0.0, 0.0))
+    atol = d_atol if atol is None else atol
+    rtol = d_rtol if rtol is None else rtol
+    a = actual.detach().float().cpu()
+    e = expected.detach().float().cpu()
+    nan_a, nan_e = torch.isnan(a), torch.isnan(e)
+    if not torch.equal(nan_a, nan_e):
+        raise MismatchError(
+            f"{name}: NaN where the reference has none ({int((nan_a & ~nan_e).sum())} elements)"
+            f" or a number where it has NaN ({int((nan_e & ~nan_a).sum())})\n"
+            + describe_mismatch(a, e)
+        )
+    ok = torch.isclose(a, e, atol=atol, rtol=rtol, equal_nan=True)
+    if not bool(ok.all()):
+        bad = int((~ok).sum())
+        raise MismatchError(
+            f"{name}: {bad} of {a.numel()} elements differ beyond atol={atol:g}, rtol={rtol:g}; "
+            f"max |diff| {float((a - e).abs().nan_to_num(0).max()):.3g}; worst:\n"
+            + describe_mismatch(a, e)
+        )
+
+
+def assert_close_lowp(
+    actual: torch.Tensor,
+    ref32: torch.Tensor,
+    torch_lowp: torch.Tensor,
+    *,
+    atol: float = 1e-5,
+    name: str = "output",
+) -> None:
+    """STYLE.md's low-precision rule: kernel error <= 2 x PyTorch's own error + atol.
+
+    ``ref32`` is the reference computed in fp32 from the same (low-precision)
+    inputs; ``torch_lowp`` is the reference computed in the low precision.
+    """
+    if tuple(actual.shape) != tuple(ref32.shape):
+        raise MismatchError(
+            f"{name}: shape {tuple(actual.shape)} differs from expected {tuple(ref32.shape)}"
+        )
+    a, r, t = (x.detach().float().cpu() for x in (actual, ref32, torch_lowp))
+    if torch.isnan(a).any() and not torch.isnan(r).any():
+        raise MismatchError(f"{name}: NaN in the output\n" + describe_mismatch(a, r))
+    err = float((a - r).abs().nan_to_num(0).max())
+    torch_err = float((t - r).abs().nan_to_num(0).max())
+    bound = 2 * torch_err + atol
+    if err > bound:
+        raise MismatchError(
+            f"{name}: max error {err:.3g} against the fp32 reference exceeds "
+            f"2 x PyTorch's own {actual.dtype} error ({torch_err:.3g}) + atol {atol:g} = "
+            f"{bound:.3g}; worst:\n" + describe_mismatch(a, r)
+        )
