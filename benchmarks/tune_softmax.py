@@ -43,10 +43,11 @@ def main() -> None:
             extra = {"dtype": str(dtype).removeprefix("torch."), "M": m, "N": n}
             block_n = triton.next_power_of_2(n)
             best = None
-            for bm in (1, 2, 4, 8, 16, 32):
-                for nw in (1, 2, 4, 8, 16, 32):
+            for bm in (1, 2, 4, 8, 16):
+                for nw in (2, 4, 8, 16, 32):
                     elems = bm * block_n
-                    if not (256 <= elems <= 65536) or elems // (nw * 32) > 64 or elems < nw * 32:
+                    per_thread = elems // (nw * 32)  # values each thread holds
+                    if not (256 <= elems <= 65536) or not (4 <= per_thread <= 64):
                         continue
                     grid = (triton.cdiv(m, bm),)
 
@@ -65,9 +66,9 @@ def main() -> None:
                     gbs = 2 * TOTAL / (t.p50 * 1e-3) / 1e9
                     if best is None or gbs > best[0]:
                         best = (gbs, bm, nw)
-            for bn in (1024, 2048, 4096, 8192):
+            for bn in (2048, 4096, 8192):
                 for nw in (4, 8, 16):
-                    if bn > block_n:
+                    if n < 8192 or bn > block_n:
                         continue
 
                     def g(bn=bn, nw=nw):
