@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import torch
 
+from llmnote import device
+
 # Default (atol, rtol) per dtype for direct comparisons against an fp32 reference.
 TOLERANCES: dict[torch.dtype, tuple[float, float]] = {
     torch.float32: (1e-5, 1e-5),
@@ -84,6 +86,19 @@ def assert_close(
         )
 
 
+def interpreter_allowance(dtype: torch.dtype, ref: torch.Tensor) -> float:
+    """Extra error allowed for bf16 outputs under Triton's CPU interpreter.
+
+    The interpreter converts fp32 to bf16 by truncation, not round-to-nearest
+    as the GPU does, so a bf16 result can be one unit in the last place (2**-7
+    relative) further from the reference than on a GPU. Compiled kernels get
+    no allowance.
+    """
+    if dtype != torch.bfloat16 or not device.interpreting() or ref.numel() == 0:
+        return 0.0
+    return float(ref.detach().float().abs().nan_to_num(0, 0, 0).max()) * 2.0**-7
+
+
 def assert_close_lowp(
     actual: torch.Tensor,
     ref32: torch.Tensor,
@@ -106,7 +121,7 @@ def assert_close_lowp(
         raise MismatchError(f"{name}: NaN in the output\n" + describe_mismatch(a, r))
     err = float((a - r).abs().nan_to_num(0).max())
     torch_err = float((t - r).abs().nan_to_num(0).max())
-    bound = 2 * torch_err + atol
+    bound = 2 * torch_err + atol + interpreter_allowance(actual.dtype, r)
     if err > bound:
         raise MismatchError(
             f"{name}: max error {err:.3g} against the fp32 reference exceeds "

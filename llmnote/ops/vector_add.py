@@ -26,13 +26,16 @@ def vector_add_ref(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
 
 
 @triton.jit
-def _vector_add_kernel(x_ptr, y_ptr, out_ptr, n_elements, BLOCK: tl.constexpr):
+def _vector_add_kernel(x_ptr, y_ptr, out_ptr, n_elements, BLOCK: tl.constexpr, IS_FLOAT: tl.constexpr):
     pid = tl.program_id(axis=0).to(tl.int64)  # int64: offsets may pass 2**31
     offsets = pid * BLOCK + tl.arange(0, BLOCK)  # (BLOCK,)
     mask = offsets < n_elements  # the last block may hang over the end
     x = tl.load(x_ptr + offsets, mask=mask)  # read BLOCK
     y = tl.load(y_ptr + offsets, mask=mask)  # read BLOCK
-    tl.store(out_ptr + offsets, x + y, mask=mask)  # write BLOCK
+    if IS_FLOAT:  # add in fp32, round once on store (as PyTorch does for fp16/bf16)
+        x = x.to(tl.float32)
+        y = y.to(tl.float32)
+    tl.store(out_ptr + offsets, (x + y).to(out_ptr.dtype.element_ty), mask=mask)  # write BLOCK
 
 
 def _pick_block(n: int) -> tuple[int, int]:
@@ -55,5 +58,6 @@ def vector_add(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         return out
     block, num_warps = _pick_block(n)
     grid = (triton.cdiv(n, block),)
-    _vector_add_kernel[grid](x, y, out, n, BLOCK=block, num_warps=num_warps)
+    _vector_add_kernel[grid](x, y, out, n, BLOCK=block, IS_FLOAT=x.is_floating_point(),
+                             num_warps=num_warps)
     return out
