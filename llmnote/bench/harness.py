@@ -94,7 +94,7 @@ def sweep(
     extra: Callable[[Any], Mapping[str, Any]] | Mapping[str, Any] | None = None,
     warmup_ms: float = 25,
     rep_ms: float = 100,
-    progress: bool = True,
+    progress: bool | None = None,
 ) -> pd.DataFrame:
     """Time every provider at every x and return the rows as a DataFrame.
 
@@ -106,7 +106,7 @@ def sweep(
     x_values = list(x_values)
     rows: list[dict[str, Any]] = []
     skipped: dict[str, str] = {}
-    bar = tqdm(total=len(x_values) * len(providers), desc=bench, disable=not progress)
+    bar = tqdm(total=len(x_values) * len(providers), desc=bench, disable=None if progress is None else not progress)  # None: only on a terminal
     for x in x_values:
         ext = extra(x) if callable(extra) else (extra or {})
         for name, factory in providers.items():
