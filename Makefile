@@ -24,7 +24,7 @@ test: $(STAMP)
 
 ## sync: stamp the standard setup cell into every chapter and re-pair .md <-> .ipynb
 sync: $(STAMP)
-	$(BIN)/python tools/sync_notebooks.py
+	$(BIN)/python tools/notebooks.py
 
 clean:
 	rm -rf _build

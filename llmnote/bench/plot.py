@@ -62,7 +62,7 @@ def plot_bench(
                 ax.annotate(f"{ceiling_provider} ceiling ({tag}): {c:,.0f} {unit}", (0.01, c),
                             xycoords=("axes fraction", "data"), va="bottom", fontsize=8,
                             color="gray")
-        labels.append(f"{tag}: {hardware_label(sel)}")
+        labels.append(f"{tag}: {hardware_label(sel)}".replace(", torch ", "\n  torch ", 1))
     ax.set_xscale("log", base=2)
     ax.set_xlabel(x_name)
     ax.set_ylabel(f"{metric} ({unit})" if unit else metric)

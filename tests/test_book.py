@@ -1,0 +1,48 @@
+"""The book builds with warnings as errors, and the chapter pages carry a Colab
+button that opens the paired .ipynb. Execution is switched off here because
+nbval already executes every notebook in this same test run; `make book`
+executes them all."""
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="module")
+def html(tmp_path_factory) -> Path:
+    tmp = tmp_path_factory.mktemp("book")
+    cfg = yaml.safe_load((ROOT / "_config.yml").read_text())
+    cfg["execute"]["execute_notebooks"] = "off"
+    config = tmp / "_config.yml"
+    config.write_text(yaml.safe_dump(cfg))
+    jb = Path(sys.executable).with_name("jupyter-book")
+    r = subprocess.run(
+        [str(jb if jb.exists() else shutil.which("jupyter-book")), "build", str(ROOT), "--config", str(config),
+         "--path-output", str(tmp), "--warningiserror", "--keep-going", "-q"],
+        capture_output=True, text=True, timeout=600,
+    )
+    assert r.returncode == 0, f"book build failed:\n{r.stdout[-4000:]}\n{r.stderr[-4000:]}"
+    return tmp / "_build" / "html"
+
+
+def test_every_toc_page_is_rendered(html):
+    toc = yaml.safe_load((ROOT / "_toc.yml").read_text())
+    pages = [toc["root"]] + [c["file"] for p in toc["parts"] for c in p["chapters"]]
+    for page in pages:
+        assert (html / f"{page}.html").exists(), f"{page} was not rendered"
+
+
+def test_chapters_have_a_colab_button_to_the_paired_ipynb(html):
+    cfg = yaml.safe_load((ROOT / "_config.yml").read_text())
+    org_repo = cfg["repository"]["url"].removeprefix("https://github.com/")
+    for ipynb in sorted((ROOT / "notebooks").glob("*.ipynb")):
+        rel = ipynb.relative_to(ROOT)
+        page = (html / rel.with_suffix(".html")).read_text()
+        link = f"https://colab.research.google.com/github/{org_repo}/blob/{cfg['repository']['branch']}/{rel}"
+        assert link in page, f"{rel}: no Colab link {link}"
