@@ -3,8 +3,8 @@ same sweep live that ``benchmarks/<name>.py`` recorded. Each module has
 ``run(quick=False) -> DataFrame``; ``quick`` is the short version a notebook
 runs (fewer sizes, no ``torch.compile``)."""
 
-from llmnote.bench.suites import softmax, vector_add
+from llmnote.bench.suites import norms, softmax, vector_add
 
-SUITES = {"softmax": softmax.run, "vector_add": vector_add.run}
+SUITES = {"norms": norms.run, "softmax": softmax.run, "vector_add": vector_add.run}
 
 __all__ = ["SUITES"]

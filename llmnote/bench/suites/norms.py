@@ -1,0 +1,190 @@
+"""RMSNorm, LayerNorm, residual-add + RMSNorm and SwiGLU, forward and backward:
+llmnote's fused kernels vs PyTorch eager (``F.rms_norm``, ``F.layer_norm``,
+``x + r`` then ``F.rms_norm``, ``F.silu(a) * b``) and ``torch.compile`` of
+the same eager functions.
+
+One sweep per (op, direction, dtype), ``x_name = "N"``: the hidden size N from
+1024 to 16384, every ``(M, N)`` tensor 256 MiB (M = 256 MiB / (N * element
+size)); bf16 and fp32. The backward is timed as ``torch.autograd.grad`` of the
+forward's outputs (graph kept), so every provider pays the same autograd
+overhead; it includes the weight (and bias) gradients.
+
+Bandwidth counts the least memory each op must move, in units of T = one
+``(M, N)`` tensor (256 MiB):
+
+=============  =================================  ==========================================
+op             fwd                                bwd
+=============  =================================  ==========================================
+rmsnorm        read x, write y: 2T                read x, dy, write dx: 3T
+layernorm      read x, write y: 2T                read x, dy, write dx: 3T
+add_rmsnorm    read x, r, write y, h: 4T          read h, dy, dh, write dx (= dr): 4T
+swiglu         read a, b, write y: 3T             read a, b, dy, write da, db: 5T
+=============  =================================  ==========================================
+
+Weights, per-row statistics and llmnote's ``(G, N)`` fp32 partial sums of the
+weight gradient (G = 2 per SM; at most ~4% of the backward's bytes at N =
+16384) are not counted. Before timing each size, llmnote's outputs (fwd) or
+gradients (bwd) are checked at full size against the reference run in fp32,
+with the low-precision rule of :mod:`llmnote.testing`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import pandas as pd
+import torch
+import torch.nn.functional as F
+
+from llmnote import device
+from llmnote.bench.ceilings import measure_ceilings
+from llmnote.bench.harness import sweep
+from llmnote.bench.suites.common import compiled, dtype_name
+from llmnote.ops.layernorm import layernorm, layernorm_ref
+from llmnote.ops.rmsnorm import add_rmsnorm, add_rmsnorm_ref, rmsnorm, rmsnorm_ref
+from llmnote.ops.swiglu import swiglu, swiglu_ref
+from llmnote.testing import assert_close_lowp
+
+BENCH = "norms"
+TOTAL = 256 << 20  # bytes in each (M, N) tensor
+
+
+def _rand(m: int, n: int, dtype: torch.dtype) -> torch.Tensor:
+    return torch.randn(m, n, device=device.default_device(), dtype=dtype)
+
+
+def _param(n: int, dtype: torch.dtype, offset: float) -> torch.Tensor:
+    return (offset + 0.1 * torch.randn(n, device=device.default_device())).to(dtype)
+
+
+def _rms_eager(x, w):
+    return F.rms_norm(x, (x.shape[-1],), w, 1e-6)
+
+
+def _ln_eager(x, w, b):
+    return F.layer_norm(x, (x.shape[-1],), w, b, 1e-5)
+
+
+def _add_rms_eager(x, r, w):
+    h = x + r
+    return F.rms_norm(h, (h.shape[-1],), w, 1e-6), h
+
+
+def _swiglu_eager(a, b):
+    return F.silu(a) * b
+
+
+@dataclass(frozen=True)
+class _Op:
+    ours: Callable
+    ref: Callable
+    eager: Callable
+    inputs: Callable[[int, int, torch.dtype], list[torch.Tensor]]
+    n_outputs: int
+    fwd_tensors: int  # (M, N) tensors read + written, forward
+    bwd_tensors: int  # ... backward
+
+
+OPS = {
+    "rmsnorm": _Op(rmsnorm, rmsnorm_ref, _rms_eager,
+                   lambda m, n, dt: [_rand(m, n, dt), _param(n, dt, 1.0)], 1, 2, 3),
+    "layernorm": _Op(layernorm, layernorm_ref, _ln_eager,
+                     lambda m, n, dt: [_rand(m, n, dt), _param(n, dt, 1.0), _param(n, dt, 0.0)],
+                     1, 2, 3),
+    "add_rmsnorm": _Op(add_rmsnorm, add_rmsnorm_ref, _add_rms_eager,
+                       lambda m, n, dt: [_rand(m, n, dt), _rand(m, n, dt), _param(n, dt, 1.0)],
+                       2, 4, 4),
+    "swiglu": _Op(swiglu, swiglu_ref, _swiglu_eager,
+                  lambda m, n, dt: [_rand(m, n, dt), _rand(m, n, dt)], 1, 3, 5),
+}
+
+
+def _task(fn: Callable, inputs: list[torch.Tensor], direction: str, dys: list[torch.Tensor]):
+    """The zero-argument callable to time: the forward, or the gradients of all inputs."""
+    if direction == "fwd":
+        return lambda: fn(*inputs)
+    leaves = [t.detach().requires_grad_() for t in inputs]
+    outs = fn(*leaves)
+    outs = outs if isinstance(outs, tuple) else (outs,)
+    dys = [dy.to(o.dtype) for o, dy in zip(outs, dys)]
+    return lambda: torch.autograd.grad(outs, leaves, dys, retain_graph=True)
+
+
+def _results(task: Callable) -> list[torch.Tensor]:
+    out = task()
+    return list(out) if isinstance(out, tuple) else [out]
+
+
+def _check(name: str, spec: _Op, inputs: list[torch.Tensor], direction: str, dys) -> None:
+    """llmnote's outputs or gradients vs the fp32 reference and PyTorch in the same dtype."""
+    got = _results(_task(spec.ours, inputs, direction, dys))
+    want = _results(_task(spec.ref, [t.float() for t in inputs], direction, dys))
+    peer = _results(_task(spec.eager, inputs, direction, dys))
+    for i, (g, w, p) in enumerate(zip(got, want, peer)):
+        # atol ~ 1e-3 of the largest value: summation order differs over ~1e5 rows in dweight
+        atol = 2**-10 * float(w.abs().max())
+        assert_close_lowp(g, w, p, atol=atol, name=f"{name} {direction} result {i}")
+
+
+def _providers(op: str, direction: str, dtype: torch.dtype) -> dict:
+    spec = OPS[op]
+    es = torch.empty((), dtype=dtype).element_size()
+
+    def setup(fn: Callable, n: int, check: bool = False) -> Callable:
+        m = TOTAL // (n * es)
+        inputs = spec.inputs(m, n, dtype)
+        dys = [_rand(m, n, dtype) for _ in range(spec.n_outputs)] if direction == "bwd" else []
+        if check:
+            _check(op, spec, inputs, direction, dys)
+        task = _task(fn, inputs, direction, dys)
+        task()  # warm-up outside the timed region (compilation, autotuning)
+        return task
+
+    def ours(n):
+        return setup(spec.ours, n, check=True)
+
+    def eager(n):
+        return setup(spec.eager, n)
+
+    def inductor(n):
+        # dynamo counts recompilations per code object (limit 8): start each shape fresh
+        torch._dynamo.reset()
+        return setup(compiled(spec.eager), n)  # compiled() raises Skip off the GPU
+
+    return {"llmnote": ours, "torch": eager, "torch.compile": inductor}
+
+
+def run(
+    quick: bool = False,
+    dtypes: tuple[torch.dtype, ...] | None = None,
+    ops: tuple[str, ...] | None = None,
+) -> pd.DataFrame:
+    """The norms benchmark (quick: bf16, three sizes, llmnote vs torch, no ceilings).
+
+    ``torch.compile`` (compiling ~50 graphs is most of the run time) is timed at
+    N = 1024, 4096 and 16384 only.
+    """
+    dtypes = dtypes or ((torch.bfloat16,) if quick else (torch.bfloat16, torch.float32))
+    ns = [1024, 4096, 16384] if quick else [1024, 2048, 4096, 8192, 16384]
+    frames = [] if quick else [measure_ceilings()]
+    for op in ops or tuple(OPS):
+        for direction in ("fwd", "bwd"):
+            tensors = OPS[op].fwd_tensors if direction == "fwd" else OPS[op].bwd_tensors
+            for dtype in dtypes:
+                es = torch.empty((), dtype=dtype).element_size()
+                providers = _providers(op, direction, dtype)
+                compile_peer = {"torch.compile": providers.pop("torch.compile")}
+                for sizes, peers in [(ns, providers), ([] if quick else ns[::2], compile_peer)]:
+                    if not sizes:
+                        continue
+                    frames.append(sweep(
+                        BENCH, "N", sizes, peers,
+                        {"bandwidth": ("GB/s",
+                                       lambda n, ms, t=tensors: t * TOTAL / (ms * 1e-3) / 1e9)},
+                        extra=lambda n, op=op, d=direction, dt=dtype, es=es: {
+                            "op": op, "direction": d, "dtype": dtype_name(dt),
+                            "M": TOTAL // (n * es), "N": n,
+                        },
+                    ))
+    return pd.concat(frames, ignore_index=True)

@@ -1,0 +1,167 @@
+"""LayerNorm over the last dimension, forward and backward.
+
+For a row ``x`` of length N, weight ``w`` and bias ``b`` (Ba, Kiros & Hinton, 2016)::
+
+    mean = mean_j(x_j)    rstd = 1 / sqrt(mean_j((x_j - mean)^2) + eps)
+    y = (x - mean) * rstd * w + b
+
+(the biased variance, as ``torch.nn.functional.layer_norm``). Backward, with
+``xh = (x - mean) * rstd`` and ``g = w * dy``::
+
+    dx = rstd * (g - xh * mean_j(xh_j * g_j) - mean_j(g_j))
+    dw = sum over rows of dy * xh        db = sum over rows of dy
+
+Memory traffic, in elements of ``x``'s dtype: forward reads MN and writes MN
+(plus ``mean`` and ``rstd``, M fp32 values each, kept for the backward);
+backward reads ``x`` and ``dy`` (2MN) and writes ``dx`` (MN), plus two small
+``(G, N)`` fp32 partial sums for ``dw`` and ``db`` (see
+:mod:`llmnote.ops._rowwise`). The eager reference (``layernorm_ref``) takes
+about seven passes forward; PyTorch's own ``F.layer_norm`` is a fused kernel
+too, so it is the peer to beat.
+
+Math is fp32 whatever the input dtype; ``y`` has ``x``'s dtype, ``dw``/``db``
+those of ``weight``/``bias``. Rows up to ``MAX_N`` = 65536 elements.
+
+Sources: J. L. Ba, J. R. Kiros, G. E. Hinton, "Layer Normalization" (2016),
+https://arxiv.org/abs/1607.06450; Triton's layer-norm tutorial,
+https://triton-lang.org/main/getting-started/tutorials/05-layer-norm.html.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from llmnote import device
+from llmnote.ops._rowwise import (
+    MAX_N, as_rows, check_eps, check_param, check_row_length, reduction_programs, row_config,
+)
+from llmnote.ops._validate import check_tensor
+
+__all__ = ["MAX_N", "layernorm", "layernorm_ref"]
+
+
+def layernorm_ref(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float = 1e-5
+) -> torch.Tensor:
+    """LayerNorm over the last dimension in plain PyTorch (fp32 math, ``x``'s dtype out)."""
+    xf = x.float()
+    mean = xf.mean(dim=-1, keepdim=True)  # (..., 1)
+    xc = xf - mean
+    rstd = torch.rsqrt(xc.pow(2).mean(dim=-1, keepdim=True) + eps)  # biased variance
+    return (xc * rstd * weight.float() + bias.float()).to(x.dtype)
+
+
+@triton.jit
+def _layernorm_fwd_kernel(
+    x_ptr, w_ptr, b_ptr, y_ptr, mean_ptr, rstd_ptr, M, N, eps,
+    stride_xm, stride_xn, stride_wn, stride_bn, stride_ym,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    pid = tl.program_id(0).to(tl.int64)
+    rows = pid * BLOCK_M + tl.arange(0, BLOCK_M)  # (BLOCK_M,)
+    cols = tl.arange(0, BLOCK_N)  # (BLOCK_N,)
+    mask = (rows[:, None] < M) & (cols[None, :] < N)  # (BLOCK_M, BLOCK_N)
+    x = tl.load(x_ptr + rows[:, None] * stride_xm + cols[None, :] * stride_xn,
+                mask=mask, other=0.0).to(tl.float32)  # read MN
+    mean = tl.sum(x, axis=1) / N  # (BLOCK_M,)
+    xc = tl.where(mask, x - mean[:, None], 0.0)  # padding must not count in the variance
+    rstd = 1.0 / tl.sqrt(tl.sum(xc * xc, axis=1) / N + eps)
+    w = tl.load(w_ptr + cols * stride_wn, mask=cols < N, other=0.0).to(tl.float32)
+    b = tl.load(b_ptr + cols * stride_bn, mask=cols < N, other=0.0).to(tl.float32)
+    y = xc * rstd[:, None] * w[None, :] + b[None, :]
+    tl.store(y_ptr + rows[:, None] * stride_ym + cols[None, :],
+             y.to(y_ptr.dtype.element_ty), mask=mask)  # write MN
+    tl.store(mean_ptr + rows, mean, mask=rows < M)  # write 2M (fp32), kept for backward
+    tl.store(rstd_ptr + rows, rstd, mask=rows < M)
+
+
+@triton.jit
+def _layernorm_bwd_kernel(
+    dy_ptr, x_ptr, w_ptr, mean_ptr, rstd_ptr, dx_ptr, dw_ptr, db_ptr, M, N,
+    stride_dym, stride_dyn, stride_xm, stride_xn, stride_wn, stride_dxm, stride_dwg,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    num_programs = tl.num_programs(0)
+    cols = tl.arange(0, BLOCK_N)
+    w = tl.load(w_ptr + cols * stride_wn, mask=cols < N, other=0.0).to(tl.float32)
+    dw = tl.zeros((BLOCK_N,), tl.float32)  # this program's share of sum_rows dy * xh
+    db = tl.zeros((BLOCK_N,), tl.float32)  # ... and of sum_rows dy
+    for tile in range(pid, tl.cdiv(M, BLOCK_M), num_programs):
+        rows = (tile * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)  # int64: row * stride
+        mask = (rows[:, None] < M) & (cols[None, :] < N)
+        x = tl.load(x_ptr + rows[:, None] * stride_xm + cols[None, :] * stride_xn,
+                    mask=mask, other=0.0).to(tl.float32)  # read MN
+        dy = tl.load(dy_ptr + rows[:, None] * stride_dym + cols[None, :] * stride_dyn,
+                     mask=mask, other=0.0).to(tl.float32)  # read MN
+        mean = tl.load(mean_ptr + rows, mask=rows < M, other=0.0)  # (BLOCK_M,)
+        rstd = tl.load(rstd_ptr + rows, mask=rows < M, other=0.0)
+        xh = tl.where(mask, (x - mean[:, None]) * rstd[:, None], 0.0)
+        g = dy * w[None, :]  # 0 in the padding (dy is)
+        c1 = tl.sum(xh * g, axis=1) / N  # (BLOCK_M,)
+        c2 = tl.sum(g, axis=1) / N
+        dx = (g - xh * c1[:, None] - c2[:, None]) * rstd[:, None]
+        tl.store(dx_ptr + rows[:, None] * stride_dxm + cols[None, :],
+                 dx.to(dx_ptr.dtype.element_ty), mask=mask)  # write MN
+        dw += tl.sum(dy * xh, axis=0)
+        db += tl.sum(dy, axis=0)
+    tl.store(dw_ptr + pid * stride_dwg + cols, dw, mask=cols < N)  # write 2 x G x N (fp32)
+    tl.store(db_ptr + pid * stride_dwg + cols, db, mask=cols < N)
+
+
+class _LayerNorm(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, bias, eps):
+        x2 = as_rows(x)  # (M, N)
+        m, n = x2.shape
+        y = torch.empty((m, n), dtype=x2.dtype, device=x2.device)
+        mean = torch.empty(m, dtype=torch.float32, device=x2.device)
+        rstd = torch.empty_like(mean)
+        block_m, block_n, num_warps = row_config(n)
+        _layernorm_fwd_kernel[(triton.cdiv(m, block_m),)](
+            x2, weight, bias, y, mean, rstd, m, n, eps,
+            x2.stride(0), x2.stride(1), weight.stride(0), bias.stride(0), y.stride(0),
+            BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps,
+        )
+        ctx.save_for_backward(x2, weight, mean, rstd)
+        ctx.bias_dtype = bias.dtype
+        return y.view(x.shape)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x2, weight, mean, rstd = ctx.saved_tensors
+        shape, dy = dy.shape, as_rows(dy)
+        m, n = x2.shape
+        dx = torch.empty((m, n), dtype=x2.dtype, device=x2.device)
+        block_m, block_n, num_warps = row_config(n)
+        g = reduction_programs(triton.cdiv(m, block_m), num_warps, x2.device)
+        partial = torch.empty((2, g, n), dtype=torch.float32, device=x2.device)  # dw, db
+        _layernorm_bwd_kernel[(g,)](
+            dy, x2, weight, mean, rstd, dx, partial[0], partial[1], m, n,
+            dy.stride(0), dy.stride(1), x2.stride(0), x2.stride(1), weight.stride(0),
+            dx.stride(0), partial.stride(1),
+            BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps,
+        )
+        dw, db = partial.sum(dim=1)  # (2, G, N) -> (2, N), fixed order
+        return dx.view(shape), dw.to(weight.dtype), db.to(ctx.bias_dtype), None
+
+
+def layernorm(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float = 1e-5
+) -> torch.Tensor:
+    """LayerNorm over the last dimension of ``x`` (any leading shape).
+
+    ``weight`` and ``bias`` have shape ``(x.shape[-1],)``; the output is a new
+    contiguous tensor of ``x``'s shape and dtype. Differentiable in ``x``,
+    ``weight`` and ``bias``.
+    """
+    check_tensor("x", x, min_ndim=1)
+    check_param("weight", weight, x)
+    check_param("bias", bias, x)
+    check_row_length("x", x.shape[-1])
+    eps = check_eps(eps)
+    if device.use_reference("layernorm", min_capability=(7, 0)) or x.numel() == 0:
+        return layernorm_ref(x, weight, bias, eps)  # (an empty tensor has nothing to launch)
+    return _LayerNorm.apply(x, weight, bias, eps)

@@ -1,0 +1,233 @@
+"""RMSNorm, and RMSNorm fused with the residual add before it; forward and backward.
+
+For a row ``x`` of length N, weight ``w`` (Zhang & Sennrich, 2019)::
+
+    rstd = 1 / sqrt(mean_j(x_j^2) + eps)        y = x * rstd * w
+
+Backward, with ``xh = x * rstd`` and ``g = w * dy`` (``dy`` = dL/dy)::
+
+    dx = rstd * (g - xh * mean_j(xh_j * g_j))    dw = sum over rows of dy * xh
+
+A pre-norm transformer block computes ``h = x + residual`` and then
+``rmsnorm(h)``; :func:`add_rmsnorm` does both in one pass and returns
+``(rmsnorm(h), h)``, ``h`` being the residual stream the next block adds to.
+Both outputs carry gradients: ``dh = (dx of the norm) + d(new_residual)``, and
+``dh`` flows unchanged to ``x`` and to ``residual``.
+
+Memory traffic, in elements of ``x``'s dtype (``M x N`` tensors; the weight,
+the fp32 ``rstd`` per row and the partial ``dw`` sums are small beside them):
+
+=================  ===========================  =================================
+op                 fused kernel                 PyTorch eager (``rmsnorm_ref``)
+=================  ===========================  =================================
+rmsnorm fwd        read MN, write MN            ~6 passes (cast, square, mean, ...)
+rmsnorm bwd        read 2MN (x, dy), write MN   about 10 passes through autograd
+add_rmsnorm fwd    read 2MN, write 2MN          add (3MN) + the norm
+add_rmsnorm bwd    read 3MN (h, dy, dh), write  the norm's backward + an add
+                   MN (the same dh for both)
+=================  ===========================  =================================
+
+Math is fp32 whatever the input dtype; ``y`` has ``x``'s dtype, ``dw`` the
+weight's. The cross-row reduction of ``dw`` is deterministic (see
+:mod:`llmnote.ops._rowwise`). Rows up to ``MAX_N`` = 65536 elements.
+
+Sources: B. Zhang, R. Sennrich, "Root Mean Square Layer Normalization" (2019),
+https://arxiv.org/abs/1910.07467; Triton's layer-norm tutorial (partial sums
+for the weight gradient), https://triton-lang.org/main/getting-started/tutorials/05-layer-norm.html;
+Liger-Kernel's RMSNorm (one partial ``dw`` row per program),
+https://github.com/linkedin/Liger-Kernel.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from llmnote import device
+from llmnote.ops._rowwise import (
+    MAX_N, as_rows, check_eps, check_param, check_row_length, reduction_programs, row_config,
+)
+from llmnote.ops._validate import check_same, check_tensor
+
+__all__ = ["MAX_N", "add_rmsnorm", "add_rmsnorm_ref", "rmsnorm", "rmsnorm_ref"]
+
+
+def rmsnorm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """RMSNorm over the last dimension in plain PyTorch (fp32 math, ``x``'s dtype out)."""
+    xf = x.float()
+    rstd = torch.rsqrt(xf.pow(2).mean(dim=-1, keepdim=True) + eps)  # (..., 1)
+    return (xf * rstd * weight.float()).to(x.dtype)
+
+
+def add_rmsnorm_ref(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``h = x + residual`` (in ``x``'s dtype), then ``(rmsnorm_ref(h), h)``."""
+    h = x + residual
+    return rmsnorm_ref(h, weight, eps), h
+
+
+@triton.jit
+def _rmsnorm_fwd_kernel(
+    x_ptr, r_ptr, w_ptr, y_ptr, h_ptr, rstd_ptr, M, N, eps,
+    stride_xm, stride_xn, stride_rm, stride_rn, stride_wn, stride_ym, stride_hm,
+    HAS_RESIDUAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    pid = tl.program_id(0).to(tl.int64)
+    rows = pid * BLOCK_M + tl.arange(0, BLOCK_M)  # (BLOCK_M,)
+    cols = tl.arange(0, BLOCK_N)  # (BLOCK_N,)
+    mask = (rows[:, None] < M) & (cols[None, :] < N)  # (BLOCK_M, BLOCK_N)
+    x = tl.load(x_ptr + rows[:, None] * stride_xm + cols[None, :] * stride_xn,
+                mask=mask, other=0.0).to(tl.float32)  # read MN
+    if HAS_RESIDUAL:
+        r = tl.load(r_ptr + rows[:, None] * stride_rm + cols[None, :] * stride_rn,
+                    mask=mask, other=0.0).to(tl.float32)  # read MN
+        h = (x + r).to(h_ptr.dtype.element_ty)  # the new residual, rounded as stored
+        tl.store(h_ptr + rows[:, None] * stride_hm + cols[None, :], h, mask=mask)  # write MN
+        x = h.to(tl.float32)
+    w = tl.load(w_ptr + cols * stride_wn, mask=cols < N, other=0.0).to(tl.float32)
+    rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=1) / N + eps)  # (BLOCK_M,); padding adds 0
+    y = x * rstd[:, None] * w[None, :]
+    tl.store(y_ptr + rows[:, None] * stride_ym + cols[None, :],
+             y.to(y_ptr.dtype.element_ty), mask=mask)  # write MN
+    tl.store(rstd_ptr + rows, rstd, mask=rows < M)  # write M (fp32), kept for backward
+
+
+@triton.jit
+def _rmsnorm_bwd_kernel(
+    dy_ptr, x_ptr, w_ptr, rstd_ptr, dh_ptr, dx_ptr, dw_ptr, M, N,
+    stride_dym, stride_dyn, stride_xm, stride_xn, stride_wn, stride_dhm, stride_dhn,
+    stride_dxm, stride_dwg,
+    HAS_DH: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    num_programs = tl.num_programs(0)
+    cols = tl.arange(0, BLOCK_N)
+    w = tl.load(w_ptr + cols * stride_wn, mask=cols < N, other=0.0).to(tl.float32)
+    dw = tl.zeros((BLOCK_N,), tl.float32)  # this program's share of sum_rows dy * xh
+    for tile in range(pid, tl.cdiv(M, BLOCK_M), num_programs):
+        rows = (tile * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)  # int64: row * stride
+        mask = (rows[:, None] < M) & (cols[None, :] < N)
+        x = tl.load(x_ptr + rows[:, None] * stride_xm + cols[None, :] * stride_xn,
+                    mask=mask, other=0.0).to(tl.float32)  # read MN
+        dy = tl.load(dy_ptr + rows[:, None] * stride_dym + cols[None, :] * stride_dyn,
+                     mask=mask, other=0.0).to(tl.float32)  # read MN
+        rstd = tl.load(rstd_ptr + rows, mask=rows < M, other=0.0)  # (BLOCK_M,)
+        xh = x * rstd[:, None]
+        g = dy * w[None, :]
+        c = tl.sum(xh * g, axis=1) / N  # (BLOCK_M,) mean_j(xh_j * g_j)
+        dx = (g - xh * c[:, None]) * rstd[:, None]
+        if HAS_DH:  # add_rmsnorm: the gradient of the new residual joins in
+            dx += tl.load(dh_ptr + rows[:, None] * stride_dhm + cols[None, :] * stride_dhn,
+                          mask=mask, other=0.0).to(tl.float32)  # read MN
+        tl.store(dx_ptr + rows[:, None] * stride_dxm + cols[None, :],
+                 dx.to(dx_ptr.dtype.element_ty), mask=mask)  # write MN
+        dw += tl.sum(dy * xh, axis=0)  # masked rows have dy = 0
+    tl.store(dw_ptr + pid * stride_dwg + cols, dw, mask=cols < N)  # write G x N (fp32)
+
+
+def _forward(x2: torch.Tensor, r2: torch.Tensor | None, weight: torch.Tensor, eps: float):
+    """Launch the forward kernel on ``(M, N)`` rows: ``(y, h or None, rstd)``."""
+    m, n = x2.shape
+    y = torch.empty((m, n), dtype=x2.dtype, device=x2.device)
+    h = torch.empty_like(y) if r2 is not None else None
+    rstd = torch.empty(m, dtype=torch.float32, device=x2.device)
+    r = r2 if r2 is not None else x2  # unused pointers when HAS_RESIDUAL is off
+    block_m, block_n, num_warps = row_config(n)
+    _rmsnorm_fwd_kernel[(triton.cdiv(m, block_m),)](
+        x2, r, weight, y, h if h is not None else y, rstd, m, n, eps,
+        x2.stride(0), x2.stride(1), r.stride(0), r.stride(1), weight.stride(0),
+        y.stride(0), y.stride(0),
+        HAS_RESIDUAL=r2 is not None, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps,
+    )
+    return y, h, rstd
+
+
+def _backward(dy: torch.Tensor, x2: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor,
+              dh: torch.Tensor | None):
+    """Launch the backward kernel: ``(dx, dweight)``; ``dh`` is added to ``dx``."""
+    m, n = x2.shape
+    dx = torch.empty((m, n), dtype=x2.dtype, device=x2.device)
+    block_m, block_n, num_warps = row_config(n)
+    g = reduction_programs(triton.cdiv(m, block_m), num_warps, x2.device)
+    dw_partial = torch.empty((g, n), dtype=torch.float32, device=x2.device)
+    d = dh if dh is not None else dy
+    _rmsnorm_bwd_kernel[(g,)](
+        dy, x2, weight, rstd, d, dx, dw_partial, m, n,
+        dy.stride(0), dy.stride(1), x2.stride(0), x2.stride(1), weight.stride(0),
+        d.stride(0), d.stride(1), dx.stride(0), dw_partial.stride(0),
+        HAS_DH=dh is not None, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps,
+    )
+    return dx, dw_partial.sum(dim=0).to(weight.dtype)  # (G, N) -> (N,), fixed order
+
+
+class _RMSNorm(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, eps):
+        x2 = as_rows(x)  # (M, N)
+        y, _, rstd = _forward(x2, None, weight, eps)
+        ctx.save_for_backward(x2, weight, rstd)
+        return y.view(x.shape)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x2, weight, rstd = ctx.saved_tensors
+        dx, dw = _backward(as_rows(dy), x2, weight, rstd, None)
+        return dx.view(dy.shape), dw, None
+
+
+class _AddRMSNorm(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, residual, weight, eps):
+        ctx.set_materialize_grads(False)  # an unused output sends None, not a tensor of zeros
+        y, h, rstd = _forward(as_rows(x), as_rows(residual), weight, eps)
+        ctx.save_for_backward(h, weight, rstd)
+        return y.view(x.shape), h.view(x.shape)
+
+    @staticmethod
+    def backward(ctx, dy, dh):
+        h, weight, rstd = ctx.saved_tensors
+        if dy is None:  # only the new residual was used: the norm sends nothing back
+            return dh, dh, None, None
+        dx, dw = _backward(as_rows(dy), h, weight, rstd, None if dh is None else as_rows(dh))
+        # d(x + residual)/dx = d(x + residual)/dresidual = identity: one tensor for both.
+        # Returning the same object lets autograd copy it before it becomes two .grad's.
+        dx = dx.view(dy.shape)
+        return dx, dx, dw, None
+
+
+def _check(x: object, weight: object, eps: object) -> float:
+    check_tensor("x", x, min_ndim=1)
+    check_param("weight", weight, x)
+    check_row_length("x", x.shape[-1])
+    return check_eps(eps)
+
+
+def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """RMSNorm over the last dimension of ``x`` (any leading shape), scaled by ``weight``.
+
+    ``weight`` has shape ``(x.shape[-1],)``; the output is a new contiguous
+    tensor of ``x``'s shape and dtype. Differentiable in ``x`` and ``weight``.
+    """
+    eps = _check(x, weight, eps)
+    if device.use_reference("rmsnorm", min_capability=(7, 0)) or x.numel() == 0:
+        return rmsnorm_ref(x, weight, eps)  # (an empty tensor has nothing to launch)
+    return _RMSNorm.apply(x, weight, eps)
+
+
+def add_rmsnorm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``h = x + residual`` and ``rmsnorm(h, weight, eps)`` in one pass: ``(out, h)``.
+
+    ``x`` and ``residual`` must have the same shape, dtype and device; both
+    outputs are new contiguous tensors of that shape and dtype. Gradients of
+    both outputs flow to ``x``, ``residual`` and ``weight``.
+    """
+    eps = _check(x, weight, eps)
+    check_tensor("residual", residual)
+    check_same(("x", "residual"), x, residual, what=("shape", "dtype", "device"))
+    if device.use_reference("add_rmsnorm", min_capability=(7, 0)) or x.numel() == 0:
+        return add_rmsnorm_ref(x, residual, weight, eps)
+    return _AddRMSNorm.apply(x, residual, weight, eps)

@@ -1,0 +1,107 @@
+import pytest
+import torch
+import torch.nn.functional as F
+
+from llmnote import device
+from llmnote.ops.swiglu import swiglu, swiglu_ref
+from llmnote.testing import MismatchError, assert_close, assert_close_lowp
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+# Element counts that are not multiples of the block, 1 element, 3-D and 4-D.
+SHAPES = [(1,), (7,), (1, 1), (37, 129), (9, 41, 341), (5, 1823), (2, 3, 4, 781)]
+LOWP_ATOL = {torch.float16: 1e-3, torch.bfloat16: 1e-2}
+NAMES = ["y", "da", "db"]
+
+
+def outputs_and_grads(fn, inputs, dy):
+    """``fn(*inputs)``, then d(sum(out * dy))/d(input) for every input."""
+    leaves = [t.detach().requires_grad_() for t in inputs]
+    out = fn(*leaves)
+    return [out, *torch.autograd.grad(out, leaves, dy.to(out.dtype))]
+
+
+def check_all(a, b, dy):
+    """Output and gradients against swiglu_ref run in fp32 (autograd); in fp16/bf16 the
+    error may be at most twice that of ``F.silu(a) * b`` in that dtype, plus atol."""
+    got = outputs_and_grads(swiglu, [a, b], dy)
+    want = outputs_and_grads(swiglu_ref, [a.float(), b.float()], dy)
+    if a.dtype == torch.float32:
+        for name, g, w in zip(NAMES, got, want):
+            assert_close(g, w, atol=1e-6, rtol=1e-5, name=name)
+        return
+    lowp = outputs_and_grads(lambda a, b: F.silu(a) * b, [a, b], dy)
+    for name, g, w, t in zip(NAMES, got, want, lowp):
+        assert g.dtype == t.dtype, f"{name}: dtype {g.dtype}, PyTorch gives {t.dtype}"
+        assert_close_lowp(g, w, t, atol=LOWP_ATOL[a.dtype], name=name)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+def test_forward_backward(shape, dtype, dev, seed):
+    a, b, dy = ((torch.randn(shape, device=dev) * 3).to(dtype) for _ in range(3))
+    check_all(a, b, dy)
+
+
+def test_reference_is_silu_times_b(dev, seed):
+    a, b = torch.randn(2, 100, 3, device=dev), torch.randn(2, 100, 3, device=dev)
+    assert_close(swiglu_ref(a, b), F.silu(a) * b, atol=1e-6, rtol=1e-6)
+
+
+def test_extreme_values(dev):
+    """Saturated sigmoid: no NaN from exp overflow, and the right limits."""
+    a = torch.tensor([-1e4, -100.0, -30.0, 0.0, 30.0, 100.0, 1e4], device=dev)
+    b = torch.full_like(a, 2.0)
+    check_all(a, b, torch.ones_like(a))
+    y = swiglu(a, b)
+    assert y[0] == 0 and y[3] == 0 and y[-1] == 2e4
+
+
+def test_expanded_gradient(dev, seed):
+    """``y.sum().backward()`` hands the kernel an expanded (stride 0) gradient."""
+    a = torch.randn(5, 33, device=dev, requires_grad=True)
+    b = torch.randn(5, 33, device=dev, requires_grad=True)
+    swiglu(a, b).sum().backward()
+    a2, b2 = a.detach().clone().requires_grad_(), b.detach().clone().requires_grad_()
+    swiglu_ref(a2, b2).sum().backward()
+    assert_close(a.grad, a2.grad, atol=1e-6, rtol=1e-5, name="da")
+    assert_close(b.grad, b2.grad, atol=1e-6, rtol=1e-5, name="db")
+
+
+def test_check_catches_a_wrong_gradient(dev, seed):
+    """The comparison used above must fail on da that drops the a*s*(1-s) term."""
+    a, b, dy = (torch.randn(40, 50, device=dev) for _ in range(3))
+    want = outputs_and_grads(swiglu_ref, [a, b], dy)[1]
+    assert_close(outputs_and_grads(swiglu, [a, b], dy)[1], want, atol=1e-6, rtol=1e-5)
+    wrong = dy * b * torch.sigmoid(a)  # d silu / da taken as sigmoid(a) alone
+    with pytest.raises(MismatchError, match="da: .* elements differ"):
+        assert_close(wrong, want, atol=1e-6, rtol=1e-5, name="da")
+
+
+def test_reference_backend_calls_the_reference(monkeypatch, dev, seed):
+    monkeypatch.setattr(device, "use_reference", lambda op, min_capability=None: True)
+    a, b = torch.randn(3, 10, device=dev), torch.randn(3, 10, device=dev)
+    assert torch.equal(swiglu(a, b), swiglu_ref(a, b))
+
+
+def test_empty(dev):
+    assert swiglu(torch.empty(3, 0, device=dev), torch.empty(3, 0, device=dev)).shape == (3, 0)
+
+
+@pytest.mark.parametrize(
+    "a, b, exc, match",
+    [
+        ([1.0], torch.ones(1), TypeError, "a must be a torch.Tensor, got list"),
+        (torch.ones(4), torch.ones(4, dtype=torch.int32), TypeError, "b must have dtype"),
+        (torch.ones(4), torch.ones(4, dtype=torch.float16), TypeError,
+         "a and b must have the same dtype"),
+        (torch.ones(4), torch.ones(5), ValueError, "a and b must have the same shape"),
+        (torch.ones(4, 6).t(), torch.ones(6, 4), ValueError,
+         r"a must be contiguous, got strides \(1, 6\)"),
+        (torch.ones(4), torch.ones(4, device="meta"), ValueError, "b must be on"),
+    ],
+)
+def test_bad_input(a, b, exc, match, dev):
+    a, b = (t.to(dev) if isinstance(t, torch.Tensor) and t.device.type != "meta" else t
+            for t in (a, b))
+    with pytest.raises(exc, match=match):
+        swiglu(a, b)
