@@ -2,12 +2,13 @@
 taking the same arguments, the Triton kernel(s) and a validating launcher."""
 
 from llmnote.ops.layernorm import layernorm, layernorm_ref
+from llmnote.ops.rope import rope, rope_ref
 from llmnote.ops.rmsnorm import add_rmsnorm, add_rmsnorm_ref, rmsnorm, rmsnorm_ref
 from llmnote.ops.softmax import softmax, softmax_ref
 from llmnote.ops.swiglu import swiglu, swiglu_ref
 from llmnote.ops.vector_add import vector_add, vector_add_ref
 
 __all__ = [
-    "add_rmsnorm", "add_rmsnorm_ref", "layernorm", "layernorm_ref", "rmsnorm", "rmsnorm_ref",
+    "add_rmsnorm", "add_rmsnorm_ref", "layernorm", "layernorm_ref", "rmsnorm", "rmsnorm_ref", "rope", "rope_ref",
     "softmax", "softmax_ref", "swiglu", "swiglu_ref", "vector_add", "vector_add_ref",
 ]

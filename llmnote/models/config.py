@@ -1,0 +1,89 @@
+"""The configuration of a decoder-only model of the Llama family.
+
+Field names follow Hugging Face's ``config.json`` (``num_attention_heads``,
+``num_key_value_heads``, ...) so a reader can hold the two side by side. What
+differs between the families is a handful of switches:
+
+=============  ========  ==========  ===========  =======================
+family         qkv_bias  qk_norm     tied embed.  RoPE
+=============  ========  ==========  ===========  =======================
+Llama 2        no        no          no           theta 1e4
+Llama 3 / 3.1  no        no          no           theta 5e5 (3.1: llama3)
+Qwen2 / 2.5    **yes**   no          small ones   theta 1e6 (YaRN opt.)
+Qwen3          no        **yes**     small ones   theta 1e6
+=============  ========  ==========  ===========  =======================
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, replace
+
+from llmnote.ops.rope_scaling import RopeScaling, as_rope_scaling
+
+ARCHITECTURES = ("llama", "qwen2", "qwen3")
+
+
+@dataclass(frozen=True)
+class LlamaConfig:
+    """Shapes and switches of one Llama-family model (see the module docstring)."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int | None = None  # None: = num_attention_heads (no GQA)
+    head_dim: int | None = None  # None: hidden_size // num_attention_heads
+    max_position_embeddings: int = 4096
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: RopeScaling | None = None
+    rope_interleaved: bool = False  # False: HF's half-split pairs; True: GPT-J pairs
+    qkv_bias: bool = False  # Qwen2: bias on q, k, v projections
+    o_bias: bool = False  # Llama/Qwen3 attention_bias=True: bias on o_proj too
+    mlp_bias: bool = False
+    qk_norm: bool = False  # Qwen3: RMSNorm over head_dim on q and k before RoPE
+    tie_word_embeddings: bool = False
+    architecture: str = "llama"  # which HF class the weights come from
+
+    def __post_init__(self) -> None:
+        if self.num_key_value_heads is None:
+            object.__setattr__(self, "num_key_value_heads", self.num_attention_heads)
+        if self.head_dim is None:
+            head_dim = self.hidden_size // max(self.num_attention_heads, 1)
+            object.__setattr__(self, "head_dim", head_dim)
+        object.__setattr__(self, "rope_scaling", as_rope_scaling(self.rope_scaling))
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                     "num_attention_heads", "num_key_value_heads", "head_dim",
+                     "max_position_embeddings"):
+            v = getattr(self, name)
+            if not (isinstance(v, int) and not isinstance(v, bool) and v > 0):
+                raise ValueError(f"{name} must be a positive int, got {v!r}")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(
+                f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
+                f"num_key_value_heads ({self.num_key_value_heads}) for grouped-query attention"
+            )
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim must be even for RoPE, got {self.head_dim}")
+        if self.architecture not in ARCHITECTURES:
+            raise ValueError(
+                f"architecture must be one of {ARCHITECTURES}, got {self.architecture!r}"
+            )
+        if not self.rms_norm_eps > 0 or not self.rope_theta > 0:
+            raise ValueError(
+                "rms_norm_eps and rope_theta must be > 0, got "
+                f"{self.rms_norm_eps}, {self.rope_theta}"
+            )
+
+    @property
+    def gqa_group(self) -> int:
+        """Query heads sharing one key/value head."""
+        return self.num_attention_heads // self.num_key_value_heads
+
+    def replace(self, **changes: object) -> LlamaConfig:
+        """A copy with some fields changed (e.g. ``num_hidden_layers=2``)."""
+        return replace(self, **changes)
+
+    def to_dict(self) -> dict:
+        return asdict(self)

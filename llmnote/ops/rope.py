@@ -1,0 +1,217 @@
+"""Rotary position embedding (RoPE) applied to queries and keys, in place.
+
+For a head vector ``x`` of even size ``d`` at integer position ``p``, pair ``i``
+``(x_a, x_b)`` is rotated by the angle ``p * inv_freq[i]``::
+
+    x_a' = x_a cos - x_b sin
+    x_b' = x_b cos + x_a sin
+
+Two ways to pair up the ``d`` numbers are in use:
+
+* half-split ("neox", Llama and Qwen in Hugging Face layout): ``(x[i], x[i + d/2])``;
+* interleaved ("GPT-J", Meta's original Llama code): ``(x[2i], x[2i + 1])``.
+
+Because a rotation by ``m`` then the inverse rotation by ``n`` is a rotation by
+``m - n``, ``<R(m) q, R(n) k>`` depends only on ``m - n``: attention scores see
+relative positions (the tests check this). ``inv_freq`` and the scaling
+schemes (linear, dynamic NTK, llama3, YaRN) are in :mod:`llmnote.ops.rope_scaling`.
+
+Positions are explicit integers per token, ``(seq,)`` or ``(batch, seq)``, so a
+decode step at any offset (or a packed batch) needs no special case.
+
+Memory traffic: read and write ``q`` and ``k`` once (plus ``d/2`` frequencies
+and one position per token). PyTorch eager builds cos and sin tables and runs
+about ten element-wise kernels; the fused kernel computes cos and sin in
+registers and moves the least a RoPE can move, so it is bandwidth bound.
+
+One program per token rotates every q head and k head of that token; math is in
+fp32 for fp16/bf16 inputs (angle = fp32(position) * inv_freq) and the result is
+cast on store.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from llmnote import device
+from llmnote.ops._validate import FLOAT_DTYPES, check_device
+from llmnote.ops.rope_scaling import (
+    RopeScaling,
+    as_rope_scaling,
+    attention_factor,
+    rope_cos_sin,
+    rope_inv_freq,
+)
+
+INT_DTYPES = (torch.int32, torch.int64)
+MAX_BLOCK_H = 16  # heads per tile; more heads are looped over
+
+
+def _check_args(q: object, k: object, positions: object, theta: float) -> None:
+    """Shapes, dtypes and layouts (not devices: the reference runs anywhere)."""
+    for name, t in (("q", q), ("k", k), ("positions", positions)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    for name, t in (("q", q), ("k", k)):
+        if t.dtype not in FLOAT_DTYPES:
+            raise TypeError(f"{name} must have dtype float32, float16 or bfloat16, got {t.dtype}")
+        if t.ndim != 4:
+            raise ValueError(
+                f"{name} must be 4-D (batch, heads, seq, head_dim), got shape {tuple(t.shape)}"
+            )
+        if any(st == 0 and n > 1 for st, n in zip(t.stride(), t.shape, strict=True)):
+            raise ValueError(f"{name} is written in place, so it must not be an expanded view "
+                             f"(strides {t.stride()}); call .contiguous() first")
+    if q.dtype != k.dtype:
+        raise TypeError(f"q and k must have the same dtype, got {q.dtype} and {k.dtype}")
+    if q.device != k.device or positions.device != q.device:
+        raise ValueError(f"q, k and positions must be on one device, got {q.device}, "
+                         f"{k.device} and {positions.device}")
+    (b, _, s, d), (bk, _, sk, dk) = q.shape, k.shape
+    if (b, s, d) != (bk, sk, dk):
+        raise ValueError(
+            "q (batch, heads, seq, head_dim) and k (batch, kv_heads, seq, head_dim) must agree in "
+            f"batch, seq and head_dim, got shapes {tuple(q.shape)} and {tuple(k.shape)}"
+        )
+    if d % 2:
+        raise ValueError(f"head_dim must be even (RoPE rotates pairs), got {d}")
+    if positions.dtype not in INT_DTYPES:
+        raise TypeError(f"positions must be int32 or int64, got {positions.dtype}")
+    if tuple(positions.shape) not in ((s,), (b, s)):
+        raise ValueError(
+            f"positions must have shape (seq,) = ({s},) or (batch, seq) = ({b}, {s}), "
+            f"got {tuple(positions.shape)}"
+        )
+    if not (isinstance(theta, (int, float)) and theta > 0):
+        raise ValueError(f"theta must be a number > 0, got {theta!r}")
+
+
+def _rotate(
+    x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool
+) -> torch.Tensor:
+    """Rotate pairs of ``x`` (B, H, S, D) by angles with cos/sin (B or 1, 1, S, D/2), in fp32."""
+    xf = x.float()
+    if interleaved:
+        xa, xb = xf[..., 0::2], xf[..., 1::2]  # (B, H, S, D/2) each
+        return torch.stack((xa * cos - xb * sin, xb * cos + xa * sin), dim=-1).flatten(-2)
+    xa, xb = xf.chunk(2, dim=-1)
+    return torch.cat((xa * cos - xb * sin, xb * cos + xa * sin), dim=-1)
+
+
+def rope_ref(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    positions: torch.Tensor,
+    theta: float = 10000.0,
+    interleaved: bool = False,
+    scaling: RopeScaling | dict | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """RoPE in plain PyTorch (fp32 math), written into ``q`` and ``k``; returns them.
+
+    q: (batch, heads, seq, head_dim); k: (batch, kv_heads, seq, head_dim);
+    positions: (seq,) or (batch, seq) integers.
+    """
+    _check_args(q, k, positions, theta)
+    d = q.shape[-1]
+    cos, sin = rope_cos_sin(positions, d, theta, scaling)  # (S, D/2) or (B, S, D/2)
+    if cos.ndim == 2:
+        cos, sin = cos[None], sin[None]
+    cos, sin = cos[:, None], sin[:, None]  # (B or 1, 1, S, D/2)
+    q.copy_(_rotate(q, cos, sin, interleaved))  # read BHSD, write BHSD (and temporaries)
+    k.copy_(_rotate(k, cos, sin, interleaved))
+    return q, k
+
+
+@triton.jit
+def _rotate_heads(
+    base_ptr, H, stride_h, stride_d, da, db, fmask, cos, sin, BLOCK_H: tl.constexpr,
+):
+    # base_ptr: this token's row of heads; da, db: (BLOCK_F,) offsets of each pair's members
+    for h0 in range(0, H, BLOCK_H):
+        heads = h0 + tl.arange(0, BLOCK_H)  # (BLOCK_H,)
+        mask = (heads[:, None] < H) & fmask[None, :]  # (BLOCK_H, BLOCK_F)
+        row = base_ptr + heads[:, None] * stride_h
+        pa = row + da[None, :] * stride_d
+        pb = row + db[None, :] * stride_d
+        xa = tl.load(pa, mask=mask, other=0.0).to(tl.float32)  # read H*D/2
+        xb = tl.load(pb, mask=mask, other=0.0).to(tl.float32)  # read H*D/2
+        ya = xa * cos[None, :] - xb * sin[None, :]
+        yb = xb * cos[None, :] + xa * sin[None, :]
+        tl.store(pa, ya.to(base_ptr.dtype.element_ty), mask=mask)  # write H*D/2
+        tl.store(pb, yb.to(base_ptr.dtype.element_ty), mask=mask)  # write H*D/2
+
+
+@triton.jit
+def _rope_kernel(
+    q_ptr, k_ptr, pos_ptr, inv_freq_ptr,
+    S, HQ, HK, HALF, attn_factor,
+    stride_qb, stride_qh, stride_qs, stride_qd,
+    stride_kb, stride_kh, stride_ks, stride_kd,
+    stride_pb, stride_ps,
+    INTERLEAVED: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_F: tl.constexpr,
+):
+    tok = tl.program_id(0).to(tl.int64)  # one program per (batch, seq) token
+    b = tok // S
+    s = tok % S
+    pos = tl.load(pos_ptr + b * stride_pb + s * stride_ps).to(tl.float32)
+    f = tl.arange(0, BLOCK_F)  # pair index, (BLOCK_F,)
+    fmask = f < HALF
+    inv_freq = tl.load(inv_freq_ptr + f, mask=fmask, other=0.0)  # read D/2 (cached)
+    angle = pos * inv_freq
+    cos = tl.cos(angle) * attn_factor
+    sin = tl.sin(angle) * attn_factor
+    if INTERLEAVED:
+        da = 2 * f
+        db = 2 * f + 1
+    else:
+        da = f
+        db = f + HALF
+    _rotate_heads(q_ptr + b * stride_qb + s * stride_qs, HQ, stride_qh, stride_qd,
+                  da, db, fmask, cos, sin, BLOCK_H)
+    _rotate_heads(k_ptr + b * stride_kb + s * stride_ks, HK, stride_kh, stride_kd,
+                  da, db, fmask, cos, sin, BLOCK_H)
+
+
+def rope(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    positions: torch.Tensor,
+    theta: float = 10000.0,
+    interleaved: bool = False,
+    scaling: RopeScaling | dict | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Apply RoPE to ``q`` and ``k`` in place with the Triton kernel; returns ``(q, k)``.
+
+    q: (batch, heads, seq, head_dim) and k: (batch, kv_heads, seq, head_dim), SDPA's
+    layout, any strides (views of a projection's output are fine); positions:
+    (seq,) or (batch, seq) int32/int64. ``interleaved=False`` pairs ``x[i]`` with
+    ``x[i + d/2]`` (Hugging Face Llama/Qwen), ``True`` pairs ``x[2i]`` with
+    ``x[2i+1]`` (GPT-J). ``scaling``: a :class:`RopeScaling` (or dict of its fields)
+    or None. The ``dynamic`` scheme reads ``max(positions)``, one device sync.
+    """
+    _check_args(q, k, positions, theta)
+    for name, t in (("q", q), ("k", k), ("positions", positions)):
+        check_device(name, t)
+    if device.use_reference("rope", min_capability=(7, 0)):
+        return rope_ref(q, k, positions, theta, interleaved, scaling)
+    b, hq, s, d = q.shape
+    hk = k.shape[1]
+    if q.numel() == 0 and k.numel() == 0:
+        return q, k
+    sc = as_rope_scaling(scaling)
+    seq_len = int(positions.max()) + 1 if sc is not None and sc.rope_type == "dynamic" else None
+    inv_freq = rope_inv_freq(d, theta, sc, seq_len).to(q.device)
+    pos2 = positions if positions.ndim == 2 else positions[None]
+    stride_pb = pos2.stride(0) if positions.ndim == 2 else 0  # (seq,): every batch row shares it
+    block_f = triton.next_power_of_2(d // 2)
+    block_h = min(MAX_BLOCK_H, triton.next_power_of_2(max(hq, hk)))
+    _rope_kernel[(b * s,)](
+        q, k, pos2, inv_freq,
+        s, hq, hk, d // 2, attention_factor(sc),
+        *q.stride(), *k.stride(), stride_pb, pos2.stride(1),
+        INTERLEAVED=interleaved, BLOCK_H=block_h, BLOCK_F=block_f,
+        num_warps=4 if block_h * block_f <= 1024 else 8,
+    )
+    return q, k
