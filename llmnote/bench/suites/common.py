@@ -11,9 +11,15 @@ from llmnote.bench.harness import Skip
 
 
 def compiled(fn: Callable) -> Callable:
-    """``torch.compile(fn)`` for one static shape, or :class:`Skip` off the GPU."""
+    """``torch.compile(fn)`` for one static shape, or :class:`Skip` off the GPU.
+
+    Dynamo's caches are reset first: past its recompile limit (8 shapes) a
+    compiled function silently runs eager, which would record eager timings
+    under the name ``torch.compile``.
+    """
     if not device.on_gpu():
         raise Skip("torch.compile is only compared on a GPU")
+    torch._dynamo.reset()
     return torch.compile(fn, dynamic=False)
 
 
