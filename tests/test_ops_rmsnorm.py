@@ -95,6 +95,19 @@ def test_strided_rows(dtype, dev, seed):
               [big[:, :80], w[::2][:80]], [dy[:, :80]])  # weight with stride 2
 
 
+def test_fp32_weight_with_bf16_x(dev, seed):
+    """Mixed precision: y and dx in x's dtype, dweight in the weight's."""
+    x = torch.randn(50, 97, device=dev).to(torch.bfloat16)
+    w = 1 + 0.5 * torch.randn(97, device=dev)
+    dy = torch.randn(50, 97, device=dev).to(torch.bfloat16)
+    got = outputs_and_grads(rmsnorm, [x, w], [dy])
+    want = outputs_and_grads(rmsnorm_ref, [x.float(), w], [dy])
+    assert [t.dtype for t in got] == [torch.bfloat16, torch.bfloat16, torch.float32]
+    for name, g, r in zip(["y", "dx"], got, want):  # vs the reference rounded to bf16
+        assert_close_lowp(g, r, r.to(torch.bfloat16), atol=1e-2, name=name)
+    assert_close(got[2], want[2], atol=1e-4, rtol=1e-4, name="dweight")
+
+
 def test_one_output_used(dev, seed):
     x, w = _inputs((6, 33), torch.float32, dev)
     r = torch.randn(6, 33, device=dev)

@@ -22,8 +22,8 @@ swiglu         read a, b, write y: 3T             read a, b, dy, write da, db: 5
 =============  =================================  ==========================================
 
 Weights, per-row statistics and llmnote's ``(G, N)`` fp32 partial sums of the
-weight gradient (G = 2 per SM; at most ~4% of the backward's bytes at N =
-16384) are not counted. Before timing each size, llmnote's outputs (fwd) or
+weight gradient are not counted (the partials add 1-4% to a backward's bytes,
+9% for layernorm's two at N = 16384). Before timing each size, llmnote's outputs (fwd) or
 gradients (bwd) are checked at full size against the reference run in fp32,
 with the low-precision rule of :mod:`llmnote.testing`.
 """
