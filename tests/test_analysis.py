@@ -43,6 +43,24 @@ def test_published_sizes(name, published, tol):
     assert count_params(to_hf_config(name)) == n  # the same from its config.json
 
 
+@pytest.mark.parametrize("name", ["llama-3-8b", "qwen3-0.6b"])
+def test_full_size_count_equals_models_built_on_meta(name):
+    """The full-size models, built without memory on the meta device: llmnote's and
+    Hugging Face's (an outside oracle) from the same config.json."""
+    tr = pytest.importorskip("transformers")
+    config = get_preset(name)
+    hf = to_hf_config(name)
+    cfg_cls, model_cls = {"llama": (tr.LlamaConfig, tr.LlamaForCausalLM),
+                          "qwen3": (tr.Qwen3Config, tr.Qwen3ForCausalLM)}[config.architecture]
+    with torch.device("meta"):
+        ours = Llama(config)
+        theirs = model_cls(cfg_cls(**{k: v for k, v in hf.items()
+                                      if k not in ("architectures", "model_type")}))
+    n = count_params(name)
+    assert ours.num_parameters() == n
+    assert sum(p.numel() for p in theirs.parameters()) == n
+
+
 def test_exact_known_totals():
     assert count_params("llama-3-8b") == 8_030_261_248
     parts = param_breakdown("qwen3-0.6b")
@@ -83,6 +101,19 @@ def test_memory():
     assert report.kv_cache == kv_cache_bytes(c, 8192, 4)
     with pytest.raises(TypeError, match="dtype must be"):
         weight_bytes(c, "bf16")
+
+
+def test_activation_terms():
+    c = get_preset("llama-3-8b")
+    n, h, i, v = 4096, c.hidden_size, c.intermediate_size, c.vocab_size
+    mlp = n * (2 * h + 3 * i) * 2  # residual, normed input, gate, up, product in bf16
+    assert activation_bytes(c, n) == mlp  # logits of the last position only: MLP is the peak
+    assert activation_bytes(c, n, all_logits=True) == n * (h * 2 + v * 4)  # fp32 logits, all rows
+    scores = c.num_attention_heads * n * n * 4
+    attn = n * (2 * h + 2 * 32 * 128 + 2 * 8 * 128) * 2
+    assert activation_bytes(c, n, flash=False) == attn + scores
+    assert activation_bytes(c, n, batch=3, all_logits=True) == 3 * activation_bytes(
+        c, n, all_logits=True)
 
 
 def test_accepts_hf_config_and_path(tmp_path):

@@ -210,3 +210,34 @@ def test_bad_scaling():
         rope_inv_freq(8, 10000.0, {"rope_type": "yarn", "factor": 2.0})
     with pytest.raises(ValueError, match=r"unknown RoPE scaling field\(s\) \['fctor'\]"):
         rope_inv_freq(8, 10000.0, {"rope_type": "linear", "fctor": 2.0})
+
+
+def test_bench_suite_checks_before_timing(monkeypatch, seed):
+    """The benchmark suite runs on tiny sizes, counts q and k bytes, and refuses to time a
+    kernel whose full-size result is wrong."""
+    import llmnote.bench.suites.rope as suite
+    from llmnote.testing import MismatchError
+
+    df = suite.run(quick=True, tokens=[3, 5])
+    bw = df[df.metric == "bandwidth"]
+    assert set(bw.provider) == {"llmnote", "torch"} and set(bw.x_value) == {3, 5}
+    assert (bw.bytes == 2 * bw.x_value * (32 + 8) * 128 * 2).all()  # read + write q and k, bf16
+
+    def off_by_one_position(q, k, positions, inv_freq):
+        return rope(q, k, positions + 1, suite.THETA)
+
+    monkeypatch.setattr(suite, "_llmnote", off_by_one_position)
+    with pytest.raises(MismatchError):
+        suite.run(quick=True, tokens=[4])
+
+
+def test_recorded_benchmark_covers_providers_and_sizes():
+    from llmnote import bench
+    from llmnote.bench.suites.rope import TOKENS
+
+    df = bench.load("rope")
+    assert bench.ceiling(df, "copy") > 0, "the copy ceiling is measured in the same run"
+    got = set(zip(df.provider, df.dtype.fillna(""), df.x_value))
+    for dtype in ("bfloat16", "float32"):
+        for provider in ("llmnote", "torch", "torch.compile"):
+            assert all((provider, dtype, t) in got for t in TOKENS), (provider, dtype)

@@ -9,6 +9,7 @@ without outputs. ``tests/test_notebooks.py`` checks that nothing drifted.
 
 from __future__ import annotations
 
+import hashlib
 import sys
 from pathlib import Path
 
@@ -61,9 +62,14 @@ def sync(md: Path) -> Path:
     cell.source = setup_cell()
     nb.metadata.setdefault("jupytext", {})["formats"] = "ipynb,md:myst"
     jupytext.write(nb, md, fmt=FMT)
+    seen: dict[str, int] = {}
     for c in nb.cells:  # the committed .ipynb carries no outputs
         if c.cell_type == "code":
             c.outputs, c.execution_count = [], None
+        # ids from the content, so that re-syncing an unchanged chapter changes nothing
+        digest = hashlib.sha1(f"{c.cell_type}\n{c.source}".encode()).hexdigest()[:10]
+        seen[digest] = seen.get(digest, 0) + 1
+        c.id = digest if seen[digest] == 1 else f"{digest}-{seen[digest]}"
     ipynb = md.with_suffix(".ipynb")
     jupytext.write(nb, ipynb, fmt="ipynb")
     return ipynb

@@ -125,7 +125,7 @@ def kv_cache_bytes(
 
 def activation_bytes(
     config: ConfigLike, tokens: int, batch: int = 1, dtype: DtypeLike = torch.bfloat16,
-    flash: bool = True,
+    flash: bool = True, all_logits: bool = False,
 ) -> float:
     """Peak bytes of live activations in an inference forward of ``batch x tokens`` tokens.
 
@@ -133,7 +133,9 @@ def activation_bytes(
     nothing is kept between layers): the attention half of a layer (residual,
     normed input, q, k, v, output, and without ``flash`` the fp32 score matrix
     B*H*T*T), the MLP half (residual, normed input, gate, up, their product), or
-    the fp32 logits for every token at the end.
+    the last hidden states with the fp32 logits at the end: of the last position
+    of each sequence (what a serving engine computes), or of every position with
+    ``all_logits`` (a plain ``model(input_ids)`` forward, as in training or scoring).
     """
     c = as_config(config)
     b = _bytes(dtype)
@@ -143,7 +145,8 @@ def activation_bytes(
     if not flash:
         attn += batch * c.num_attention_heads * tokens * tokens * 4
     mlp = n * (2 * h + 3 * c.intermediate_size) * b
-    logits = n * (h * b + c.vocab_size * 4)
+    logit_rows = n if all_logits else batch
+    logits = n * h * b + logit_rows * c.vocab_size * 4
     return float(max(attn, mlp, logits))
 
 
@@ -165,7 +168,8 @@ def memory_report(
     kv_dtype: DtypeLike | None = None,
 ) -> MemoryReport:
     """Weights, the KV cache of ``batch`` sequences of ``tokens``, and the peak
-    activations of their prefill."""
+    activations of their prefill in one pass (with a fused attention, logits of the
+    last positions only; a chunked prefill needs less)."""
     return MemoryReport(
         weights=weight_bytes(config, dtype),
         kv_cache=kv_cache_bytes(config, tokens, batch, kv_dtype or dtype),
