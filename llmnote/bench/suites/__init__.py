@@ -3,8 +3,14 @@ same sweep live that ``benchmarks/<name>.py`` recorded. Each module has
 ``run(quick=False) -> DataFrame``; ``quick`` is the short version a notebook
 runs (fewer sizes, no ``torch.compile``)."""
 
-from llmnote.bench.suites import norms, softmax, vector_add
+from llmnote.bench.suites import (
+    attention, cuda_elementwise, cuda_reduction, matmul, norms, rope, softmax, vector_add,
+)
+from llmnote.bench.suites import decode_latency, roofline
 
-SUITES = {"norms": norms.run, "softmax": softmax.run, "vector_add": vector_add.run}
+SUITES = {
+    "attention": attention.run, "cuda_elementwise": cuda_elementwise.run, "cuda_reduction": cuda_reduction.run,
+    "matmul": matmul.run, "norms": norms.run, "rope": rope.run, "softmax": softmax.run, "roofline": roofline.run, "decode_latency": decode_latency.run,
+    "vector_add": vector_add.run}
 
 __all__ = ["SUITES"]

@@ -1,0 +1,420 @@
+"""Attention: llmnote's FlashAttention-2 (and the FlashAttention-1 loop order)
+against PyTorch SDPA's flash, cuDNN and memory-efficient backends, FlexAttention
+compiled, and the naive reference; split-KV decoding; peak memory.
+
+Four parts (``run(parts=...)``), every provider timed in the same run:
+
+``fwd`` / ``bwd`` (bench ``attention``, ``x_name = "N"``)
+    The FlashAttention papers' set-up: B * N = 16k tokens and H * D = 2048, so
+    ``B = 16384 / N`` and ``H = 2048 / D``; N from 512 to 16k, D = 64 and 128,
+    causal and not, bf16. Throughput = 4 B H N^2 D / time, halved when causal,
+    times 2.5 for the backward (two products forward, five backward). The
+    backward is timed as ``torch.autograd.grad`` of the outputs (graph kept),
+    the same for every provider. Providers: ``llmnote``, ``llmnote-fa1``
+    (forward only), ``sdpa-flash``, ``sdpa-cudnn``, ``sdpa-efficient``
+    (``torch.nn.attention.sdpa_kernel``), ``flex`` (``torch.compile`` of
+    ``flex_attention``, at N = 1k, 4k, 16k only: compiling dominates the run)
+    and ``torch-naive`` (``flash_attention_ref``: skipped where its
+    ``N x N`` scores would not fit in memory).
+``decode`` (bench ``attention-decode``, ``x_name = "context"``)
+    One query token per sequence, batch 16 and 64, 32 query heads over 8 kv
+    heads, D = 128, every sequence ``context`` long. Bandwidth = KV bytes
+    (``2 * B * kv_heads * context * D * 2``) / time, against the copy ceiling
+    measured in the same run. Providers: ``llmnote`` (split-KV, heuristic
+    splits), ``llmnote-nosplit`` (one split), SDPA on the same cache
+    (``enable_gqa``): ``sdpa`` (its own choice of backend) and each backend
+    that accepts the call, ``torch-naive``.
+    Bench ``attention-decode-splits`` sweeps ``num_splits`` at one shape.
+``memory`` (bench ``attention-memory``, ``x_name = "N"``)
+    Peak memory allocated by one forward beyond its inputs, B = 1, H = 16,
+    D = 128, metric ``peak_memory`` in MiB (GPU only).
+
+Before any timing, llmnote's results at the full size are checked against the
+fp32 reference on sequence 0 and its first two heads (the rows a head's
+output and gradients depend on), with the low-precision rule of
+:mod:`llmnote.testing`. Without a GPU, ``quick=True`` runs the same code at
+tiny sizes in the interpreter (SDPA and compiled peers skipped): a smoke test,
+not a measurement.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import pandas as pd
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from llmnote import device
+from llmnote.bench.ceilings import measure_ceilings
+from llmnote.bench.harness import Skip, sweep
+from llmnote.bench.results import COLUMNS, environment
+from llmnote.bench.suites.common import compiled, dtype_name
+from llmnote.ops.attention import (
+    decode_attention, decode_attention_ref, flash_attention, flash_attention_ref,
+    flash_attention_v1,
+)
+from llmnote.testing import assert_close_lowp
+
+BENCH = "attention"
+PARTS = ("fwd", "bwd", "decode", "memory")
+SDPA_BACKENDS = {
+    "sdpa-flash": SDPBackend.FLASH_ATTENTION,
+    "sdpa-cudnn": SDPBackend.CUDNN_ATTENTION,
+    "sdpa-efficient": SDPBackend.EFFICIENT_ATTENTION,
+}
+
+
+@dataclass(frozen=True)
+class Setup:
+    tokens: int  # B * N
+    hidden: int  # H * D
+    ns: tuple[int, ...]
+    flex_ns: tuple[int, ...]
+    head_dims: tuple[int, ...]
+    decode_batches: tuple[int, ...]
+    contexts: tuple[int, ...]
+    decode_heads: tuple[int, int, int]  # (heads, kv_heads, head_dim)
+    split_sweep: tuple[int, ...]
+    memory_ns: tuple[int, ...]
+    memory_heads: tuple[int, int]  # (heads, head_dim)
+
+
+FULL = Setup(16384, 2048, (512, 1024, 2048, 4096, 8192, 16384), (1024, 4096, 16384), (64, 128),
+             (16, 64), (4096, 8192, 16384, 32768), (32, 8, 128), (1, 2, 4, 8, 16, 32, 64),
+             (512, 1024, 2048, 4096, 8192, 16384), (16, 128))
+QUICK = Setup(16384, 2048, (1024, 4096, 16384), (), (128,), (16,), (4096, 16384), (32, 8, 128),
+              (), (1024, 4096, 16384), (16, 128))
+# Without a GPU: the interpreter, tiny and few sizes (a smoke test of the suite itself).
+CPU = Setup(32, 32, (16,), (), (16,), (2,), (40,), (4, 2, 16), (), (), (2, 16))
+
+
+def attention_flops(b: int, h: int, n: int, d: int, causal: bool, direction: str) -> float:
+    """4 B H N^2 D (two N x N x D products), halved when causal, x2.5 backward."""
+    f = 4 * b * h * n * n * d / (2 if causal else 1)
+    return f * 2.5 if direction == "bwd" else f
+
+
+def _rand(*shape, dtype):
+    return torch.randn(*shape, device=device.default_device(), dtype=dtype)
+
+
+def _naive_fits(b: int, h: int, n: int, direction: str) -> None:
+    """Skip the naive reference when its fp32 scores (about 5 copies forward,
+    twice that with the autograd graph) would not fit in half the free memory."""
+    if not device.on_gpu():
+        return
+    need = b * h * n * n * 4 * (5 if direction == "fwd" else 10)
+    free, _ = torch.cuda.mem_get_info()
+    if need > 0.5 * free:
+        raise Skip(f"the naive reference needs ~{need / 2**30:.0f} GiB of scores from N = {n}")
+
+
+def _task(fn: Callable, q, k, v, direction: str, do):
+    """The callable to time: the forward, or the gradients of q, k, v (graph kept)."""
+    if direction == "fwd":
+        return lambda: fn(q, k, v)
+    leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+    out = fn(*leaves)
+    return lambda: torch.autograd.grad(out, leaves, do, retain_graph=True)
+
+
+def _check(fn: Callable, q, k, v, causal: bool, direction: str, do, name: str) -> None:
+    """Full-size run of ``fn``, compared on sequence 0, heads 0-1 with the fp32 reference."""
+    sl = (slice(0, 1), slice(0, 2))
+    got = _task(fn, q, k, v, direction, do)()
+    got = [got] if direction == "fwd" else list(got)
+    small = [t[sl] for t in (q, k, v)]
+
+    def ref(*a):
+        return flash_attention_ref(*a, causal=causal)
+
+    want = _task(ref, *(t.float() for t in small), direction, do[sl].float())()
+    peer = _task(ref, *small, direction, do[sl])()
+    if direction == "fwd":
+        want, peer = [want], [peer]
+    for i, (g, w, p) in enumerate(zip(got, want, peer)):
+        atol = 2**-10 * float(w.abs().max())
+        assert_close_lowp(g[sl], w, p, atol=atol, name=f"{name} {direction} result {i}")
+
+
+def _flex(causal: bool, n: int):
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    fn = compiled(flex_attention)  # Skip off the GPU
+    mask = None
+    if causal:
+        mask = create_block_mask(lambda b, h, qi, ki: qi >= ki, None, None, n, n,
+                                 device=device.default_device())
+    return lambda q, k, v: fn(q, k, v, block_mask=mask)
+
+
+def _sdpa(backend: SDPBackend, causal: bool):
+    def fn(q, k, v):
+        with sdpa_kernel(backend):
+            return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+    return fn
+
+
+def _attention_providers(setup: Setup, d: int, causal: bool, direction: str, dtype) -> dict:
+    h = setup.hidden // d
+
+    def make(fn_of: Callable[[int], Callable], check: str | None = None, naive: bool = False):
+        def factory(n):
+            b = setup.tokens // n
+            if naive:
+                _naive_fits(b, h, n, direction)
+            q, k, v = (_rand(b, h, n, d, dtype=dtype) for _ in range(3))
+            do = _rand(b, h, n, d, dtype=dtype)
+            fn = fn_of(n)
+            if check:
+                _check(fn, q, k, v, causal, direction, do, check)
+            try:
+                task = _task(fn, q, k, v, direction, do)
+                task()  # warm-up outside the timed region (compilation, autotuning)
+            except RuntimeError as e:  # an SDPA backend that does not take this shape
+                raise Skip(str(e).splitlines()[0][:120]) from None
+            return task
+        return factory
+
+    def gpu_only(fn_of):
+        def f(n):
+            if not device.on_gpu():
+                raise Skip("SDPA backends are compared on a GPU only")
+            return fn_of(n)
+        return f
+
+    providers = {"llmnote": make(lambda n: lambda q, k, v: flash_attention(q, k, v, causal=causal),
+                                 check="llmnote")}
+    if direction == "fwd":
+        providers["llmnote-fa1"] = make(
+            lambda n: lambda q, k, v: flash_attention_v1(q, k, v, causal=causal), check="llmnote-fa1")
+    for name, backend in SDPA_BACKENDS.items():
+        providers[name] = make(gpu_only(lambda n, be=backend: _sdpa(be, causal)))
+    providers["torch-naive"] = make(
+        lambda n: lambda q, k, v: flash_attention_ref(q, k, v, causal=causal), naive=True)
+    return providers
+
+
+def _attention_part(setup: Setup, direction: str, dtype, quick: bool) -> list[pd.DataFrame]:
+    frames = []
+    for d in setup.head_dims:
+        h = setup.hidden // d
+        for causal in (False, True):
+            metrics = {"throughput": ("TFLOP/s", lambda n, ms, h=h, d=d, c=causal: attention_flops(
+                setup.tokens // n, h, n, d, c, direction) / (ms * 1e-3) / 1e12)}
+
+            def extra(n, h=h, d=d, c=causal):
+                return {"direction": direction, "causal": c, "D": d, "H": h,
+                        "B": setup.tokens // n, "dtype": dtype_name(dtype)}
+
+            providers = _attention_providers(setup, d, causal, direction, dtype)
+            frames.append(sweep(BENCH, "N", setup.ns, providers, metrics, extra=extra,
+                                rep_ms=100 if device.on_gpu() else 5))
+            if setup.flex_ns and not quick:
+                flex = {"flex": lambda n, c=causal, h=h, d=d: _flex_task(
+                    setup, n, h, d, c, direction, dtype)}
+                frames.append(sweep(BENCH, "N", setup.flex_ns, flex, metrics, extra=extra))
+    return frames
+
+
+def _flex_task(setup: Setup, n: int, h: int, d: int, causal: bool, direction: str, dtype):
+    b = setup.tokens // n
+    q, k, v, do = (_rand(b, h, n, d, dtype=dtype) for _ in range(4))
+    task = _task(_flex(causal, n), q, k, v, direction, do)
+    task()  # compile outside the timed region
+    return task
+
+
+# --------------------------------------------------------------------------------------------
+# Decoding
+# --------------------------------------------------------------------------------------------
+
+
+def _decode_inputs(b: int, ctx: int, setup: Setup, dtype):
+    h, h_kv, d = setup.decode_heads
+    q = _rand(b, h, d, dtype=dtype)
+    k, v = (_rand(b, h_kv, ctx, d, dtype=dtype) for _ in range(2))
+    lens = torch.full((b,), ctx, dtype=torch.int32, device=q.device)
+    return q, k, v, lens
+
+
+def _decode_providers(setup: Setup, b: int, dtype) -> dict:
+    def ours(num_splits=None, check=False):
+        def factory(ctx):
+            q, k, v, lens = _decode_inputs(b, ctx, setup, dtype)
+            if check:
+                got = decode_attention(q, k, v, lens, num_splits=num_splits)
+                sl = slice(0, 2)
+                ref = decode_attention_ref(q[sl].float(), k[sl].float(), v[sl].float(), lens[sl])
+                peer = decode_attention_ref(q[sl], k[sl], v[sl], lens[sl])
+                assert_close_lowp(got[sl], ref, peer, atol=2**-10 * float(ref.abs().max()),
+                                  name="llmnote decode")
+            f = lambda: decode_attention(q, k, v, lens, num_splits=num_splits, validate=False)  # noqa: E731
+            f()
+            return f
+        return factory
+
+    def sdpa(backend):
+        def factory(ctx):
+            if not device.on_gpu():
+                raise Skip("SDPA backends are compared on a GPU only")
+            q, k, v, _ = _decode_inputs(b, ctx, setup, dtype)
+            q4 = q[:, :, None]
+
+            def f():
+                if backend is None:  # SDPA's own choice
+                    return F.scaled_dot_product_attention(q4, k, v, enable_gqa=True)
+                with sdpa_kernel(backend):
+                    return F.scaled_dot_product_attention(q4, k, v, enable_gqa=True)
+            try:
+                f()
+            except RuntimeError as e:
+                raise Skip(str(e).splitlines()[0][:120]) from None
+            return f
+        return factory
+
+    def naive(ctx):
+        h, _, d = setup.decode_heads
+        if device.on_gpu():  # the reference repeats K and V for every query head, in fp32 scores
+            need = 2 * b * h * ctx * d * torch.empty((), dtype=dtype).element_size() + b * h * ctx * 12
+            if need > 0.4 * torch.cuda.mem_get_info()[0]:
+                raise Skip(f"the naive reference needs ~{need / 2**30:.0f} GiB from context {ctx}")
+        q, k, v, lens = _decode_inputs(b, ctx, setup, dtype)
+        return lambda: decode_attention_ref(q, k, v, lens)
+
+    return {"llmnote": ours(check=True), "llmnote-nosplit": ours(num_splits=1),
+            "sdpa": sdpa(None), **{name: sdpa(be) for name, be in SDPA_BACKENDS.items()},
+            "torch-naive": naive}
+
+
+def _kv_bytes(b: int, ctx: int, setup: Setup, dtype) -> int:
+    _, h_kv, d = setup.decode_heads
+    return 2 * b * h_kv * ctx * d * torch.empty((), dtype=dtype).element_size()
+
+
+def _decode_part(setup: Setup, dtype, quick: bool) -> list[pd.DataFrame]:
+    frames = []
+    h, h_kv, d = setup.decode_heads
+    rep = 100 if device.on_gpu() else 5
+    for b in setup.decode_batches:
+        def extra(ctx, b=b):
+            return {"B": b, "H": h, "H_kv": h_kv, "D": d, "dtype": dtype_name(dtype),
+                    "kv_bytes": _kv_bytes(b, ctx, setup, dtype)}
+
+        metrics = {"bandwidth": ("GB/s", lambda ctx, ms, b=b: _kv_bytes(b, ctx, setup, dtype)
+                                 / (ms * 1e-3) / 1e9)}
+        frames.append(sweep("attention-decode", "context", setup.contexts,
+                            _decode_providers(setup, b, dtype), metrics, extra=extra, rep_ms=rep))
+    if setup.split_sweep:
+        b, ctx = setup.decode_batches[0], setup.contexts[1 % len(setup.contexts)]
+        q, k, v, lens = _decode_inputs(b, ctx, setup, dtype)
+
+        def by_splits(s):
+            f = lambda: decode_attention(q, k, v, lens, num_splits=s, validate=False)  # noqa: E731
+            f()
+            return f
+
+        frames.append(sweep(
+            "attention-decode-splits", "num_splits", setup.split_sweep, {"llmnote": by_splits},
+            {"bandwidth": ("GB/s", lambda s, ms: _kv_bytes(b, ctx, setup, dtype) / (ms * 1e-3) / 1e9)},
+            extra={"B": b, "H": h, "H_kv": h_kv, "D": d, "context": ctx, "dtype": dtype_name(dtype)},
+            rep_ms=rep,
+        ))
+    return frames
+
+
+# --------------------------------------------------------------------------------------------
+# Peak memory
+# --------------------------------------------------------------------------------------------
+
+
+def _peak_mib(fn: Callable[[], object]) -> float:
+    """MiB allocated at the peak of ``fn()`` beyond what was allocated before it."""
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    out = fn()
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - base
+    del out
+    return peak / 2**20
+
+
+def _memory_part(setup: Setup, dtype) -> list[pd.DataFrame]:
+    if not device.on_gpu():
+        print("attention-memory: skipped (peak memory is measured with CUDA's allocator statistics)")
+        return []
+    h, d = setup.memory_heads
+    fns = {
+        "llmnote": lambda q, k, v: flash_attention(q, k, v),
+        "llmnote-fa1": lambda q, k, v: flash_attention_v1(q, k, v),
+        "sdpa-flash": _sdpa(SDPBackend.FLASH_ATTENTION, False),
+        "torch-naive": lambda q, k, v: flash_attention_ref(q, k, v),
+    }
+    env = environment()
+    rows = []
+    for n in setup.memory_ns:
+        q, k, v = (_rand(1, h, n, d, dtype=dtype) for _ in range(3))
+        for name, fn in fns.items():
+            if name == "torch-naive":
+                try:
+                    _naive_fits(1, h, n, "fwd")
+                except Skip as why:
+                    print(f"attention-memory: {name} skipped: {why}")
+                    continue
+            try:
+                fn(q, k, v)  # compile / autotune first: their buffers are not the op's
+                mib = _peak_mib(lambda: fn(q, k, v))
+            except torch.cuda.OutOfMemoryError:
+                print(f"attention-memory: {name} ran out of memory at N = {n}")
+                torch.cuda.empty_cache()
+                continue
+            rows.append(dict(bench="attention-memory", provider=name, x_name="N", x_value=n,
+                             metric="peak_memory", unit="MiB", p50=mib, p20=mib, p80=mib, **env,
+                             B=1, H=h, D=d, causal=False, direction="fwd", dtype=dtype_name(dtype),
+                             input_mib=3 * q.numel() * q.element_size() / 2**20))
+        del q, k, v
+    return [pd.DataFrame(rows, columns=list(dict.fromkeys(COLUMNS + [c for r in rows for c in r])))]
+
+
+def run(quick: bool = False, parts: tuple[str, ...] = PARTS,
+        head_dims: tuple[int, ...] | None = None, dtype: torch.dtype = torch.bfloat16,
+        ) -> pd.DataFrame:
+    """The attention benchmark. ``parts``: any of ``fwd, bwd, decode, memory``.
+
+    quick (a notebook's live run): D = 128, N = 1k, 4k, 16k, no FlexAttention,
+    no ceilings; without a GPU, tiny sizes in the interpreter.
+    """
+    unknown = set(parts) - set(PARTS)
+    if unknown:
+        raise ValueError(f"parts must be among {PARTS}, got {sorted(unknown)}")
+    setup = FULL if device.on_gpu() and not quick else QUICK if device.on_gpu() else CPU
+    if head_dims:
+        setup = Setup(**{**setup.__dict__, "head_dims": tuple(head_dims)})
+    frames = [] if quick else [measure_ceilings()]
+    for direction in ("fwd", "bwd"):
+        if direction in parts:
+            frames += _attention_part(setup, direction, dtype, quick)
+    if "decode" in parts:
+        frames += _decode_part(setup, dtype, quick)
+    if "memory" in parts:
+        frames += _memory_part(setup, dtype)
+    frames = [f for f in frames if not f.empty]
+    if not frames:
+        return pd.DataFrame(columns=COLUMNS)
+    return pd.concat(frames, ignore_index=True)
+
+
+def summary(df: pd.DataFrame) -> pd.DataFrame:
+    """Medians per configuration and provider (throughput, bandwidth or memory), one row each."""
+    show = df[(df["metric"] != "time") & (df["bench"] != "ceiling")]
+    keys = ("bench", "direction", "causal", "D", "B", "x_name", "x_value")
+    keys = [c for c in keys if c in show.columns]
+    show = show.assign(**{c: show[c].astype(object).where(show[c].notna(), "-") for c in keys})
+    return show.pivot_table(index=keys, columns="provider", values="p50", aggfunc="first", sort=False)
+
+
+__all__ = ["BENCH", "PARTS", "attention_flops", "run", "summary"]

@@ -1,0 +1,146 @@
+"""Plain-PyTorch references of the attention ops, with the kernels' signatures.
+
+Each computes the textbook formula and materialises the ``(N_q, N_k)`` score
+matrix: ``O = softmax(scale * Q K^T + mask) V``. The matrix products run in the
+inputs' dtype (so a bf16 call is "PyTorch's own bf16 result" of the tolerance
+rule in :mod:`llmnote.testing`) and the softmax in fp32; called on fp32 inputs
+they are the fp32 references the kernels are checked against.
+
+Conventions shared with the kernels:
+
+* GQA/MQA: query head ``h`` uses key/value head ``h // (heads // kv_heads)``.
+* Causal masking is aligned to the bottom-right corner, as in flash-attn 2.1+:
+  query ``i`` sees keys ``j <= i + (N_k - N_q)``. With ``N_q == N_k`` this is
+  the usual lower triangle; with ``N_q < N_k`` (new tokens after a cached
+  prefix) the last query sees every key. (``torch`` SDPA's ``is_causal`` aligns
+  to the top-left instead; the two agree when ``N_q == N_k``.)
+* A query row with no key to attend to (``N_k = 0``, or causal with
+  ``N_k < N_q`` for the first ``N_q - N_k`` rows) gets output 0 and
+  log-sum-exp ``-inf``; its gradients are 0. Never NaN.
+* ``lse`` (log-sum-exp of the scaled, masked scores of a row, natural log) is
+  fp32 of shape ``(batch, heads, N_q)``, or ``(heads, total_q)`` for varlen.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from llmnote.ops.softmax import softmax_ref
+
+
+def _expand_kv(t: torch.Tensor, heads: int, dim: int) -> torch.Tensor:
+    """Repeat each key/value head for the query heads of its group."""
+    group = heads // t.shape[dim]
+    return t.repeat_interleave(group, dim=dim) if group > 1 else t
+
+
+def causal_mask(n_q: int, n_k: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """``(n_q, n_k)`` bool, True where query ``i`` may see key ``j``: ``j <= i + n_k - n_q``."""
+    i = torch.arange(n_q, device=device)[:, None]
+    j = torch.arange(n_k, device=device)[None, :]
+    return j <= i + (n_k - n_q)
+
+
+def _masked_softmax(s: torch.Tensor, mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Safe softmax of fp32 scores over the last dim; rows with no key give 0 (and lse -inf)."""
+    if mask is not None:
+        s = s.masked_fill(~mask, float("-inf"))
+    if s.shape[-1] == 0:  # no keys at all
+        m = s.new_zeros((*s.shape[:-1], 1))
+    else:
+        m = s.amax(dim=-1, keepdim=True).detach()
+    m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))  # empty row: subtract 0, not -inf
+    e = torch.exp(s - m)  # masked -> 0
+    den = e.sum(dim=-1, keepdim=True)
+    p = e / torch.where(den == 0, torch.ones_like(den), den)
+    lse = (m + torch.log(den)).squeeze(-1)  # log(0) = -inf for empty rows
+    return p, lse
+
+
+def flash_attention_ref(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False,
+    sm_scale: float | None = None, return_lse: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Attention on ``(batch, heads, seq, head_dim)`` tensors, the naive way.
+
+    Memory: the ``(batch, heads, N_q, N_k)`` scores in fp32, several times over.
+    """
+    scale = 1.0 / math.sqrt(q.shape[-1]) if sm_scale is None else sm_scale
+    kk = _expand_kv(k, q.shape[1], 1)
+    vv = _expand_kv(v, q.shape[1], 1)
+    s = torch.matmul(q, kk.transpose(-2, -1)).float() * scale  # (B, H, N_q, N_k)
+    mask = causal_mask(q.shape[2], k.shape[2], q.device) if causal else None
+    p, lse = _masked_softmax(s, mask)
+    out = torch.matmul(p.to(q.dtype), vv)  # (B, H, N_q, D)
+    return (out, lse) if return_lse else out
+
+
+def flash_attention_v1_ref(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False,
+    sm_scale: float | None = None,
+) -> torch.Tensor:
+    """The reference of the FlashAttention-1 style kernel: the same function."""
+    return flash_attention_ref(q, k, v, causal=causal, sm_scale=sm_scale)
+
+
+def flash_attention_varlen_ref(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+    cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int | None = None, max_seqlen_k: int | None = None,
+    causal: bool = False, sm_scale: float | None = None, return_lse: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Packed ``(tokens, heads, head_dim)`` sequences, one reference call each."""
+    cq, ck = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
+    outs, lses = [], []
+    for b in range(len(cq) - 1):
+        qs = q[cq[b]:cq[b + 1]].transpose(0, 1)[None]  # (1, H, n_q, D)
+        ks = k[ck[b]:ck[b + 1]].transpose(0, 1)[None]
+        vs = v[ck[b]:ck[b + 1]].transpose(0, 1)[None]
+        o, lse = flash_attention_ref(qs, ks, vs, causal=causal, sm_scale=sm_scale, return_lse=True)
+        outs.append(o[0].transpose(0, 1))
+        lses.append(lse[0])
+    out = torch.cat(outs, dim=0) if outs else q.new_empty(q.shape)
+    lse = torch.cat(lses, dim=1) if lses else q.new_empty((q.shape[1], 0), dtype=torch.float32)
+    return (out, lse) if return_lse else out
+
+
+def decode_attention_ref(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, seq_lens: torch.Tensor,
+    sm_scale: float | None = None, num_splits: int | None = None, return_lse: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """One query token per sequence, ``q (batch, heads, head_dim)``, against the cache
+    ``(batch, kv_heads, capacity, head_dim)`` of which the first ``seq_lens[b]`` positions
+    are valid. ``num_splits`` is the kernel's tuning knob and changes nothing here."""
+    scale = 1.0 / math.sqrt(q.shape[-1]) if sm_scale is None else sm_scale
+    kk = _expand_kv(k_cache, q.shape[1], 1)
+    vv = _expand_kv(v_cache, q.shape[1], 1)
+    s = torch.matmul(q[:, :, None, :], kk.transpose(-2, -1)).float() * scale  # (B, H, 1, S)
+    pos = torch.arange(k_cache.shape[2], device=q.device)
+    mask = (pos[None, :] < seq_lens.to(q.device).long()[:, None])[:, None, None, :]  # (B, 1, 1, S)
+    p, lse = _masked_softmax(s, mask)
+    out = torch.matmul(p.to(q.dtype), vv)[:, :, 0]  # (B, H, D)
+    return (out, lse[:, :, 0]) if return_lse else out
+
+
+def softmax_three_pass_ref(x: torch.Tensor, block_n: int | None = None) -> torch.Tensor:
+    """Safe softmax over the last dimension (``block_n`` is the kernel's chunk size)."""
+    return softmax_ref(x)
+
+
+def online_softmax_ref(x: torch.Tensor, block_n: int | None = None) -> torch.Tensor:
+    """Safe softmax over the last dimension (``block_n`` is the kernel's chunk size)."""
+    return softmax_ref(x)
+
+
+def softmax_stats_ref(x: torch.Tensor, block_n: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per row: the maximum ``m`` and ``l = sum_j exp(x_j - m)``, both fp32.
+
+    A row of only ``-inf`` gives ``m = -inf`` and ``l = 0``.
+    """
+    xf = x.float()
+    m = xf.amax(dim=-1) if x.shape[-1] > 0 else xf.new_full(x.shape[:-1], float("-inf"))
+    m_sub = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+    l = torch.exp(xf - m_sub[..., None]).sum(dim=-1)
+    return m, l
