@@ -46,6 +46,47 @@ def matmul_rate(dtype: torch.dtype = torch.bfloat16, n: int | None = None) -> pd
     return pd.DataFrame(rows_for("ceiling", name, "n", n, t, metrics, env=environment()))
 
 
+def matmul_rate_lowp(kind: str, n: int | None = None) -> pd.DataFrame:
+    """Rows for ``tf32`` (fp32 inputs, TF32 tensor cores on), ``fp8`` (e4m3 inputs through
+    ``torch._scaled_mm``, bf16 output) or ``int8`` (``torch._int_mm``, int32 output).
+
+    Raises ``RuntimeError`` where this torch or GPU has no such path (fp8 needs sm_89+).
+    """
+    dev = device.default_device()
+    n = n or (8192 if dev.type == "cuda" else 512)
+    if kind == "tf32":
+        a = torch.randn(n, n, device=dev)
+        b = torch.randn(n, n, device=dev)
+
+        def fn():
+            old = torch.backends.cuda.matmul.allow_tf32
+            torch.backends.cuda.matmul.allow_tf32 = True
+            try:
+                return a @ b
+            finally:
+                torch.backends.cuda.matmul.allow_tf32 = old
+    elif kind == "fp8":
+        a = torch.randn(n, n, device=dev).to(torch.float8_e4m3fn)
+        b = torch.randn(n, n, device=dev).to(torch.float8_e4m3fn).t()  # column-major, as cuBLASLt wants
+        one = torch.ones((), device=dev)
+
+        def fn():
+            return torch._scaled_mm(a, b, scale_a=one, scale_b=one, out_dtype=torch.bfloat16)
+    elif kind == "int8":
+        a = torch.randint(-8, 8, (n, n), device=dev, dtype=torch.int8)
+        b = torch.randint(-8, 8, (n, n), device=dev, dtype=torch.int8)
+
+        def fn():
+            return torch._int_mm(a, b)
+    else:
+        raise ValueError(f"kind must be 'tf32', 'fp8' or 'int8', got {kind!r}")
+    fn()  # raises here where the path does not exist
+    t = measure(fn)
+    flops = 2 * n**3
+    metrics = {"throughput": ("TFLOP/s", lambda x, ms: flops / (ms * 1e-3) / 1e12)}
+    return pd.DataFrame(rows_for("ceiling", f"matmul-{kind}", "n", n, t, metrics, env=environment()))
+
+
 def measure_ceilings(matmul_dtypes: tuple[torch.dtype, ...] = (torch.bfloat16,)) -> pd.DataFrame:
     """Copy bandwidth plus the matmul rate for each dtype, as result rows."""
     frames = [copy_bandwidth()] + [matmul_rate(dt) for dt in matmul_dtypes]
