@@ -13,6 +13,7 @@ its second attention reads the encoder's output ("cross-attention").
 from __future__ import annotations
 
 import math
+import warnings
 
 import torch
 import torch.nn.functional as F
@@ -219,6 +220,46 @@ class Transformer(nn.Module):
             nxt = self.decode(ys, memory, src_mask)[:, -1].argmax(-1, keepdim=True)  # (B, 1)
             ys = torch.cat([ys, nxt], dim=1)
         return ys[:, 1:]
+
+
+def to_torch_transformer(model: Transformer) -> nn.Transformer:
+    """PyTorch's own ``nn.Transformer`` holding a copy of ``model``'s layer weights: an
+    outside reference for the encoder and decoder stacks (embeddings, positional
+    encodings and the output projection stay with ``model``).
+
+    ``nn.Transformer`` packs q, k, v into one ``in_proj_weight`` (3d, d) and ends
+    each stack with an extra LayerNorm; the paper's post-norm stacks have none, so
+    those two norms are removed. Call it with ``batch_first`` tensors and
+    ``True``-means-blocked masks (the opposite of this module's convention).
+    """
+    first = model.encoder[0]
+    with warnings.catch_warnings():  # its nested-tensor fast path is switched off below
+        warnings.filterwarnings("ignore", message="enable_nested_tensor is True")
+        tr = nn.Transformer(
+            model.d_model, first.self_attn.h, len(model.encoder), len(model.decoder),
+            first.ffn.w_1.out_features, dropout=0.0, batch_first=True,
+            layer_norm_eps=first.norm1.eps,
+        )
+    tr.encoder.norm = tr.decoder.norm = None  # post-norm: no norm after the last layer
+    tr.encoder.enable_nested_tensor = tr.encoder.use_nested_tensor = False  # keep padded rows
+
+    def copy_attention(ours: MultiHeadAttention, theirs: nn.MultiheadAttention) -> None:
+        theirs.in_proj_weight.copy_(torch.cat([ours.w_q.weight, ours.w_k.weight, ours.w_v.weight]))
+        theirs.in_proj_bias.copy_(torch.cat([ours.w_q.bias, ours.w_k.bias, ours.w_v.bias]))
+        theirs.out_proj.load_state_dict(ours.w_o.state_dict())
+
+    with torch.no_grad():
+        for ours, theirs in [*zip(model.encoder, tr.encoder.layers),
+                             *zip(model.decoder, tr.decoder.layers)]:
+            copy_attention(ours.self_attn, theirs.self_attn)
+            if isinstance(ours, DecoderLayer):
+                copy_attention(ours.cross_attn, theirs.multihead_attn)
+                theirs.norm3.load_state_dict(ours.norm3.state_dict())
+            theirs.linear1.load_state_dict(ours.ffn.w_1.state_dict())
+            theirs.linear2.load_state_dict(ours.ffn.w_2.state_dict())
+            theirs.norm1.load_state_dict(ours.norm1.state_dict())
+            theirs.norm2.load_state_dict(ours.norm2.state_dict())
+    return tr.eval()
 
 
 def toy_batch(
