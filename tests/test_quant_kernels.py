@@ -1,0 +1,167 @@
+"""llmnote.quant.kernels against their references, on the interpreter (CPU) or the GPU.
+
+int8 ``tl.dot`` is exact in Triton's interpreter (int32 accumulation), so the
+int8 GEMM must match ``int8_gemm_ref`` up to the rounding of the output dtype.
+The W4A16 kernel's bf16 tiles are upcast to fp32 under the interpreter (its
+bf16 dot is wrong); on a GPU the bf16/fp16 tensor-core path itself is tested,
+against the fp32 reference with the low-precision rule.
+"""
+
+import pytest
+import torch
+
+from llmnote import device
+from llmnote.quant import kernels as K
+from llmnote.quant.primitives import pack_int4, quantize
+from llmnote.testing import MismatchError, assert_close, assert_close_lowp, interpreter_allowance
+
+ODD_MK = [(1, 1), (3, 17), (37, 100), (70, 33)]
+
+
+@pytest.mark.parametrize("m,k", ODD_MK)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_quantize_per_token(seed, dev, m, k, dtype):
+    x = (torch.randn(m, k, device=dev) * torch.rand(m, 1, device=dev) * 10).to(dtype)
+    if k > 1:
+        x[0, 0] = 0.0  # an exact zero (the row keeps a non-zero max)
+    q, s = K.quantize_per_token(x)
+    qr, sr = K.quantize_per_token_ref(x)
+    assert q.dtype == torch.int8 and s.dtype == torch.float32 and q.shape == (m, k) and s.shape == (m,)
+    assert_close(s, sr, atol=0, rtol=1e-6, name="scale")
+    assert int((q.int() - qr.int()).abs().max()) <= (0 if device.interpreting() else 1)
+    assert bool((q.abs().amax(1) == 127).all())  # each row's largest element maps to +-127
+
+
+def test_quantize_per_token_3d_and_zero_rows(dev):
+    x = torch.zeros(2, 3, 16, device=dev)
+    x[1, 2, 5] = -4.0
+    q, s = K.quantize_per_token(x)
+    assert q.shape == (6, 16) and bool((q[:5] == 0).all()) and int(q[5, 5]) == -127
+    assert torch.isfinite(s).all()
+
+
+def _int8_operands(m, n, k, dev, per_token=True, per_channel=True):
+    a = torch.randint(-127, 128, (m, k), dtype=torch.int8, device=dev)
+    w = torch.randint(-127, 128, (n, k), dtype=torch.int8, device=dev)
+    sa = torch.rand(m if per_token else 1, device=dev) * 0.01 + 1e-3
+    sw = torch.rand(n if per_channel else 1, device=dev) * 0.01 + 1e-3
+    return a, sa, w, sw
+
+
+@pytest.mark.parametrize("m,n,k", [(1, 1, 1), (1, 40, 17), (17, 33, 65), (33, 19, 40), (64, 48, 96)])
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_int8_gemm(seed, dev, m, n, k, out_dtype):
+    a, sa, w, sw = _int8_operands(m, n, k, dev)
+    out = K.int8_gemm(a, sa, w, sw, out_dtype=out_dtype)
+    ref = K.int8_gemm_ref(a, sa, w, sw, out_dtype=torch.float32)
+    assert out.dtype == out_dtype and out.shape == (m, n)
+    tol = {torch.float32: 1e-6, torch.float16: 2**-10, torch.bfloat16: 2**-7}[out_dtype]
+    err = float((out.float() - ref).abs().max())
+    assert err <= tol * float(ref.abs().max()) + interpreter_allowance(out_dtype, ref) + 1e-6, err
+
+
+@pytest.mark.parametrize("per_token,per_channel", [(False, True), (True, False), (False, False)])
+def test_int8_gemm_scale_modes_and_bias(seed, dev, per_token, per_channel):
+    a, sa, w, sw = _int8_operands(19, 24, 50, dev, per_token, per_channel)
+    bias = torch.randn(24, device=dev)
+    out = K.int8_gemm(a, sa, w, sw, bias, out_dtype=torch.float32)
+    assert_close(out, K.int8_gemm_ref(a, sa, w, sw, bias, out_dtype=torch.float32), rtol=1e-5, atol=1e-5)
+
+
+def test_int8_gemm_extreme_values_exact(dev):
+    """-127 * -127 * K at the int32 accumulator: no overflow, exact."""
+    k = 200
+    a = torch.full((16, k), -127, dtype=torch.int8, device=dev)
+    w = torch.full((16, k), -127, dtype=torch.int8, device=dev)
+    one = torch.ones(1, device=dev)
+    out = K.int8_gemm(a, one, w, one, out_dtype=torch.float32)
+    assert bool((out == 127 * 127 * k).all())
+
+
+def test_int8_gemm_wrong_result_caught(dev):
+    a, sa, w, sw = _int8_operands(17, 20, 33, dev)
+    out = K.int8_gemm(a, sa, w, sw, out_dtype=torch.float32)
+    bad = out.clone()
+    bad[3, 4] += 0.05 * bad.abs().max()
+    with pytest.raises(MismatchError):
+        assert_close(bad, K.int8_gemm_ref(a, sa, w, sw, out_dtype=torch.float32), rtol=1e-5, atol=1e-5)
+
+
+def _w4(n, k, g, dtype, dev):
+    w = torch.randn(n, k)
+    qt = quantize(w, 4, symmetric=False, granularity="group", group_size=g)
+    qw = pack_int4(qt.q.t().contiguous()).to(dev)
+    return qw, qt.scale.t().contiguous().to(dev, dtype), qt.zero.t().contiguous().to(dev, dtype)
+
+
+@pytest.mark.parametrize("m,n,k,g", [(1, 1, 32, 32), (1, 40, 256, 128), (5, 33, 96, 32), (8, 17, 64, 16),
+                                     (20, 40, 128, 64), (37, 24, 256, 128)])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_w4a16(seed, dev, m, n, k, g, dtype):
+    qw, s, z = _w4(n, k, g, dtype, dev)
+    x = torch.randn(m, k, device=dev).to(dtype)
+    out = K.w4a16_linear(x, qw, s, z, g)
+    ref32 = K.w4a16_linear_ref(x.float(), qw, s.float(), z.float(), g)
+    assert out.dtype == dtype and out.shape == (m, n)
+    assert_close_lowp(out, ref32, _lowp_ref(x, qw, s, z, g), atol=1e-3, name="w4a16")
+
+
+def _lowp_ref(x, qw, s, z, g):
+    """PyTorch's own low-precision result: the dequantized weight rounded to x's dtype, matmul in x's dtype."""
+    from llmnote.quant.primitives import unpack_int4
+
+    w = K.dequantize_int4_weight(unpack_int4(qw), s, z, g).to(x.dtype)
+    return (x.float() @ w.float()).to(x.dtype)
+
+
+@pytest.mark.parametrize("split_k", [1, 2, 3])
+@pytest.mark.parametrize("batch", [(2, 3), (4, 5)])  # 6 rows (GEMV tiles) and 20 rows (GEMM tiles)
+def test_w4a16_split_k_and_bias_3d(seed, dev, split_k, batch):
+    qw, s, z = _w4(24, 192, 64, torch.float16, dev)
+    x = torch.randn(*batch, 192, device=dev).half()
+    bias = torch.randn(24, device=dev).half()
+    out = K.w4a16_linear(x, qw, s, z, 64, bias, split_k=split_k)
+    assert out.shape == (*batch, 24)
+    ref32 = K.w4a16_linear_ref(x.float(), qw, s.float(), z.float(), 64, bias.float())
+    m = batch[0] * batch[1]
+    assert_close_lowp(out, ref32, (_lowp_ref(x.reshape(m, -1), qw, s, z, 64).reshape(*batch, 24) + bias),
+                      atol=1e-3)
+
+
+def test_w4a16_wrong_result_caught(dev):
+    qw, s, z = _w4(16, 64, 32, torch.float16, dev)
+    x = torch.randn(3, 64, device=dev).half()
+    z_bad = z.clone()
+    z_bad[0, 0] += 1  # one wrong zero point
+    out = K.w4a16_linear(x, qw, s, z_bad, 32)
+    with pytest.raises(MismatchError):
+        assert_close_lowp(out, K.w4a16_linear_ref(x.float(), qw, s.float(), z.float(), 32),
+                          _lowp_ref(x, qw, s, z, 32), atol=1e-3)
+
+
+def test_bad_input(dev):
+    a, sa, w, sw = _int8_operands(4, 8, 16, dev)
+    with pytest.raises(TypeError, match="a_q must have dtype"):
+        K.int8_gemm(a.float(), sa, w, sw)
+    with pytest.raises(ValueError, match="inner dimensions"):
+        K.int8_gemm(a[:, :8], sa, w, sw)
+    with pytest.raises(ValueError, match="a_scale must have shape"):
+        K.int8_gemm(a, sa[:3], w, sw)
+    with pytest.raises(TypeError, match="out_dtype"):
+        K.int8_gemm(a, sa, w, sw, out_dtype=torch.int32)
+    with pytest.raises(TypeError, match="x must have dtype"):
+        K.quantize_per_token(torch.ones(2, 3, dtype=torch.int32, device=dev))
+    with pytest.raises(ValueError, match="non-empty last dimension"):
+        K.quantize_per_token(torch.ones(2, 0, device=dev))
+    qw, s, z = _w4(8, 64, 32, torch.float16, dev)
+    x = torch.randn(2, 64, device=dev).half()
+    with pytest.raises(ValueError, match="group_size must be a positive int dividing K"):
+        K.w4a16_linear(x, qw, s, z, 48)
+    with pytest.raises(ValueError, match="scales must have shape"):
+        K.w4a16_linear(x, qw, s[:1], z, 32)
+    with pytest.raises(ValueError, match="x's last dimension must be K"):
+        K.w4a16_linear(x[:, :32], qw, s, z, 32)
+    with pytest.raises(TypeError, match="float16 or bfloat16"):
+        K.w4a16_linear(x.float(), qw, s, z, 32)
+    with pytest.raises(TypeError, match="qweight must have dtype"):
+        K.w4a16_linear(x, qw.to(torch.int16), s, z, 32)
