@@ -3,7 +3,10 @@ import torch
 import torch.nn.functional as F
 
 from llmnote import device
+from llmnote.ops._rowwise import RowConfig
 from llmnote.ops.layernorm import MAX_N, layernorm, layernorm_ref
+from llmnote.ops.layernorm import _backward as ln_backward
+from llmnote.ops.layernorm import _forward as ln_forward
 from llmnote.testing import MismatchError, assert_close, assert_close_lowp
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
@@ -130,3 +133,23 @@ def test_bad_input(args, exc, match, dev):
                  for a in args)
     with pytest.raises(exc, match=match):
         layernorm(*args)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("config", [RowConfig(1, 256, 4, 1), RowConfig(2, 256, 4, 3),
+                                    RowConfig(4, 256, 8, 2)], ids=str)
+def test_launch_configs(config, dtype, dev, seed):
+    """Several rows a program, tiles loaded ahead, the persistent forward: same results."""
+    m, n = 37, 201
+    x, w, b = _inputs((m, n), dtype, dev)
+    dy = torch.randn(m, n, device=dev).to(dtype)
+    y, mean, rstd = ln_forward(x, w, b, 1e-5, config=config)
+    dx, (dw, db) = ln_backward(dy, x, w, mean, rstd, config=config)
+    got = [y, dx, dw.to(dtype), db.to(dtype)]
+    want = outputs_and_grads(layernorm_ref, [x.float(), w.float(), b.float()], dy)
+    lowp = outputs_and_grads(lambda x, w, b: F.layer_norm(x, (n,), w, b, 1e-5), [x, w, b], dy)
+    for name, g, ref, t in zip(NAMES, got, want, lowp):
+        if dtype == torch.float32:
+            assert_close(g, ref, atol=1e-5, rtol=1e-4, name=name)
+        else:
+            assert_close_lowp(g, ref, t, atol=1e-2, name=name)

@@ -3,7 +3,10 @@ import torch
 import torch.nn.functional as F
 
 from llmnote import device
+from llmnote.ops._rowwise import SMEM_FOR_STAGES, RowConfig, bwd_config, fwd_config
 from llmnote.ops.rmsnorm import MAX_N, add_rmsnorm, add_rmsnorm_ref, rmsnorm, rmsnorm_ref
+from llmnote.ops.rmsnorm import _backward as rms_backward
+from llmnote.ops.rmsnorm import _forward as rms_forward
 from llmnote.testing import MismatchError, assert_close, assert_close_lowp
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
@@ -210,3 +213,46 @@ def test_add_rmsnorm_bad_residual(residual, exc, match, dev):
     residual = residual.to(dev) if residual is not None else None
     with pytest.raises(exc, match=match):
         add_rmsnorm(torch.ones(3, 4, device=dev), residual, torch.ones(4, device=dev))
+
+
+# Launch shapes other than the defaults: several rows a program, tiles loaded ahead
+# (num_stages), the persistent forward (num_stages > 1), more tiles than programs.
+CONFIGS = [RowConfig(1, 256, 4, 1), RowConfig(2, 256, 4, 3), RowConfig(4, 256, 8, 2),
+           RowConfig(8, 256, 8, 1)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("config", CONFIGS, ids=str)
+def test_launch_configs(config, dtype, dev, seed):
+    m, n = 37, 201
+    x, w = _inputs((m, n), dtype, dev)
+    r, dy, dh = (torch.randn(m, n, device=dev).to(dtype) for _ in range(3))
+    y, h, rstd = rms_forward(x, r, w, 1e-6, config=config)
+    want = outputs_and_grads(add_rmsnorm_ref, [x.float(), r.float(), w.float()], [dy, dh])
+
+    def torch_lowp(x, r, w):
+        h = x + r
+        return F.rms_norm(h, (n,), w, 1e-6), h
+
+    lowp = outputs_and_grads(torch_lowp, [x, r, w], [dy, dh])
+    dx, dw = rms_backward(dy, h, w, rstd, dh, config=config)
+    got = [y, h, dx, dx, dw.to(w.dtype)]
+    names = ["out", "new_residual", "dx", "dresidual", "dweight"]
+    for name, g, ref, t in zip(names, got, want, lowp):
+        if dtype == torch.float32:
+            assert_close(g, ref, atol=1e-5, rtol=1e-4, name=name)
+        else:
+            assert_close_lowp(g, ref, t, atol=1e-2, name=name)
+
+
+@pytest.mark.parametrize("n", [1, 100, 1024, 4097, 16384, MAX_N])
+@pytest.mark.parametrize("element_size", [2, 4])
+def test_default_configs(n, element_size):
+    """The heuristics cover the row and keep the staged tiles in shared memory."""
+    for cfg, tensors in [(fwd_config(n, element_size), 1), (bwd_config(n, element_size), 2),
+                         (bwd_config(n, element_size, tensors=3), 3)]:
+        assert cfg.block_n >= n and cfg.block_n & (cfg.block_n - 1) == 0
+        assert cfg.num_warps in (4, 8, 16, 32)
+        assert 1 <= cfg.per_thread <= 64
+        staged = cfg.num_stages * cfg.block_m * cfg.block_n * element_size * tensors
+        assert cfg.num_stages == 1 or staged <= SMEM_FOR_STAGES

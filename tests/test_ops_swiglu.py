@@ -27,7 +27,10 @@ def check_all(a, b, dy):
     want = outputs_and_grads(swiglu_ref, [a.float(), b.float()], dy)
     if a.dtype == torch.float32:
         for name, g, w in zip(NAMES, got, want):
-            assert_close(g, w, atol=1e-6, rtol=1e-5, name=name)
+            # atol scales with the largest value: where 1 + a(1 - s) cancels (a near -1.28)
+            # da is tiny but its rounding error is that of the terms, ~1e-7 of |dy * b|
+            atol = 1e-6 * max(1.0, float(w.detach().abs().max()))
+            assert_close(g, w, atol=atol, rtol=1e-5, name=name)
         return
     lowp = outputs_and_grads(lambda a, b: F.silu(a) * b, [a, b], dy)
     for name, g, w, t in zip(NAMES, got, want, lowp):

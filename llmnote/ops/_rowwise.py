@@ -1,30 +1,45 @@
 """What the row-wise norm kernels share (``rmsnorm``, ``add_rmsnorm``, ``layernorm``).
 
 Each of them normalises the last dimension of ``x`` viewed as ``M`` rows of
-``N`` elements. One program keeps ``BLOCK_M`` whole rows in registers (the row
+``N`` elements. A program keeps ``BLOCK_M`` whole rows in registers (the row
 padded to a power of two, the tail masked), so a row is read from memory once.
 
-The backward kernels also reduce the weight (and bias) gradient over all ``M``
-rows. Instead of atomics (whose summation order changes from run to run) a
-fixed number ``G`` of programs each walk the row tiles ``pid, pid + G, ...``,
-keep their own fp32 partial sum of length ``N`` in registers and write it to
-row ``pid`` of a ``(G, N)`` buffer; PyTorch then sums that buffer over its
-first dimension. ``G`` depends only on the device and the shape, so the result
-is the same on every run.
+Forward: one program per tile of ``BLOCK_M`` rows (or, for a configuration
+with ``num_stages > 1``, a persistent grid that loads the next tiles while it
+computes one). Backward: a *persistent* grid of ``G`` programs, exactly as
+many as the GPU holds at once (:func:`resident_programs`), each walking the
+row tiles ``pid, pid + G, ...``. Besides ``dx`` it must reduce the weight (and
+bias) gradient over all ``M`` rows. Instead of atomics (whose summation order
+changes from run to run) each program keeps its own fp32 partial sum in
+registers and writes it to row ``pid`` of a ``(G, N)`` buffer; PyTorch then
+sums that buffer over its first dimension. ``G`` depends only on the GPU, the
+compiled kernel and the shape, so the result is the same on every run.
 
-Known weak spot: from N = 16384 on, a program holds too much for the register
-file and the backward spills (H100, bf16 layernorm backward at N = 16384: 0.8
-TB/s against 2.4 at N = 4096). Splitting such rows into column chunks, two
-passes per row, is the fix not made yet.
+Why exactly one wave of programs: a persistent program runs for the whole
+kernel, so if ``G`` were larger than what fits, the programs that wait for a
+free slot would start when the first wave ends and the kernel would take two
+program lifetimes. Why the block shapes: every program holds its tiles (and
+the partial sums) in registers, and an SM has 64K 32-bit registers; the more
+rows an SM holds, the more loads are in flight, and for memory-bound code that
+is the whole game (Little's law: bytes in flight = bandwidth x latency).
+
+Known weak spot: LayerNorm's backward at N >= 16384. A 32-warp program then
+holds 16 values a thread of ``x_hat``, ``g``, ``dweight`` and ``dbias``, the
+whole register budget, and spills to local memory (H100: 54-66% of the copy
+rate, see ``norms.csv``). RMSNorm, with one accumulator less, fits.
 """
 
 from __future__ import annotations
 
+import functools
 import math
+import warnings
+from dataclasses import dataclass
 
 import torch
 import triton
 
+from llmnote import device
 from llmnote.ops._validate import check_same, check_tensor
 
 MAX_N = 65536  # longest row (padded to a power of two) one program holds in registers
@@ -59,35 +74,118 @@ def check_row_length(name: str, n: int) -> None:
         )
 
 
-def row_config(n: int) -> tuple[int, int, int]:
-    """(BLOCK_M, BLOCK_N, num_warps) for rows of length ``n``.
+@dataclass(frozen=True)
+class RowConfig:
+    """Launch shape of a row-wise kernel: tiles of ``block_m`` rows by ``block_n``
+    columns, ``num_warps`` warps a program, and (backward) ``num_stages`` tiles
+    being loaded ahead of the one being computed."""
+
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int = 1
+
+    @property
+    def per_thread(self) -> int:
+        """Elements of one ``(block_m, block_n)`` tile each thread holds."""
+        return max(1, self.block_m * self.block_n // (32 * self.num_warps))
+
+
+# Shared memory that tiles loaded ahead (num_stages) may fill in one program: well
+# under the 227 KB a thread block can have on an H100, with room for the reductions.
+SMEM_FOR_STAGES = 160 * 1024
+
+
+@functools.lru_cache(maxsize=None)
+def fwd_config(n: int, element_size: int) -> RowConfig:
+    """Forward launch shape for rows of ``n`` elements (``element_size`` bytes each).
 
     A program should move at least 2048 elements, so short rows are packed
-    several to a program; each thread should hold about 16 values of a tile,
-    so long rows get more warps (up to 32). The same heuristic as softmax's
-    fused kernel, whose H100 sweep it comes from.
+    several to a program, and each thread should hold about 16 values of the
+    tile, so long rows get more warps (up to 32): the heuristic of softmax's
+    fused kernel, read off its H100 sweep. RMSNorm's forward keeps only ``x``
+    live across the row reduction (the weight is loaded after it), about 32
+    registers at 16 values a thread, so two 32-warp programs share an SM even
+    at N = 16384. (LayerNorm adjusts this: see ``layernorm._fwd_config``.)
     """
     block_n = triton.next_power_of_2(n)
     block_m = max(1, min(16, 2048 // block_n))
     num_warps = min(32, max(4, block_m * block_n // 512))
-    return block_m, block_n, num_warps
+    return RowConfig(block_m, block_n, num_warps)
 
 
-def reduction_programs(num_tiles: int, num_warps: int, dev: torch.device) -> int:
-    """``G``, the number of backward programs (= rows of the partial-sum buffer).
+@functools.lru_cache(maxsize=None)
+def bwd_config(n: int, element_size: int, tensors: int = 2) -> RowConfig:
+    """Backward launch shape for rows of ``n`` elements; ``tensors`` row tiles are read.
 
-    On a GPU, enough programs for about 32 warps per streaming multiprocessor
-    (a memory-bound loop needs many loads in flight), at least two per SM; the
-    ``(G, N)`` fp32 partials stay a few percent of the backward's traffic. On an
-    H100 (bf16 RMSNorm backward, N = 1024) two 4-warp programs per SM moved
-    2.2 TB/s, eight moved 2.65 TB/s (the copy rate is 3.0 TB/s).
+    The backward holds more per element than the forward (``x_hat``, ``g``
+    and the partial ``dweight``), so a thread takes 8 values of a tile
+    instead of 16 (50-64 registers) and short rows are packed to 1024
+    elements a program; several programs then share an SM and overlap each
+    other's loads. At N = 8192 a row needs all 32 warps a program can have
+    and one program fills the SM: there the kernel loads the next tiles
+    while it computes (3 stages, when they fit in :data:`SMEM_FOR_STAGES`).
+    H100 sweep, bf16 RMSNorm backward at N = 8192: 2.5 TB/s with 1 stage,
+    2.8 TB/s with 3. Elsewhere extra stages measured no better or worse (at
+    N = 16384, where 16 values a thread already fill the register file,
+    3 stages spilled and lost 10%).
     """
-    if dev.type == "cuda":
-        sms = torch.cuda.get_device_properties(dev).multi_processor_count
-        g = sms * max(2, 32 // num_warps)
-    else:
-        g = 8  # the interpreter runs programs one after another: any small number
-    return max(1, min(g, num_tiles))
+    block_n = triton.next_power_of_2(n)
+    block_m = max(1, min(8, 1024 // block_n))
+    num_warps = min(32, max(4, block_m * block_n // 256))
+    cfg = RowConfig(block_m, block_n, num_warps)
+    tile_bytes = block_m * block_n * element_size * tensors
+    if num_warps == 32 and cfg.per_thread <= 8 and 3 * tile_bytes <= SMEM_FOR_STAGES:
+        cfg = RowConfig(block_m, block_n, num_warps, 3)
+    return cfg
+
+
+# (kernel, constexprs, warps, device, dtypes) -> (programs, registers, shared bytes)
+_RESIDENT: dict[tuple, tuple[int, int, int]] = {}
+
+
+def resident_programs(kernel, args: tuple, constexprs: dict, num_warps: int,
+                      dev: torch.device) -> int:
+    """How many programs of ``kernel`` (compiled for ``args``) run at once on ``dev``.
+
+    The occupancy calculation of Triton's fused-softmax tutorial: compile
+    without launching (``warmup``), read the register count and the shared
+    memory, and divide the SM's register file, thread slots and shared memory
+    by what one program takes; times the number of SMs. Cached per kernel,
+    block shape, dtypes (of the first three arguments) and unit strides, so
+    later calls cost a dictionary lookup. Under the interpreter (programs run one after
+    another) any small number will do: 8.
+    """
+    if dev.type != "cuda" or device.interpreting():
+        return 8
+    key = (id(kernel), tuple(constexprs.values()), num_warps, dev.index, args[0].dtype,
+           args[1].dtype, args[2].dtype,
+           tuple(a == 1 for a in args if type(a) is int))  # Triton specialises strides of 1
+    hit = _RESIDENT.get(key)
+    if hit is not None:
+        return hit[0]
+    props = torch.cuda.get_device_properties(dev)
+    try:
+        compiled = kernel.warmup(*args, grid=(1,), num_warps=num_warps, **constexprs)
+        compiled._init_handles()  # loads the binary: n_regs is known from here on
+        n_regs, shared = compiled.n_regs, compiled.metadata.shared
+    except (AttributeError, TypeError) as why:  # a Triton without this API
+        warnings.warn(f"llmnote: cannot read {kernel.__name__}'s register count ({why}); "
+                      "one program per SM, which may be slow", stacklevel=3)
+        _RESIDENT[key] = (props.multi_processor_count, 0, 0)
+        return _RESIDENT[key][0]
+    regs_per_sm = getattr(props, "regs_per_multiprocessor", 65536)
+    threads_per_sm = getattr(props, "max_threads_per_multi_processor", 2048)
+    smem_per_sm = getattr(props, "shared_memory_per_multiprocessor", 228 * 1024)
+    regs_per_warp = -(-n_regs * 32 // 256) * 256  # registers are allocated 256 at a time
+    per_sm = min(
+        regs_per_sm // (regs_per_warp * num_warps),
+        threads_per_sm // (32 * num_warps),
+        smem_per_sm // (shared + 1024),  # the driver reserves 1 KB per program
+        32,  # programs (thread blocks) per SM
+    )
+    _RESIDENT[key] = (props.multi_processor_count * max(1, per_sm), n_regs, shared)
+    return _RESIDENT[key][0]
 
 
 def as_rows(x: torch.Tensor) -> torch.Tensor:

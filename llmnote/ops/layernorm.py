@@ -29,13 +29,16 @@ https://triton-lang.org/main/getting-started/tutorials/05-layer-norm.html.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
 
 from llmnote import device
 from llmnote.ops._rowwise import (
-    MAX_N, as_rows, check_eps, check_param, check_row_length, reduction_programs, row_config,
+    MAX_N, SMEM_FOR_STAGES, RowConfig, as_rows, bwd_config, check_eps, check_param,
+    check_row_length, fwd_config, resident_programs,
 )
 from llmnote.ops._validate import check_tensor
 
@@ -57,39 +60,44 @@ def layernorm_ref(
 def _layernorm_fwd_kernel(
     x_ptr, w_ptr, b_ptr, y_ptr, mean_ptr, rstd_ptr, M, N, eps,
     stride_xm, stride_xn, stride_wn, stride_bn, stride_ym,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NUM_STAGES: tl.constexpr,
 ):
-    pid = tl.program_id(0).to(tl.int64)
-    rows = pid * BLOCK_M + tl.arange(0, BLOCK_M)  # (BLOCK_M,)
+    # Usually one program per row tile (the loop runs once); with NUM_STAGES > 1 the
+    # grid is persistent and the next tiles' loads are in flight during this one.
     cols = tl.arange(0, BLOCK_N)  # (BLOCK_N,)
-    mask = (rows[:, None] < M) & (cols[None, :] < N)  # (BLOCK_M, BLOCK_N)
-    x = tl.load(x_ptr + rows[:, None] * stride_xm + cols[None, :] * stride_xn,
-                mask=mask, other=0.0).to(tl.float32)  # read MN
-    mean = tl.sum(x, axis=1) / N  # (BLOCK_M,)
-    xc = tl.where(mask, x - mean[:, None], 0.0)  # padding must not count in the variance
-    rstd = 1.0 / tl.sqrt(tl.sum(xc * xc, axis=1) / N + eps)
-    w = tl.load(w_ptr + cols * stride_wn, mask=cols < N, other=0.0).to(tl.float32)
-    b = tl.load(b_ptr + cols * stride_bn, mask=cols < N, other=0.0).to(tl.float32)
-    y = xc * rstd[:, None] * w[None, :] + b[None, :]
-    tl.store(y_ptr + rows[:, None] * stride_ym + cols[None, :],
-             y.to(y_ptr.dtype.element_ty), mask=mask)  # write MN
-    tl.store(mean_ptr + rows, mean, mask=rows < M)  # write 2M (fp32), kept for backward
-    tl.store(rstd_ptr + rows, rstd, mask=rows < M)
+    for tile in tl.range(tl.program_id(0), tl.cdiv(M, BLOCK_M), tl.num_programs(0),
+                         num_stages=NUM_STAGES):
+        rows = (tile * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)  # int64: row * stride
+        mask = (rows[:, None] < M) & (cols[None, :] < N)  # (BLOCK_M, BLOCK_N)
+        x = tl.load(x_ptr + rows[:, None] * stride_xm + cols[None, :] * stride_xn,
+                    mask=mask, other=0.0).to(tl.float32)  # read MN
+        mean = tl.sum(x, axis=1) / N  # (BLOCK_M,)
+        xc = tl.where(mask, x - mean[:, None], 0.0)  # padding must not count in the variance
+        rstd = 1.0 / tl.sqrt(tl.sum(xc * xc, axis=1) / N + eps)
+        # weight and bias are loaded after the reductions: no registers held while waiting
+        w = tl.load(w_ptr + cols * stride_wn, mask=cols < N, other=0.0).to(tl.float32)
+        b = tl.load(b_ptr + cols * stride_bn, mask=cols < N, other=0.0).to(tl.float32)
+        y = xc * rstd[:, None] * w[None, :] + b[None, :]
+        tl.store(y_ptr + rows[:, None] * stride_ym + cols[None, :],
+                 y.to(y_ptr.dtype.element_ty), mask=mask)  # write MN
+        tl.store(mean_ptr + rows, mean, mask=rows < M)  # write 2M (fp32), kept for backward
+        tl.store(rstd_ptr + rows, rstd, mask=rows < M)
 
 
 @triton.jit
 def _layernorm_bwd_kernel(
     dy_ptr, x_ptr, w_ptr, mean_ptr, rstd_ptr, dx_ptr, dw_ptr, db_ptr, M, N,
     stride_dym, stride_dyn, stride_xm, stride_xn, stride_wn, stride_dxm, stride_dwg,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NUM_STAGES: tl.constexpr,
 ):
     pid = tl.program_id(0)
-    num_programs = tl.num_programs(0)
+    num_programs = tl.num_programs(0)  # G, as many as the GPU holds at once
     cols = tl.arange(0, BLOCK_N)
-    w = tl.load(w_ptr + cols * stride_wn, mask=cols < N, other=0.0).to(tl.float32)
-    dw = tl.zeros((BLOCK_N,), tl.float32)  # this program's share of sum_rows dy * xh
-    db = tl.zeros((BLOCK_N,), tl.float32)  # ... and of sum_rows dy
-    for tile in range(pid, tl.cdiv(M, BLOCK_M), num_programs):
+    dw = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)  # this program's share of sum_rows dy * xh
+    db = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)  # ... and of sum_rows dy
+    # num_stages > 1: the loads of the next tiles are issued (cp.async into shared
+    # memory) while this one is computed: more bytes in flight per SM.
+    for tile in tl.range(pid, tl.cdiv(M, BLOCK_M), num_programs, num_stages=NUM_STAGES):
         rows = (tile * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)  # int64: row * stride
         mask = (rows[:, None] < M) & (cols[None, :] < N)
         x = tl.load(x_ptr + rows[:, None] * stride_xm + cols[None, :] * stride_xn,
@@ -99,32 +107,89 @@ def _layernorm_bwd_kernel(
         mean = tl.load(mean_ptr + rows, mask=rows < M, other=0.0)  # (BLOCK_M,)
         rstd = tl.load(rstd_ptr + rows, mask=rows < M, other=0.0)
         xh = tl.where(mask, (x - mean[:, None]) * rstd[:, None], 0.0)
+        dw += dy * xh  # dy is 0 in masked rows and columns
+        db += dy
+        w = tl.load(w_ptr + cols * stride_wn, mask=cols < N, other=0.0).to(tl.float32)  # L1 hit
         g = dy * w[None, :]  # 0 in the padding (dy is)
         c1 = tl.sum(xh * g, axis=1) / N  # (BLOCK_M,)
         c2 = tl.sum(g, axis=1) / N
         dx = (g - xh * c1[:, None] - c2[:, None]) * rstd[:, None]
         tl.store(dx_ptr + rows[:, None] * stride_dxm + cols[None, :],
                  dx.to(dx_ptr.dtype.element_ty), mask=mask)  # write MN
-        dw += tl.sum(dy * xh, axis=0)
-        db += tl.sum(dy, axis=0)
-    tl.store(dw_ptr + pid * stride_dwg + cols, dw, mask=cols < N)  # write 2 x G x N (fp32)
-    tl.store(db_ptr + pid * stride_dwg + cols, db, mask=cols < N)
+    tl.store(dw_ptr + pid * stride_dwg + cols, tl.sum(dw, axis=0), mask=cols < N)  # 2 x G x N
+    tl.store(db_ptr + pid * stride_dwg + cols, tl.sum(db, axis=0), mask=cols < N)  # (fp32)
+
+
+@functools.lru_cache(maxsize=None)
+def _fwd_config(n: int, element_size: int) -> RowConfig:
+    """:func:`fwd_config`, adjusted for LayerNorm's heavier forward.
+
+    It keeps ``x - mean`` as well as ``x`` (about 60 registers at 16 values a
+    thread, twice RMSNorm's), so with 16 or 32 warps only one program fits on
+    an SM, and with 2-byte inputs that is too few bytes in flight (H100, bf16:
+    83% of the copy rate at N = 8192, 70% at 16384). Two fixes, both from the
+    H100 sweep: up to N = 8192, half the warps (32 values a thread, three
+    programs an SM: 97%); at N = 16384, a persistent grid that loads two row
+    tiles ahead while it computes one (92%).
+    """
+    cfg = fwd_config(n, element_size)
+    if element_size == 2 and cfg.num_warps >= 16:
+        tile_bytes = cfg.block_m * cfg.block_n * element_size
+        if cfg.block_n <= 8192:
+            cfg = RowConfig(cfg.block_m, cfg.block_n, cfg.num_warps // 2)
+        elif 3 * tile_bytes <= SMEM_FOR_STAGES:
+            cfg = RowConfig(cfg.block_m, cfg.block_n, cfg.num_warps, 3)
+    return cfg
+
+
+def _forward(x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float,
+             config: RowConfig | None = None):
+    """Launch the forward kernel on ``(M, N)`` rows: ``(y, mean, rstd)``.
+
+    ``config`` overrides :func:`fwd_config` (for tuning sweeps).
+    """
+    m, n = x2.shape
+    y = torch.empty((m, n), dtype=x2.dtype, device=x2.device)
+    mean = torch.empty(m, dtype=torch.float32, device=x2.device)
+    rstd = torch.empty_like(mean)
+    cfg = config or _fwd_config(n, x2.element_size())
+    constexprs = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, NUM_STAGES=cfg.num_stages)
+    args = (x2, weight, bias, y, mean, rstd, m, n, eps,
+            x2.stride(0), x2.stride(1), weight.stride(0), bias.stride(0), y.stride(0))
+    grid = triton.cdiv(m, cfg.block_m)
+    if cfg.num_stages > 1:  # persistent: one wave of programs, loads issued ahead
+        grid = min(grid, resident_programs(_layernorm_fwd_kernel, args, constexprs,
+                                           cfg.num_warps, x2.device))
+    _layernorm_fwd_kernel[(grid,)](*args, **constexprs, num_warps=cfg.num_warps)
+    return y, mean, rstd
+
+
+def _backward(dy: torch.Tensor, x2: torch.Tensor, weight: torch.Tensor, mean: torch.Tensor,
+              rstd: torch.Tensor, config: RowConfig | None = None):
+    """Launch the backward kernel: ``(dx, (2, N) fp32 stack of dweight and dbias)``.
+
+    ``config`` overrides :func:`bwd_config` (for tuning sweeps).
+    """
+    m, n = x2.shape
+    dx = torch.empty((m, n), dtype=x2.dtype, device=x2.device)
+    cfg = config or bwd_config(n, x2.element_size())
+    constexprs = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, NUM_STAGES=cfg.num_stages)
+    args = [dy, x2, weight, mean, rstd, dx, mean, rstd, m, n,  # stand-ins for the partials
+            dy.stride(0), dy.stride(1), x2.stride(0), x2.stride(1), weight.stride(0),
+            dx.stride(0), n]
+    g = min(resident_programs(_layernorm_bwd_kernel, args, constexprs, cfg.num_warps, x2.device),
+            triton.cdiv(m, cfg.block_m))
+    partial = torch.empty((2, g, n), dtype=torch.float32, device=x2.device)  # dw, db
+    args[6], args[7] = partial[0], partial[1]
+    _layernorm_bwd_kernel[(g,)](*args, **constexprs, num_warps=cfg.num_warps)
+    return dx, partial.sum(dim=1)  # (2, G, N) -> (2, N) = (dweight, dbias), fixed order
 
 
 class _LayerNorm(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, eps):
         x2 = as_rows(x)  # (M, N)
-        m, n = x2.shape
-        y = torch.empty((m, n), dtype=x2.dtype, device=x2.device)
-        mean = torch.empty(m, dtype=torch.float32, device=x2.device)
-        rstd = torch.empty_like(mean)
-        block_m, block_n, num_warps = row_config(n)
-        _layernorm_fwd_kernel[(triton.cdiv(m, block_m),)](
-            x2, weight, bias, y, mean, rstd, m, n, eps,
-            x2.stride(0), x2.stride(1), weight.stride(0), bias.stride(0), y.stride(0),
-            BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps,
-        )
+        y, mean, rstd = _forward(x2, weight, bias, eps)
         ctx.save_for_backward(x2, weight, mean, rstd)
         ctx.bias_dtype = bias.dtype
         return y.view(x.shape)
@@ -132,20 +197,10 @@ class _LayerNorm(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy):
         x2, weight, mean, rstd = ctx.saved_tensors
-        shape, dy = dy.shape, as_rows(dy)
-        m, n = x2.shape
-        dx = torch.empty((m, n), dtype=x2.dtype, device=x2.device)
-        block_m, block_n, num_warps = row_config(n)
-        g = reduction_programs(triton.cdiv(m, block_m), num_warps, x2.device)
-        partial = torch.empty((2, g, n), dtype=torch.float32, device=x2.device)  # dw, db
-        _layernorm_bwd_kernel[(g,)](
-            dy, x2, weight, mean, rstd, dx, partial[0], partial[1], m, n,
-            dy.stride(0), dy.stride(1), x2.stride(0), x2.stride(1), weight.stride(0),
-            dx.stride(0), partial.stride(1),
-            BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps,
-        )
-        dw, db = partial.sum(dim=1)  # (2, G, N) -> (2, N), fixed order
-        return dx.view(shape), dw.to(weight.dtype), db.to(ctx.bias_dtype), None
+        dx, dwb = _backward(as_rows(dy), x2, weight, mean, rstd)
+        if weight.dtype == ctx.bias_dtype:  # one cast for both
+            dwb = dwb.to(weight.dtype)
+        return dx.view(dy.shape), dwb[0].to(weight.dtype), dwb[1].to(ctx.bias_dtype), None
 
 
 def layernorm(

@@ -46,7 +46,8 @@ import triton.language as tl
 
 from llmnote import device
 from llmnote.ops._rowwise import (
-    MAX_N, as_rows, check_eps, check_param, check_row_length, reduction_programs, row_config,
+    MAX_N, RowConfig, as_rows, bwd_config, check_eps, check_param, check_row_length,
+    fwd_config, resident_programs,
 )
 from llmnote.ops._validate import check_same, check_tensor
 
@@ -73,25 +74,31 @@ def _rmsnorm_fwd_kernel(
     x_ptr, r_ptr, w_ptr, y_ptr, h_ptr, rstd_ptr, M, N, eps,
     stride_xm, stride_xn, stride_rm, stride_rn, stride_wn, stride_ym, stride_hm,
     HAS_RESIDUAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    NUM_STAGES: tl.constexpr,
 ):
-    pid = tl.program_id(0).to(tl.int64)
-    rows = pid * BLOCK_M + tl.arange(0, BLOCK_M)  # (BLOCK_M,)
+    # Usually one program per row tile (the loop runs once); with NUM_STAGES > 1 the
+    # grid is persistent and the next tiles' loads are in flight during this one.
     cols = tl.arange(0, BLOCK_N)  # (BLOCK_N,)
-    mask = (rows[:, None] < M) & (cols[None, :] < N)  # (BLOCK_M, BLOCK_N)
-    x = tl.load(x_ptr + rows[:, None] * stride_xm + cols[None, :] * stride_xn,
-                mask=mask, other=0.0).to(tl.float32)  # read MN
-    if HAS_RESIDUAL:
-        r = tl.load(r_ptr + rows[:, None] * stride_rm + cols[None, :] * stride_rn,
+    for tile in tl.range(tl.program_id(0), tl.cdiv(M, BLOCK_M), tl.num_programs(0),
+                         num_stages=NUM_STAGES):
+        rows = (tile * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)  # int64: row * stride
+        mask = (rows[:, None] < M) & (cols[None, :] < N)  # (BLOCK_M, BLOCK_N)
+        x = tl.load(x_ptr + rows[:, None] * stride_xm + cols[None, :] * stride_xn,
                     mask=mask, other=0.0).to(tl.float32)  # read MN
-        h = (x + r).to(h_ptr.dtype.element_ty)  # the new residual, rounded as stored
-        tl.store(h_ptr + rows[:, None] * stride_hm + cols[None, :], h, mask=mask)  # write MN
-        x = h.to(tl.float32)
-    w = tl.load(w_ptr + cols * stride_wn, mask=cols < N, other=0.0).to(tl.float32)
-    rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=1) / N + eps)  # (BLOCK_M,); padding adds 0
-    y = x * rstd[:, None] * w[None, :]
-    tl.store(y_ptr + rows[:, None] * stride_ym + cols[None, :],
-             y.to(y_ptr.dtype.element_ty), mask=mask)  # write MN
-    tl.store(rstd_ptr + rows, rstd, mask=rows < M)  # write M (fp32), kept for backward
+        if HAS_RESIDUAL:
+            r = tl.load(r_ptr + rows[:, None] * stride_rm + cols[None, :] * stride_rn,
+                        mask=mask, other=0.0).to(tl.float32)  # read MN
+            h = (x + r).to(h_ptr.dtype.element_ty)  # the new residual, rounded as stored
+            tl.store(h_ptr + rows[:, None] * stride_hm + cols[None, :], h, mask=mask)  # write MN
+            x = h.to(tl.float32)
+        rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=1) / N + eps)  # (BLOCK_M,); padding adds 0
+        # The weight is loaded after the reduction, so it holds no registers while the
+        # row sum waits on the other warps (an L1/L2 hit: every program reads it).
+        w = tl.load(w_ptr + cols * stride_wn, mask=cols < N, other=0.0).to(tl.float32)
+        y = x * rstd[:, None] * w[None, :]
+        tl.store(y_ptr + rows[:, None] * stride_ym + cols[None, :],
+                 y.to(y_ptr.dtype.element_ty), mask=mask)  # write MN
+        tl.store(rstd_ptr + rows, rstd, mask=rows < M)  # write M (fp32), kept for backward
 
 
 @triton.jit
@@ -100,13 +107,15 @@ def _rmsnorm_bwd_kernel(
     stride_dym, stride_dyn, stride_xm, stride_xn, stride_wn, stride_dhm, stride_dhn,
     stride_dxm, stride_dwg,
     HAS_DH: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    NUM_STAGES: tl.constexpr,
 ):
     pid = tl.program_id(0)
-    num_programs = tl.num_programs(0)
+    num_programs = tl.num_programs(0)  # G, as many as the GPU holds at once
     cols = tl.arange(0, BLOCK_N)
-    w = tl.load(w_ptr + cols * stride_wn, mask=cols < N, other=0.0).to(tl.float32)
-    dw = tl.zeros((BLOCK_N,), tl.float32)  # this program's share of sum_rows dy * xh
-    for tile in range(pid, tl.cdiv(M, BLOCK_M), num_programs):
+    dw = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)  # this program's share of sum_rows dy * xh
+    # num_stages > 1: the loads of the next tiles are issued (cp.async into shared
+    # memory) while this one is computed: more bytes in flight per SM.
+    for tile in tl.range(pid, tl.cdiv(M, BLOCK_M), num_programs, num_stages=NUM_STAGES):
         rows = (tile * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)  # int64: row * stride
         mask = (rows[:, None] < M) & (cols[None, :] < N)
         x = tl.load(x_ptr + rows[:, None] * stride_xm + cols[None, :] * stride_xn,
@@ -115,6 +124,10 @@ def _rmsnorm_bwd_kernel(
                      mask=mask, other=0.0).to(tl.float32)  # read MN
         rstd = tl.load(rstd_ptr + rows, mask=rows < M, other=0.0)  # (BLOCK_M,)
         xh = x * rstd[:, None]
+        dw += dy * xh  # masked rows and columns add 0 (dy is 0 there)
+        # Loaded here, not once before the loop: kept for the whole loop it would
+        # hold BLOCK_N / (32 * num_warps) registers per thread; reloading it is an L1 hit.
+        w = tl.load(w_ptr + cols * stride_wn, mask=cols < N, other=0.0).to(tl.float32)
         g = dy * w[None, :]
         c = tl.sum(xh * g, axis=1) / N  # (BLOCK_M,) mean_j(xh_j * g_j)
         dx = (g - xh * c[:, None]) * rstd[:, None]
@@ -123,42 +136,53 @@ def _rmsnorm_bwd_kernel(
                           mask=mask, other=0.0).to(tl.float32)  # read MN
         tl.store(dx_ptr + rows[:, None] * stride_dxm + cols[None, :],
                  dx.to(dx_ptr.dtype.element_ty), mask=mask)  # write MN
-        dw += tl.sum(dy * xh, axis=0)  # masked rows have dy = 0
-    tl.store(dw_ptr + pid * stride_dwg + cols, dw, mask=cols < N)  # write G x N (fp32)
+    tl.store(dw_ptr + pid * stride_dwg + cols, tl.sum(dw, axis=0), mask=cols < N)  # G x N fp32
 
 
-def _forward(x2: torch.Tensor, r2: torch.Tensor | None, weight: torch.Tensor, eps: float):
-    """Launch the forward kernel on ``(M, N)`` rows: ``(y, h or None, rstd)``."""
+def _forward(x2: torch.Tensor, r2: torch.Tensor | None, weight: torch.Tensor, eps: float,
+             config: RowConfig | None = None):
+    """Launch the forward kernel on ``(M, N)`` rows: ``(y, h or None, rstd)``.
+
+    ``config`` overrides :func:`fwd_config` (for tuning sweeps).
+    """
     m, n = x2.shape
     y = torch.empty((m, n), dtype=x2.dtype, device=x2.device)
     h = torch.empty_like(y) if r2 is not None else None
     rstd = torch.empty(m, dtype=torch.float32, device=x2.device)
     r = r2 if r2 is not None else x2  # unused pointers when HAS_RESIDUAL is off
-    block_m, block_n, num_warps = row_config(n)
-    _rmsnorm_fwd_kernel[(triton.cdiv(m, block_m),)](
-        x2, r, weight, y, h if h is not None else y, rstd, m, n, eps,
-        x2.stride(0), x2.stride(1), r.stride(0), r.stride(1), weight.stride(0),
-        y.stride(0), y.stride(0),
-        HAS_RESIDUAL=r2 is not None, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps,
-    )
+    cfg = config or fwd_config(n, x2.element_size())
+    constexprs = dict(HAS_RESIDUAL=r2 is not None, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+                      NUM_STAGES=cfg.num_stages)
+    args = (x2, r, weight, y, h if h is not None else y, rstd, m, n, eps,
+            x2.stride(0), x2.stride(1), r.stride(0), r.stride(1), weight.stride(0),
+            y.stride(0), y.stride(0))
+    grid = triton.cdiv(m, cfg.block_m)
+    if cfg.num_stages > 1:  # persistent: one wave of programs, loads issued ahead
+        grid = min(grid, resident_programs(_rmsnorm_fwd_kernel, args, constexprs,
+                                           cfg.num_warps, x2.device))
+    _rmsnorm_fwd_kernel[(grid,)](*args, **constexprs, num_warps=cfg.num_warps)
     return y, h, rstd
 
 
 def _backward(dy: torch.Tensor, x2: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor,
-              dh: torch.Tensor | None):
-    """Launch the backward kernel: ``(dx, dweight)``; ``dh`` is added to ``dx``."""
+              dh: torch.Tensor | None, config: RowConfig | None = None):
+    """Launch the backward kernel: ``(dx, dweight)``; ``dh`` is added to ``dx``.
+
+    ``config`` overrides :func:`bwd_config` (for tuning sweeps).
+    """
     m, n = x2.shape
     dx = torch.empty((m, n), dtype=x2.dtype, device=x2.device)
-    block_m, block_n, num_warps = row_config(n)
-    g = reduction_programs(triton.cdiv(m, block_m), num_warps, x2.device)
-    dw_partial = torch.empty((g, n), dtype=torch.float32, device=x2.device)
+    cfg = config or bwd_config(n, x2.element_size(), 2 if dh is None else 3)
     d = dh if dh is not None else dy
-    _rmsnorm_bwd_kernel[(g,)](
-        dy, x2, weight, rstd, d, dx, dw_partial, m, n,
-        dy.stride(0), dy.stride(1), x2.stride(0), x2.stride(1), weight.stride(0),
-        d.stride(0), d.stride(1), dx.stride(0), dw_partial.stride(0),
-        HAS_DH=dh is not None, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps,
-    )
+    constexprs = dict(HAS_DH=dh is not None, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+                      NUM_STAGES=cfg.num_stages)
+    args = [dy, x2, weight, rstd, d, dx, rstd, m, n,  # rstd: stand-in for the partial buffer
+            dy.stride(0), dy.stride(1), x2.stride(0), x2.stride(1), weight.stride(0),
+            d.stride(0), d.stride(1), dx.stride(0), n]
+    g = min(resident_programs(_rmsnorm_bwd_kernel, args, constexprs, cfg.num_warps, x2.device),
+            triton.cdiv(m, cfg.block_m))
+    args[6] = dw_partial = torch.empty((g, n), dtype=torch.float32, device=x2.device)
+    _rmsnorm_bwd_kernel[(g,)](*args, **constexprs, num_warps=cfg.num_warps)
     return dx, dw_partial.sum(dim=0).to(weight.dtype)  # (G, N) -> (N,), fixed order
 
 

@@ -33,7 +33,7 @@ from llmnote.ops._validate import check_same, check_tensor
 
 __all__ = ["swiglu", "swiglu_ref"]
 
-BLOCK, NUM_WARPS = 2048, 8  # elements and warps per program (the GPU's choice)
+BLOCK, NUM_WARPS = 4096, 16  # elements and warps per program (best of an H100 sweep, by <0.5%)
 
 
 def swiglu_ref(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:

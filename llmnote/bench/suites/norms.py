@@ -22,8 +22,9 @@ swiglu         read a, b, write y: 3T             read a, b, dy, write da, db: 5
 =============  =================================  ==========================================
 
 Weights, per-row statistics and llmnote's ``(G, N)`` fp32 partial sums of the
-weight gradient are not counted (the partials add 1-4% to a backward's bytes,
-9% for layernorm's two at N = 16384). Before timing each size, llmnote's outputs (fwd) or
+weight gradient are not counted (G is the number of programs resident on the
+GPU; the partials add about 1% to a backward's bytes, 2% for layernorm's two
+at N = 16384). Before timing each size, llmnote's outputs (fwd) or
 gradients (bwd) are checked at full size against the reference run in fp32,
 with the low-precision rule of :mod:`llmnote.testing`.
 """
@@ -163,28 +164,30 @@ def run(
     """The norms benchmark (quick: bf16, three sizes, llmnote vs torch, no ceilings).
 
     ``torch.compile`` (compiling ~50 graphs is most of the run time) is timed at
-    N = 1024, 4096 and 16384 only.
+    N = 1024, 4096 and 16384 only, after all the eager providers, so that the
+    compile worker processes inductor leaves running are not yet there while
+    the others are timed.
     """
     dtypes = dtypes or ((torch.bfloat16,) if quick else (torch.bfloat16, torch.float32))
     ns = [1024, 4096, 16384] if quick else [1024, 2048, 4096, 8192, 16384]
     frames = [] if quick else [measure_ceilings()]
-    for op in ops or tuple(OPS):
-        for direction in ("fwd", "bwd"):
+    cases = [(op, d, dt) for op in ops or tuple(OPS) for d in ("fwd", "bwd") for dt in dtypes]
+    for peers in ("eager", "compiled"):
+        for op, direction, dtype in cases:
             tensors = OPS[op].fwd_tensors if direction == "fwd" else OPS[op].bwd_tensors
-            for dtype in dtypes:
-                es = torch.empty((), dtype=dtype).element_size()
-                providers = _providers(op, direction, dtype)
-                compile_peer = {"torch.compile": providers.pop("torch.compile")}
-                for sizes, peers in [(ns, providers), ([] if quick else ns[::2], compile_peer)]:
-                    if not sizes:
-                        continue
-                    frames.append(sweep(
-                        BENCH, "N", sizes, peers,
-                        {"bandwidth": ("GB/s",
-                                       lambda n, ms, t=tensors: t * TOTAL / (ms * 1e-3) / 1e9)},
-                        extra=lambda n, op=op, d=direction, dt=dtype, es=es: {
-                            "op": op, "direction": d, "dtype": dtype_name(dt),
-                            "M": TOTAL // (n * es), "N": n,
-                        },
-                    ))
+            es = torch.empty((), dtype=dtype).element_size()
+            providers = _providers(op, direction, dtype)
+            compile_peer = {"torch.compile": providers.pop("torch.compile")}
+            sizes, chosen = (ns, providers) if peers == "eager" else ([] if quick else ns[::2],
+                                                                      compile_peer)
+            if not sizes:
+                continue
+            frames.append(sweep(
+                BENCH, "N", sizes, chosen,
+                {"bandwidth": ("GB/s", lambda n, ms, t=tensors: t * TOTAL / (ms * 1e-3) / 1e9)},
+                extra=lambda n, op=op, d=direction, dt=dtype, es=es: {
+                    "op": op, "direction": d, "dtype": dtype_name(dt),
+                    "M": TOTAL // (n * es), "N": n,
+                },
+            ))
     return pd.concat(frames, ignore_index=True)
