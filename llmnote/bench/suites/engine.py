@@ -1,0 +1,335 @@
+"""The serving engine end to end (Part V): throughput against Hugging Face
+``generate``, batch-1 decode against the weight-read roofline, prefix caching on
+and off, and how much of the KV cache holds live tokens.
+
+Workloads (all random token ids, ``ignore_eos``, so every request runs to its
+length; weights random in bf16 with the Qwen3-0.6B shapes of
+:data:`llmnote.models.presets.PRESETS`):
+
+* ``throughput``: nano-vllm's ``bench.py``: 256 requests, prompt and output
+  lengths uniform in 100..1024, ids uniform in 0..10000, temperature 0.6.
+  Throughput = output tokens / wall time of the whole run (``llmnote-<backend>``,
+  one row per attention backend of :mod:`llmnote.engine.attention`: ``flash``,
+  gather + FlashAttention-2 varlen; ``paged``, the kernel reading blocks in place).
+  Peer ``hf-static-<B>``: transformers ``generate`` on the same requests in
+  static batches of ``B`` (left-padded; each batch runs to its longest output;
+  only the tokens each request asked for are counted), for the batch sizes
+  given. Rows ``kv_live_fraction`` (live token slots / slots in blocks held by
+  running sequences, averaged over steps, weighted by slots) and
+  ``contiguous_live_fraction`` (live slots / the ``prompt + max_tokens`` slots
+  a contiguous per-request allocation would reserve for the same running set).
+* ``decode-b1``: one request, 128-token prompt, 512 new tokens: decode
+  tokens/s = 1 / time per output token, and its fraction of the weight-read
+  roofline, copy bandwidth / weight bytes (copy measured in the same run).
+* ``prefix``: 64 requests sharing a 1024-token system prompt plus 32 own
+  tokens, 64 new tokens each, prefix caching on and off: mean TTFT and
+  throughput.
+* ``hf-check``: the Shakespeare model in fp32, 8 prompts, 32 greedy tokens:
+  the fraction of requests whose tokens equal transformers ``generate``.
+
+No CUDA graphs yet: every decode step launches its kernels from Python.
+"""
+
+from __future__ import annotations
+
+import gc
+import time
+
+import pandas as pd
+import torch
+
+from llmnote import device
+from llmnote.bench.ceilings import copy_bandwidth
+from llmnote.bench.harness import Timing, rows_for
+from llmnote.bench.results import COLUMNS, environment
+
+BENCH = "engine"
+MODEL = "qwen3-0.6b"
+
+
+def _rows(provider: str, x_name: str, x_value, wall_s: float, values: dict[str, tuple[str, float]],
+          extra: dict | None = None) -> list[dict]:
+    """One-shot measurement: time plus the given (unit, value) metrics, p20 = p50 = p80."""
+    t = Timing(wall_s * 1e3, wall_s * 1e3, wall_s * 1e3)
+    metrics = {k: (u, (lambda x, ms, v=v: v)) for k, (u, v) in values.items()}
+    return rows_for(BENCH, provider, x_name, x_value, t, metrics, extra, environment())
+
+
+def nano_vllm_requests(n: int = 256, lo: int = 100, hi: int = 1024, seed: int = 0,
+                       vocab: int = 10000):
+    """(prompt ids, output length) pairs of nano-vllm's bench.py workload."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(n):
+        p = int(torch.randint(lo, hi + 1, (1,), generator=g))
+        o = int(torch.randint(lo, hi + 1, (1,), generator=g))
+        out.append((torch.randint(0, vocab, (p,), generator=g).tolist(), o))
+    return out
+
+
+def random_model(name: str = MODEL, dtype=torch.bfloat16):
+    from llmnote.models import Llama, get_preset
+
+    torch.manual_seed(0)
+    with torch.device(device.default_device()):
+        model = Llama(get_preset(name))
+    return model.to(dtype).eval()
+
+
+def use_kernels(model) -> str:
+    """Switch ``model`` to llmnote's kernels (RMSNorm, SwiGLU, RoPE) on a GPU if they
+    give the reference's logits on a short input; returns the ops' name."""
+    from llmnote.models import kernel_ops, reference_ops
+
+    if not device.on_gpu():
+        return model.ops.name
+    ids = torch.randint(0, 1000, (1, 64), device=next(model.parameters()).device)
+    try:
+        with torch.no_grad():
+            want = model(ids).float()
+            got = model.use_ops(kernel_ops())(ids).float()
+        err = float((got - want).abs().max())
+        if err > 0.05 * float(want.abs().max()):
+            raise ValueError(f"logits differ from the reference by {err:.3g}")
+    except Exception as e:  # keep the benchmark running on the reference ops
+        print(f"kernel ops not used: {e}")
+        model.use_ops(reference_ops())
+    return model.ops.name
+
+
+def _engine(model, **kw):
+    from llmnote.engine import LLM, EngineConfig
+
+    return LLM(model, config=EngineConfig(max_model_len=4096, **kw))
+
+
+def _free() -> None:
+    """Return the memory of dropped engines and models to the GPU, so that the next
+    engine sizes its KV cache from it."""
+    gc.collect()  # an engine holds reference cycles
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def _sync():
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def run_engine(llm, requests, temperature: float = 0.6):
+    from llmnote.engine import SamplingParams
+
+    params = [SamplingParams(temperature=temperature, max_tokens=o, ignore_eos=True)
+              for _, o in requests]
+    llm.step_log.clear()
+    _sync()
+    t0 = time.perf_counter()
+    outs = llm.generate([p for p, _ in requests], params, use_tqdm=False)
+    _sync()
+    return outs, time.perf_counter() - t0
+
+
+def kv_fractions(llm) -> tuple[float, float]:
+    """(live / held slots, live / contiguous reservation), weighted over the steps."""
+    live = sum(s["live_slots"] for s in llm.step_log)
+    held = sum(s["held_slots"] for s in llm.step_log)
+    contiguous = sum(s["contiguous_slots"] for s in llm.step_log)
+    return live / max(held, 1), live / max(contiguous, 1)
+
+
+def _log_contiguous(llm) -> None:
+    """Record, per step, the slots a contiguous max-length allocation would hold."""
+    orig = llm.step
+
+    def step():
+        got = orig()
+        if llm.step_log and "contiguous_slots" not in llm.step_log[-1]:
+            llm.step_log[-1]["contiguous_slots"] = sum(
+                s.num_prompt_tokens + s.params.max_tokens for s in llm.scheduler.running)
+        return got
+
+    llm.step = step
+
+
+def hf_static(model, requests, batch: int) -> float:
+    """Wall seconds of transformers generate over ``requests`` in static batches."""
+    import transformers
+
+    from llmnote.models import to_hf_config
+
+    hf_cfg = to_hf_config(model.config)
+    cls = getattr(transformers, hf_cfg.pop("architectures")[0])
+    cfg = transformers.AutoConfig.for_model(hf_cfg.pop("model_type"), **hf_cfg)
+    with torch.device(device.default_device()):
+        hf = cls(cfg).to(next(model.parameters()).dtype).eval()
+    hf.load_state_dict(model.state_dict())  # the same weights, names match
+    dev = device.default_device()
+    _sync()
+    t0 = time.perf_counter()
+    for i in range(0, len(requests), batch):
+        chunk = requests[i:i + batch]
+        width = max(len(p) for p, _ in chunk)
+        ids = torch.zeros((len(chunk), width), dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for r, (p, _) in enumerate(chunk):  # left padding
+            ids[r, width - len(p):] = torch.tensor(p)
+            mask[r, width - len(p):] = 1
+        n = max(o for _, o in chunk)
+        with torch.no_grad():
+            hf.generate(ids.to(dev), attention_mask=mask.to(dev), max_new_tokens=n,
+                        min_new_tokens=n, do_sample=True, temperature=0.6, top_k=0, top_p=1.0,
+                        pad_token_id=0)
+    _sync()
+    return time.perf_counter() - t0
+
+
+def hf_check(num_prompts: int = 8, new: int = 32, backend: str | None = None) -> float:
+    """Fraction of requests whose greedy tokens equal transformers' (Shakespeare, fp32)."""
+    import transformers
+
+    from llmnote.engine import LLM, SamplingParams
+    from llmnote.models.shakespeare import CHECKPOINT_DIR
+
+    dev = device.default_device()
+    llm = LLM("shakespeare", device=dev, max_model_len=512, num_blocks=512,
+              attention_backend=backend)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(CHECKPOINT_DIR, dtype=torch.float32)
+    hf = hf.to(dev).eval()
+    text = open(CHECKPOINT_DIR / "validation.txt", encoding="utf-8").read()
+    prompts = [llm.tokenizer.encode(text[i * 997:i * 997 + 40 + 23 * i]).ids
+               for i in range(num_prompts)]
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=new, ignore_eos=True),
+                        use_tqdm=False)
+    same = 0
+    for p, o in zip(prompts, outs):
+        ids = torch.tensor([p], device=dev)
+        with torch.no_grad():
+            g = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new,
+                            min_new_tokens=new, do_sample=False, pad_token_id=0)
+        same += g[0, len(p):].tolist() == o.token_ids
+    return same / num_prompts
+
+
+def _throughput_and_decode(model, backend: str, requests, vocab: int, max_len: int, quick: bool,
+                           bw: float, ops: str) -> list[dict]:
+    """The nano-vllm workload, then one batch-1 decode, on one attention backend."""
+    from llmnote.engine import SamplingParams
+
+    rows: list[dict] = []
+    name = f"llmnote-{backend}"
+    llm = _engine(model, attention_backend=backend)
+    _log_contiguous(llm)
+    warm = nano_vllm_requests(4, 8, 32, seed=1, vocab=vocab)
+    run_engine(llm, warm)  # warm-up: Triton compiles, allocator
+    outs, wall = run_engine(llm, requests)
+    tokens = sum(len(o.token_ids) for o in outs)
+    live_held, live_contig = kv_fractions(llm)
+    print(f"{name} throughput: {tokens} tokens in {wall:.1f} s = {tokens / wall:.0f} tok/s, "
+          f"{llm.runner.num_blocks} KV blocks, {llm.scheduler.num_preemptions} preemptions, "
+          f"KV live/held {live_held:.1%}, live/contiguous {live_contig:.1%}")
+    rows += _rows(name, "workload", "throughput", wall, {
+        "throughput": ("tok/s", tokens / wall), "kv_live_fraction": ("", live_held),
+        "contiguous_live_fraction": ("", live_contig),
+        "preemptions": ("", float(llm.scheduler.num_preemptions)),
+        "mean_ttft": ("s", sum(o.ttft for o in outs) / len(outs))},
+        extra={"requests": len(requests), "kv_blocks": llm.runner.num_blocks, "ops": ops})
+
+    # batch-1 decode against the weight-read roofline
+    g = torch.Generator().manual_seed(2)
+    prompt = torch.randint(0, vocab, (max_len // 8,), generator=g).tolist()
+    new = max_len // 8 if quick else max_len // 2
+    out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=new, ignore_eos=True),
+                       use_tqdm=False)[0]
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    roofline = bw / 2 / weight_bytes  # a copy moves each byte twice; decode reads weights once
+    rate = 1 / out.tpot
+    print(f"{name} decode-b1: {rate:.0f} tok/s = {rate / roofline:.0%} of the weight-read "
+          f"roofline ({roofline:.0f} tok/s)")
+    rows += _rows(name, "workload", "decode-b1", out.tpot * new, {
+        "decode_rate": ("tok/s", rate), "roofline_fraction": ("", rate / roofline),
+        "roofline": ("tok/s", roofline)}, extra={"cuda_graphs": False, "ops": ops})
+    return rows
+
+
+def run(quick: bool = False, *, model_name: str = MODEL, max_len: int = 1024,
+        num_requests: int | None = None, hf_batches: tuple[int, ...] = (64, 128),
+        check: tuple[int, int] = (8, 32), backends: tuple[str, ...] | None = None
+        ) -> pd.DataFrame:
+    """All four workloads; ``quick``: 32 requests, one HF batch size, shorter runs.
+    ``model_name``, ``max_len`` (the longest prompt or output; the others scale with
+    it), ``num_requests`` and ``check`` (prompts, tokens of the transformers check)
+    shrink the run to a CPU smoke test. ``backends``: the engine's attention backends
+    to measure (default: ``flash`` and ``paged`` on a GPU, ``reference`` on the CPU)."""
+    rows: list[dict] = []
+    n = num_requests or (32 if quick else 256)
+    if quick:
+        hf_batches = hf_batches[:1]
+    copy = copy_bandwidth()  # first: later the KV cache takes most of the free memory
+    rows += copy.to_dict("records")
+    bw = float(copy[copy["metric"] == "bandwidth"]["p50"].iloc[0]) * 1e9  # read + write, B/s
+    if backends is None:
+        backends = ("flash", "paged") if device.on_gpu() else ("reference",)
+    for be in backends:
+        try:
+            frac = hf_check(*check, backend=be)
+        except Exception as e:  # a failing backend must not cost the rest of the run
+            print(f"hf-check with {be}: failed: {e!r}")
+            continue
+        finally:
+            _free()
+        print(f"hf-check with {be}: {frac:.0%} of requests match transformers greedy tokens")
+        rows += _rows(f"llmnote-{be}", "workload", "hf-check", 0.0,
+                      {"hf_match_fraction": ("", frac)})
+
+    model = random_model(model_name)
+    ops = use_kernels(model)
+    print(f"model ops: {ops}")
+    vocab = min(10000, model.config.vocab_size)
+    requests = nano_vllm_requests(n, max(1, max_len // 10), max_len, vocab=vocab)
+    working = []
+    for be in backends:
+        try:
+            rows += _throughput_and_decode(model, be, requests, vocab, max_len, quick, bw, ops)
+            working.append(be)
+        except Exception as e:
+            print(f"engine with {be}: failed: {e!r}")
+        _free()
+
+    # the peer: transformers generate in static batches
+    useful = sum(o for _, o in requests)
+    for b in hf_batches:
+        try:
+            w = hf_static(model, requests, b)
+        except torch.OutOfMemoryError as e:
+            print(f"hf-static-{b}: out of memory ({e})")
+            _free()
+            continue
+        _free()
+        print(f"hf-static-{b}: {useful / w:.0f} tok/s")
+        rows += _rows(f"hf-static-{b}", "workload", "throughput", w,
+                      {"throughput": ("tok/s", useful / w)}, extra={"requests": n})
+
+    # prefix caching on and off
+    g = torch.Generator().manual_seed(3)
+    system = torch.randint(0, vocab, (max_len,), generator=g).tolist()
+    own = max(1, max_len // 32)
+    reqs = [(system + torch.randint(0, vocab, (own,), generator=g).tolist(), max_len // 16)
+            for _ in range(16 if quick else 64)]
+    if not working:
+        raise RuntimeError(f"no attention backend of {backends} ran")
+    for caching in (True, False):
+        llm = _engine(model, enable_prefix_caching=caching, attention_backend=working[0])
+        outs, w = run_engine(llm, reqs, temperature=0.0)
+        ttft = sum(o.ttft for o in outs) / len(outs)
+        tok = sum(len(o.token_ids) for o in outs)
+        name = "llmnote-prefix-cache" if caching else "llmnote-no-cache"
+        print(f"prefix {name}: mean TTFT {ttft * 1e3:.1f} ms, {tok / w:.0f} tok/s")
+        rows += _rows(name, "workload", "prefix", w, {
+            "mean_ttft": ("s", ttft), "throughput": ("tok/s", tok / w),
+            "cached_prompt_fraction": ("", sum(o.num_cached_prompt_tokens for o in outs)
+                                       / sum(len(o.prompt_token_ids) for o in outs))},
+            extra={"attention": working[0]})
+        del llm, outs
+        _free()
+    df = pd.DataFrame(rows)
+    return df[list(dict.fromkeys(COLUMNS + list(df.columns)))]

@@ -1,0 +1,49 @@
+"""The engine's settings, one frozen dataclass.
+
+Memory: the KV cache is ``num_blocks`` blocks of ``block_size`` token slots per
+layer. On a GPU, ``num_blocks=None`` sizes it from ``gpu_memory_utilization``
+of the free memory once the weights are loaded; on the CPU the default is a
+fixed ``cpu_num_blocks``.
+
+Work per step: at most ``max_num_seqs`` sequences and ``max_num_batched_tokens``
+tokens (prefill chunks plus one token per decoding sequence). Without chunked
+prefill a prompt must fit the token budget in one step, so the budget must be
+at least ``max_model_len``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from llmnote.engine._check import check_int
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    block_size: int = 16
+    num_blocks: int | None = None  # None: from GPU memory, or cpu_num_blocks on the CPU
+    cpu_num_blocks: int = 256
+    gpu_memory_utilization: float = 0.9
+    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = 256
+    max_model_len: int | None = None  # None: the model's max_position_embeddings
+    enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool = True
+    attention_backend: str | None = None  # "reference" | "flash" | "paged"; None: flash on GPU
+    seed: int = 0  # the generator of requests that carry no seed of their own
+
+    def __post_init__(self) -> None:
+        for name in ("block_size", "cpu_num_blocks", "max_num_batched_tokens", "max_num_seqs"):
+            check_int(name, getattr(self, name), min_value=1)
+        for name in ("num_blocks", "max_model_len"):
+            if getattr(self, name) is not None:
+                check_int(name, getattr(self, name), min_value=1)
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError("gpu_memory_utilization must lie in (0, 1], got "
+                             f"{self.gpu_memory_utilization!r}")
+        if self.attention_backend not in (None, "reference", "flash", "paged"):
+            raise ValueError("attention_backend must be None, 'reference', 'flash' or 'paged', got "
+                             f"{self.attention_backend!r}")
+
+    def replace(self, **changes: object) -> EngineConfig:
+        return replace(self, **changes)

@@ -1,0 +1,235 @@
+"""The entry point: ``LLM(model).generate(prompts, SamplingParams(...))``.
+
+``model`` is a folder with a Hugging Face checkpoint (its ``tokenizer.json``
+is loaded when present), ``"shakespeare"`` (the book's small model), the name
+of a preset of :mod:`llmnote.models.presets` (random weights), or a loaded
+:class:`~llmnote.models.llama.Llama`. Each call of :meth:`LLM.step` asks the
+scheduler for a batch, runs it and appends the sampled tokens;
+:meth:`LLM.generate` steps until its requests finish, :meth:`LLM.stream`
+yields tokens as they come.
+
+Requests are checked when submitted: an empty prompt, a prompt that leaves no
+room to generate within ``max_model_len``, token ids outside the vocabulary,
+or a request whose prompt plus ``max_tokens`` could not fit in the whole KV
+cache raise ``ValueError`` naming the request; requests already submitted are
+unaffected.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterator, Sequence as Seq
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from llmnote.engine.config import EngineConfig
+from llmnote.engine.model_runner import ModelRunner
+from llmnote.engine.sampling_params import SamplingParams
+from llmnote.engine.scheduler import Scheduler
+from llmnote.engine.sequence import Sequence
+from llmnote.models.llama import Llama
+from llmnote.models.presets import PRESETS
+
+
+@dataclass(frozen=True)
+class RequestOutput:
+    request_id: int
+    prompt: str | None
+    prompt_token_ids: list[int]
+    token_ids: list[int]  # generated tokens only
+    text: str | None
+    finish_reason: str | None
+    ttft: float | None  # seconds from submission to the first token
+    tpot: float | None  # seconds per output token after the first
+    num_cached_prompt_tokens: int
+    num_preemptions: int
+
+
+@dataclass(frozen=True)
+class StreamEvent:
+    index: int  # position of the request in the prompts given to stream()
+    request_id: int
+    token_id: int
+    text: str | None  # the text of this token (None without a tokenizer)
+    finished: bool
+    finish_reason: str | None
+
+
+def _load(model: object, dtype: torch.dtype | None, device: str | torch.device | None, seed: int):
+    """(Llama, tokenizer or None, end-of-text ids)."""
+    if isinstance(model, Llama):
+        return model, None, []
+    if not isinstance(model, (str, Path)):
+        raise TypeError(f"model must be a Llama, a checkpoint folder or a preset name, "
+                        f"got {type(model).__name__}")
+    if str(model) == "shakespeare":
+        from llmnote.models.shakespeare import EOS_TOKEN, load_shakespeare
+
+        m, tok = load_shakespeare(dtype=dtype or torch.float32, device=device)
+        return m, tok, [tok.token_to_id(EOS_TOKEN)]
+    if Path(model).is_dir():
+        from llmnote.models.loader import load_pretrained
+
+        m = load_pretrained(model, dtype=dtype, device=device)
+        tok = None
+        if (Path(model) / "tokenizer.json").is_file():
+            import tokenizers
+
+            tok = tokenizers.Tokenizer.from_file(str(Path(model) / "tokenizer.json"))
+        eos = json.loads((Path(model) / "config.json").read_text()).get("eos_token_id")
+        eos = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
+        return m, tok, eos
+    if str(model) in PRESETS:
+        torch.manual_seed(seed)
+        m = Llama(PRESETS[str(model)]).to(device=device or "cpu", dtype=dtype or torch.float32)
+        return m.eval(), None, []
+    raise ValueError(f"model {str(model)!r} is neither a checkpoint folder, 'shakespeare' nor a "
+                     f"preset (presets: {sorted(PRESETS)})")
+
+
+class LLM:
+    def __init__(self, model: Llama | str | Path, tokenizer: object | None = None,
+                 config: EngineConfig | None = None, eos_token_id: int | list[int] | None = None,
+                 dtype: torch.dtype | None = None, device: str | torch.device | None = None,
+                 **overrides: object) -> None:
+        config = config or EngineConfig()
+        config = config.replace(**overrides) if overrides else config
+        self.config = config
+        self.model, tok, eos = _load(model, dtype, device, config.seed)
+        self.tokenizer = tokenizer if tokenizer is not None else tok
+        if eos_token_id is not None:
+            eos = [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id)
+        self.eos_token_ids = frozenset(eos)
+        self.max_model_len = min(config.max_model_len or 10**12,
+                                 self.model.config.max_position_embeddings)
+        self.runner = ModelRunner(self.model, config)
+        self.scheduler = Scheduler(config, self.runner.num_blocks, self.max_model_len)
+        self._next_id = 0
+        self.requests: dict[int, Sequence] = {}  # every submitted request, by id
+        self.step_log: list[dict] = []  # per step: tokens, sequences, live and held KV slots
+
+    # ------------------------------------------------------------ requests
+    def _encode(self, prompt: object, where: str) -> tuple[list[int], str | None]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError(f"{where}: a text prompt needs a tokenizer; pass token ids or "
+                                 "LLM(..., tokenizer=...)")
+            enc = self.tokenizer.encode(prompt)
+            return list(getattr(enc, "ids", enc)), prompt
+        if isinstance(prompt, torch.Tensor):
+            prompt = prompt.tolist()
+        if not isinstance(prompt, (list, tuple)):
+            raise TypeError(f"{where}: a prompt must be a str or a list of token ids, "
+                            f"got {type(prompt).__name__}")
+        v = self.model.config.vocab_size
+        for t in prompt:
+            if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < v:
+                raise ValueError(f"{where}: token ids must be ints in [0, {v}), got {t!r}")
+        return list(prompt), None
+
+    def _make(self, prompt: object, params: SamplingParams, where: str) -> Sequence:
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"{where}: params must be a SamplingParams, "
+                            f"got {type(params).__name__}")
+        ids, text = self._encode(prompt, where)
+        if not ids:
+            raise ValueError(f"{where}: the prompt is empty; at least one token is needed")
+        if len(ids) >= self.max_model_len:
+            raise ValueError(f"{where}: the prompt has {len(ids)} tokens, which leaves no room to "
+                             f"generate within max_model_len = {self.max_model_len}")
+        bm = self.scheduler.blocks
+        total = min(len(ids) + params.max_tokens, self.max_model_len)
+        if bm.blocks_for(total) > bm.num_blocks:
+            raise ValueError(
+                f"{where}: prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) needs "
+                f"{bm.blocks_for(total)} KV blocks but the whole cache has {bm.num_blocks} "
+                f"blocks of {bm.block_size} tokens; lower max_tokens or enlarge the cache")
+        seq = Sequence(self._next_id, ids, params, prompt=text)
+        self._next_id += 1
+        return seq
+
+    def _queue(self, seq: Sequence) -> None:
+        self.requests[seq.seq_id] = seq
+        self.scheduler.add(seq)
+
+    def add_request(self, prompt: str | list[int], params: SamplingParams | None = None) -> int:
+        """Queue one request; returns its id. Raises before queueing anything if it is invalid."""
+        seq = self._make(prompt, params or SamplingParams(), "request")
+        self._queue(seq)
+        return seq.seq_id
+
+    def _add_all(self, prompts: object, params: object) -> list[Sequence]:
+        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts
+                                        and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        plist = params if isinstance(params, Seq) else [params or SamplingParams()] * len(prompts)
+        if len(plist) != len(prompts):
+            raise ValueError(f"got {len(prompts)} prompts but {len(plist)} SamplingParams")
+        seqs = [self._make(p, sp, f"prompt {i}") for i, (p, sp) in enumerate(zip(prompts, plist))]
+        for s in seqs:  # all valid: queue them
+            self._queue(s)
+        return seqs
+
+    # ------------------------------------------------------------ stepping
+    def step(self) -> list[Sequence]:
+        """Run one scheduler step; returns the sequences that got a new token."""
+        batch = self.scheduler.schedule()
+        if not batch.items:
+            if self.scheduler.has_work():  # cannot happen: admission guarantees progress
+                raise RuntimeError("the scheduler found nothing to run with requests pending")
+            return []
+        sampled = self.runner.run(batch)
+        got = self.scheduler.postprocess(batch, sampled, self.eos_token_ids, time.perf_counter())
+        live, held = self.scheduler.live_slots()  # after the step: its keys are written
+        self.step_log.append(dict(tokens=batch.num_tokens, seqs=len(batch), live_slots=live,
+                                  running=len(self.scheduler.running),
+                                  held_slots=held, preempted=batch.num_preempted,
+                                  seq_ids=[s.seq_id for s, _ in batch.items]))
+        for s in got:
+            if s.is_finished:
+                self.runner.release(s.seq_id)
+        return got
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_work()
+
+    def _decode(self, ids: list[int]) -> str | None:
+        return None if self.tokenizer is None else self.tokenizer.decode(ids)
+
+    def output(self, request: Sequence | int) -> RequestOutput:
+        """The output so far of a request (a Sequence or a request id)."""
+        seq = self.requests[request] if isinstance(request, int) else request
+        return RequestOutput(
+            seq.seq_id, seq.prompt, seq.token_ids[:seq.num_prompt_tokens], seq.output_ids,
+            self._decode(seq.output_ids), seq.finish_reason, seq.metrics.ttft,
+            seq.metrics.tpot(seq.num_output_tokens), seq.metrics.num_cached_prompt_tokens,
+            seq.metrics.num_preemptions)
+
+    def generate(self, prompts: str | list[int] | Seq, params: SamplingParams | Seq | None = None,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        """Run the requests to completion; outputs in the order of ``prompts``."""
+        from tqdm.auto import tqdm
+
+        seqs = self._add_all(prompts, params)
+        ids = {s.seq_id for s in seqs}
+        with tqdm(total=len(seqs), desc="generate", disable=not use_tqdm) as bar:
+            while any(not s.is_finished for s in seqs):
+                done = [s for s in self.step() if s.is_finished and s.seq_id in ids]
+                bar.update(len(done))
+        return [self.output(s) for s in seqs]
+
+    def stream(self, prompts: str | list[int] | Seq,
+               params: SamplingParams | Seq | None = None) -> Iterator[StreamEvent]:
+        """Yield each token of these requests as soon as it is sampled."""
+        seqs = self._add_all(prompts, params)
+        index = {s.seq_id: i for i, s in enumerate(seqs)}
+        while any(not s.is_finished for s in seqs):
+            for s in self.step():
+                if s.seq_id in index:
+                    tok = s.token_ids[-1]
+                    yield StreamEvent(index[s.seq_id], s.seq_id, tok, self._decode([tok]),
+                                      s.is_finished, s.finish_reason)

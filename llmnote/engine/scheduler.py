@@ -1,0 +1,155 @@
+"""Continuous batching: which sequences run in the next step, and how many tokens each.
+
+Each step fills a budget of ``max_num_batched_tokens`` tokens and
+``max_num_seqs`` sequences (Yu et al., 2022, Orca: iteration-level scheduling):
+
+1. Running sequences first, oldest first: a decoding sequence takes one token,
+   one still prefilling takes the next chunk of its prompt that fits the budget
+   (chunked prefill, Agrawal et al., 2024, Sarathi-Serve). Each must get the
+   KV blocks its new tokens need; when the free list runs dry the newest
+   running sequence is *preempted by recompute*: its blocks are freed and it
+   goes back to the front of the queue, to be prefilled again later (its
+   prompt plus what it had generated, often mostly a prefix-cache hit).
+2. Then waiting sequences, first come first served, while budget and blocks
+   last (none after a preemption in this step). The first that does not fit
+   stops admission: a later, smaller request never overtakes it.
+
+The full blocks a step will compute are committed to the prefix cache as soon
+as they are scheduled, so a request admitted later in the same step already
+hits them: the model writes every new key and value of a step into the cache
+before any attention of that layer reads it.
+
+Without chunked prefill a prompt is scheduled whole or not at all. The LLM
+refuses at submission any request whose prompt plus ``max_tokens`` could not fit
+in the whole cache, so with nothing else running every request fits: the queue
+always drains. No torch here: tested with plain integers.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from llmnote.engine.block_manager import BlockManager
+from llmnote.engine.config import EngineConfig
+from llmnote.engine.sequence import Sequence, Status
+
+
+@dataclass
+class ScheduledBatch:
+    """The work of one step: ``(sequence, number of new tokens)`` in batch order."""
+
+    items: list[tuple[Sequence, int]]
+    num_preempted: int = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(n for _, n in self.items)
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+
+class Scheduler:
+    def __init__(self, config: EngineConfig, num_blocks: int, max_model_len: int) -> None:
+        if not config.enable_chunked_prefill and config.max_num_batched_tokens < max_model_len:
+            raise ValueError(
+                f"without chunked prefill max_num_batched_tokens ({config.max_num_batched_tokens}) "
+                f"must be >= max_model_len ({max_model_len}) so any prompt fits one step")
+        self.config, self.max_model_len = config, max_model_len
+        self.blocks = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.blocks.free_blocks(seq.block_table)
+        seq.num_computed, seq.status = 0, Status.WAITING
+        seq.metrics.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(seq)
+
+    def schedule(self) -> ScheduledBatch:
+        cfg = self.config
+        budget, items, preempted = cfg.max_num_batched_tokens, [], 0
+        # 1. running sequences, oldest first
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            n = min(seq.num_uncomputed, budget)
+            while not self.blocks.append_slots(seq.block_table, seq.num_computed + n):
+                victim = self.running[-1]  # the newest: not yet scheduled in this step
+                self._preempt(victim)
+                preempted += 1
+                if victim is seq:
+                    break
+            if seq.status is Status.RUNNING:
+                self.blocks.commit(seq.block_table, seq.token_ids, seq.num_computed + n)
+                items.append((seq, n))
+                budget -= n
+                i += 1
+        # 2. waiting sequences, first come first served (not after a preemption, unless idle)
+        while (self.waiting and (not preempted or not items) and budget > 0
+               and len(self.running) < cfg.max_num_seqs):
+            seq = self.waiting[0]
+            if (not cfg.enable_chunked_prefill
+                    and len(seq) - self.blocks.num_cached_tokens(seq.token_ids) > budget):
+                break
+            if not self.blocks.can_allocate(seq.token_ids):
+                break
+            seq.block_table, seq.num_computed = self.blocks.allocate(seq.token_ids)
+            if seq.metrics.num_preemptions == 0:
+                seq.metrics.num_cached_prompt_tokens = seq.num_computed
+            n = min(seq.num_uncomputed, budget)
+            self.waiting.popleft()
+            seq.status = Status.RUNNING
+            self.running.append(seq)
+            self.blocks.commit(seq.block_table, seq.token_ids, seq.num_computed + n)
+            items.append((seq, n))
+            budget -= n
+        return ScheduledBatch(items, preempted)
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        seq.status, seq.finish_reason = Status.FINISHED, reason
+        self.running.remove(seq)
+        self.blocks.free_blocks(seq.block_table)
+
+    def postprocess(self, batch: ScheduledBatch, sampled: dict[int, int],
+                    eos_token_ids: frozenset[int], now: float) -> list[Sequence]:
+        """Advance the scheduled sequences; append each sampled token (``seq_id -> token``),
+        finish the sequences that stop; returns the sequences that got a token."""
+        out = []
+        for seq, n in batch.items:
+            seq.num_computed += n
+            if seq.seq_id not in sampled:
+                continue
+            tok = sampled[seq.seq_id]
+            seq.token_ids.append(tok)
+            if seq.metrics.first_token is None:
+                seq.metrics.first_token = now
+            out.append(seq)
+            p = seq.params
+            reason = None
+            if not p.ignore_eos and tok in eos_token_ids:
+                reason = "stop"
+            elif tok in p.stop_token_ids:
+                reason = "stop"
+            elif seq.num_output_tokens >= p.max_tokens or len(seq) >= self.max_model_len:
+                reason = "length"
+            if reason is not None:
+                seq.metrics.finished = now
+                self.finish(seq, reason)
+        return out
+
+    def live_slots(self) -> tuple[int, int]:
+        """(slots holding a computed token, slots in the blocks of running sequences)."""
+        live = sum(s.num_computed for s in self.running)
+        held = len({b for s in self.running for b in s.block_table}) * self.config.block_size
+        return live, held

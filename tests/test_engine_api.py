@@ -1,0 +1,205 @@
+"""The engine's API on the CPU: argument checks, bad requests refused without
+disturbing the others, streaming, metrics, seeded sampling, stop tokens, the
+sampler's filters, and paged attention against dense attention."""
+
+import copy
+
+import pytest
+import torch
+
+from llmnote.engine import LLM, EngineConfig, SamplingParams
+from llmnote.engine.attention import AttentionMetadata, paged_attention_ref, write_kv
+from llmnote.engine.sampler import filter_logits, sample
+from llmnote.models import Llama, get_preset
+from llmnote.models.llama import attention_torch
+
+GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def model():
+    torch.manual_seed(1)
+    m = Llama(get_preset("llama-tiny")).eval()
+    with torch.no_grad():
+        for name, p in m.named_parameters():
+            if "norm" not in name:
+                p.normal_(0, 0.2)  # context-dependent greedy tokens (see test_engine_hf)
+    return m
+
+
+def make(model, **kw):
+    return LLM(model, config=EngineConfig(block_size=4, cpu_num_blocks=40, **kw))
+
+
+@pytest.mark.parametrize("kw, match", [
+    (dict(temperature=-0.1), "temperature"), (dict(temperature=float("nan")), "temperature"),
+    (dict(top_k=0), "top_k"), (dict(top_k=-2), "top_k"), (dict(top_k=2.5), "top_k"),
+    (dict(top_p=0.0), "top_p"), (dict(top_p=1.5), "top_p"), (dict(max_tokens=0), "max_tokens"),
+    (dict(max_tokens=True), "max_tokens"), (dict(ignore_eos=1), "ignore_eos"),
+    (dict(stop_token_ids=[-1]), "stop_token_ids"), (dict(stop_token_ids="a"), "stop_token_ids"),
+    (dict(seed=-3), "seed"),
+])
+def test_sampling_params_are_checked(kw, match):
+    with pytest.raises((ValueError, TypeError), match=match):
+        SamplingParams(**kw)
+
+
+@pytest.mark.parametrize("kw, match", [
+    (dict(block_size=0), "block_size"), (dict(num_blocks=0), "num_blocks"),
+    (dict(gpu_memory_utilization=1.5), "gpu_memory_utilization"),
+    (dict(max_num_seqs=0), "max_num_seqs"), (dict(attention_backend="cuda"), "attention_backend"),
+])
+def test_engine_config_is_checked(kw, match):
+    with pytest.raises((ValueError, TypeError), match=match):
+        EngineConfig(**kw)
+
+
+def test_bad_requests_are_refused_and_others_unaffected(model):
+    want = make(model).generate([[5, 6, 7, 8, 9]], GREEDY, use_tqdm=False)[0].token_ids
+    llm = make(model, max_model_len=200)
+    good = llm.add_request([5, 6, 7, 8, 9], GREEDY)
+    bad = [
+        ([], GREEDY, "empty"),
+        (list(range(200)), GREEDY, "max_model_len = 200"),
+        ([1, 256], GREEDY, r"\[0, 256\)"),
+        ([1, 2], SamplingParams(max_tokens=200), "KV blocks but the whole cache has 40"),
+        ("some text", GREEDY, "tokenizer"),
+        ([1, 2], {"max_tokens": 3}, "SamplingParams"),
+    ]
+    for prompt, params, match in bad:
+        with pytest.raises((ValueError, TypeError), match=match):
+            llm.add_request(prompt, params)
+    with pytest.raises(ValueError, match="prompt 1"):  # a batch is refused whole
+        llm.generate([[1, 2], []], GREEDY, use_tqdm=False)
+    assert [s.seq_id for s in llm.scheduler.waiting] == [good]
+    while llm.has_unfinished():
+        llm.step()
+    assert llm.output(good).token_ids == want
+
+
+def test_stream_matches_generate_and_metrics(model):
+    prompts = [[3, 1, 4, 1, 5, 9, 2, 6], [2, 7], [1, 8, 2, 8, 1, 8, 2, 8, 4, 5, 9]]
+    want = [o.token_ids for o in make(model).generate(prompts, GREEDY, use_tqdm=False)]
+    got = [[] for _ in prompts]
+    finished = []
+    for ev in make(model, max_num_batched_tokens=5).stream(prompts, GREEDY):
+        assert not ev.finished or ev.finish_reason == "length"
+        got[ev.index].append(ev.token_id)
+        if ev.finished:
+            finished.append(ev.index)
+    assert got == want and sorted(finished) == [0, 1, 2]
+    outs = make(model).generate(prompts, GREEDY, use_tqdm=False)
+    for o in outs:
+        assert o.ttft is not None and o.ttft > 0 and o.tpot is not None and o.tpot > 0
+
+
+def test_seeded_sampling_does_not_depend_on_the_batch(model):
+    p = SamplingParams(temperature=1.0, top_k=50, top_p=0.9, max_tokens=8, seed=1234,
+                       ignore_eos=True)
+    alone = make(model).generate([[4, 2, 4]], p, use_tqdm=False)[0].token_ids
+    other = SamplingParams(temperature=0.7, max_tokens=5, seed=7)
+    batch = make(model).generate([[9, 9, 9, 9, 9], [4, 2, 4], [1]], [other, p, other],
+                                 use_tqdm=False)
+    assert batch[1].token_ids == alone
+    draws = {tuple(make(model).generate([[4, 2, 4]], SamplingParams(
+        temperature=1.0, max_tokens=8, seed=s, ignore_eos=True), use_tqdm=False)[0].token_ids)
+        for s in range(4)}
+    assert len(draws) > 1  # the seed matters
+
+
+def test_top_k_1_is_greedy(model):
+    prompts = [[10, 20, 30], [7]]
+    want = [o.token_ids for o in make(model).generate(prompts, GREEDY, use_tqdm=False)]
+    p = SamplingParams(temperature=1.5, top_k=1, max_tokens=6, ignore_eos=True)
+    assert [o.token_ids for o in make(model).generate(prompts, p, use_tqdm=False)] == want
+
+
+def test_stop_tokens_and_eos(model):
+    full = make(model).generate([[11, 12, 13]], GREEDY, use_tqdm=False)[0].token_ids
+    stop = full[2]
+    cut = full[:full.index(stop) + 1]
+    out = make(model).generate([[11, 12, 13]], SamplingParams(
+        temperature=0, max_tokens=6, stop_token_ids=[stop]), use_tqdm=False)[0]
+    assert out.token_ids == cut and out.finish_reason == "stop"
+    llm = LLM(model, config=EngineConfig(block_size=4, cpu_num_blocks=40), eos_token_id=stop)
+    p = SamplingParams(temperature=0, max_tokens=6)
+    out = llm.generate([[11, 12, 13]], p, use_tqdm=False)[0]
+    assert out.token_ids == cut and out.finish_reason == "stop"
+    out = llm.generate([[11, 12, 13]], GREEDY, use_tqdm=False)[0]  # ignore_eos
+    assert out.token_ids == full
+
+
+def test_load_by_name_and_folder():
+    from llmnote.models.shakespeare import CHECKPOINT_DIR, has_checkpoint
+
+    llm = LLM("qwen3-tiny", cpu_num_blocks=8)
+    assert llm.model.config.architecture == "qwen3" and llm.runner.num_blocks == 8
+    assert len(llm.runner.k_caches) == 2 and llm.runner.k_caches[0].shape == (8, 16, 2, 32)
+    with pytest.raises(ValueError, match="neither a checkpoint folder"):
+        LLM("no-such-model")
+    if has_checkpoint():
+        llm = LLM(CHECKPOINT_DIR, cpu_num_blocks=16)
+        assert llm.eos_token_ids == {0}
+        out = llm.generate("ROMEO:", SamplingParams(temperature=0, max_tokens=5), use_tqdm=False)
+        assert isinstance(out[0].text, str) and len(out[0].token_ids) <= 5
+
+
+def test_filter_logits(seed):
+    logits = torch.randn(3, 50)
+    top_k = torch.tensor([5, -1, 50])
+    top_p = torch.tensor([1.0, 0.5, 1.0])
+    f = filter_logits(logits, top_k, top_p)
+    kept = torch.isfinite(f)
+    assert kept[0].sum() == 5 and set(kept[0].nonzero().flatten().tolist()) == set(
+        logits[0].topk(5).indices.tolist())
+    assert kept[2].all()
+    p = logits[1].softmax(-1)
+    order = p.argsort(descending=True)
+    n = int((p[order].cumsum(0) < 0.5).sum()) + 1  # the smallest prefix reaching 0.5
+    assert set(kept[1].nonzero().flatten().tolist()) == set(order[:n].tolist())
+    assert torch.equal(f[kept], logits[kept])
+
+
+def test_sample_follows_the_distribution(seed):
+    logits = torch.tensor([[2.0, 1.0, 0.0, -1.0, 0.5]]).repeat(4000, 1)
+    params = [SamplingParams(temperature=1.0)] * 4000
+    gen = torch.Generator().manual_seed(seed)
+    got = torch.bincount(sample(logits, params, [gen] * 4000), minlength=5).float() / 4000
+    want = logits[0].softmax(-1)
+    assert (got - want).abs().max() < 0.03  # ~5 standard deviations at n = 4000
+
+
+def test_paged_attention_matches_dense(seed):
+    bs, n_blocks, hkv, h, d = 4, 12, 2, 4, 8
+    k_cache = torch.zeros(n_blocks, bs, hkv, d)
+    v_cache = torch.zeros(n_blocks, bs, hkv, d)
+    lens, new = [7, 1, 10], [3, 1, 10]  # a prefill chunk after a prefix, a decode, a prefill
+    perm = torch.randperm(n_blocks).tolist()
+    tables = [perm[0:2], perm[2:3], perm[3:6]]
+    ks = [torch.randn(n, hkv, d) for n in lens]
+    vs = [torch.randn(n, hkv, d) for n in lens]
+    slots = [t[i // bs] * bs + i % bs for t, n in zip(tables, lens) for i in range(n)]
+    write_kv(torch.cat(ks), torch.cat(vs), k_cache, v_cache, torch.tensor(slots))
+    q = torch.randn(sum(new), h, d)
+    cu = [0, 3, 4, 14]
+    meta = AttentionMetadata(torch.tensor(slots), cu, lens, tables, bs)
+    got = paged_attention_ref(q, k_cache, v_cache, meta, d**-0.5)
+    for b in range(3):
+        qb, kb, vb = (t.transpose(0, 1)[None] for t in (q[cu[b]:cu[b + 1]], ks[b], vs[b]))
+        want = attention_torch(qb, kb, vb, True, d**-0.5)[0].transpose(0, 1)
+        torch.testing.assert_close(got[cu[b]:cu[b + 1]], want)
+    meta.block_tables = [tables[0][::-1], tables[1], tables[2]]  # a wrong table is caught
+    bad = paged_attention_ref(q, k_cache, v_cache, meta, d**-0.5)
+    assert not torch.allclose(bad[:3], got[:3])
+
+
+def test_flash_backend_matches_reference(model, dev):
+    """The GPU seam (gather + FlashAttention-2 varlen); under Triton's interpreter on the CPU."""
+    m = copy.deepcopy(model).to(dev)
+    prompts = [[3, 9, 27, 81, 243], [1, 2]]
+    p = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+    want = [o.token_ids for o in make(m, attention_backend="reference").generate(
+        prompts, p, use_tqdm=False)]
+    got = make(m, attention_backend="flash", max_num_batched_tokens=4).generate(
+        prompts, p, use_tqdm=False)
+    assert [o.token_ids for o in got] == want

@@ -1,0 +1,26 @@
+"""The engine benchmark runs end to end on the CPU at toy size (its numbers are
+wall clock here and not fit for recording; the GPU run records them)."""
+
+import pytest
+
+pytest.importorskip("transformers")
+
+
+def test_engine_bench_smoke(tmp_path):
+    from llmnote import device
+    from llmnote.bench.results import COLUMNS, save
+    from llmnote.bench.suites.engine import run
+
+    be = "flash" if device.on_gpu() else "reference"
+    df = run(quick=True, model_name="qwen3-tiny", max_len=48, num_requests=6, hf_batches=(4,),
+             check=(2, 8), backends=(be,))
+    assert list(df.columns[:len(COLUMNS)]) == COLUMNS
+    got = df.set_index(["provider", "x_value", "metric"])["p50"]
+    assert got[(f"llmnote-{be}", "hf-check", "hf_match_fraction")] == 1.0
+    assert got[(f"llmnote-{be}", "throughput", "throughput")] > 0
+    assert got[("hf-static-4", "throughput", "throughput")] > 0
+    assert 0 < got[(f"llmnote-{be}", "throughput", "kv_live_fraction")] <= 1
+    assert got[(f"llmnote-{be}", "throughput", "contiguous_live_fraction")] <= 1
+    assert got[("llmnote-prefix-cache", "prefix", "cached_prompt_fraction")] > 0.5
+    assert got[("llmnote-no-cache", "prefix", "cached_prompt_fraction")] == 0
+    save(df, "engine", tmp_path)
