@@ -8,6 +8,8 @@ with ``bench = "ceiling"`` and provider ``copy`` or ``matmul-<dtype>``.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pandas as pd
 import torch
 
@@ -46,15 +48,24 @@ def matmul_rate(dtype: torch.dtype = torch.bfloat16, n: int | None = None) -> pd
     return pd.DataFrame(rows_for("ceiling", name, "n", n, t, metrics, env=environment()))
 
 
-def matmul_rate_lowp(kind: str, n: int | None = None) -> pd.DataFrame:
-    """Rows for ``tf32`` (fp32 inputs, TF32 tensor cores on), ``fp8`` (e4m3 inputs through
-    ``torch._scaled_mm``, bf16 output) or ``int8`` (``torch._int_mm``, int32 output).
+def matmul_fn(kind: str, n: int) -> Callable[[], torch.Tensor]:
+    """A zero-argument ``n x n x n`` product of ``kind`` on the default device:
+    ``fp32``/``bf16``/``fp16`` (cuBLAS), ``tf32`` (fp32 inputs, TF32 tensor cores on),
+    ``fp8`` (e4m3 inputs through ``torch._scaled_mm``, bf16 output) or ``int8``
+    (``torch._int_mm``, int32 output). The roofline suite sweeps ``n`` with it.
 
-    Raises ``RuntimeError`` where this torch or GPU has no such path (fp8 needs sm_89+).
+    Raises ``RuntimeError`` where this torch or GPU has no such path (fp8 needs sm_89+):
+    the product is run once before it is returned.
     """
     dev = device.default_device()
-    n = n or (8192 if dev.type == "cuda" else 512)
-    if kind == "tf32":
+    floats = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+    if kind in floats:
+        a = torch.randn(n, n, device=dev, dtype=floats[kind])
+        b = torch.randn(n, n, device=dev, dtype=floats[kind])
+
+        def fn():
+            return a @ b
+    elif kind == "tf32":
         a = torch.randn(n, n, device=dev)
         b = torch.randn(n, n, device=dev)
 
@@ -79,9 +90,17 @@ def matmul_rate_lowp(kind: str, n: int | None = None) -> pd.DataFrame:
         def fn():
             return torch._int_mm(a, b)
     else:
-        raise ValueError(f"kind must be 'tf32', 'fp8' or 'int8', got {kind!r}")
+        raise ValueError(f"kind must be one of {sorted(floats) + ['tf32', 'fp8', 'int8']}, got {kind!r}")
     fn()  # raises here where the path does not exist
-    t = measure(fn)
+    return fn
+
+
+def matmul_rate_lowp(kind: str, n: int | None = None) -> pd.DataFrame:
+    """Rows for ``tf32``, ``fp8`` or ``int8`` products (see :func:`matmul_fn`)."""
+    if kind not in ("tf32", "fp8", "int8"):
+        raise ValueError(f"kind must be 'tf32', 'fp8' or 'int8', got {kind!r}")
+    n = n or (8192 if device.default_device().type == "cuda" else 512)
+    t = measure(matmul_fn(kind, n))
     flops = 2 * n**3
     metrics = {"throughput": ("TFLOP/s", lambda x, ms: flops / (ms * 1e-3) / 1e12)}
     return pd.DataFrame(rows_for("ceiling", f"matmul-{kind}", "n", n, t, metrics, env=environment()))

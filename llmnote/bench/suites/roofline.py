@@ -18,7 +18,7 @@ import pandas as pd
 import torch
 
 from llmnote import device
-from llmnote.bench.ceilings import matmul_rate_lowp, measure_ceilings
+from llmnote.bench.ceilings import matmul_fn, matmul_rate_lowp, measure_ceilings
 from llmnote.bench.harness import Skip, sweep
 
 BENCH = "roofline"
@@ -28,40 +28,12 @@ LOWP = ("tf32", "fp8", "int8")
 
 def _matmul_factory(kind: str):
     def factory(n: int):
-        dev = device.default_device()
-        if kind in FLOAT_DTYPES:
-            a = torch.randn(n, n, device=dev, dtype=FLOAT_DTYPES[kind])
-            b = torch.randn(n, n, device=dev, dtype=FLOAT_DTYPES[kind])
-            return lambda: a @ b
-        if kind == "tf32":
-            a, b = torch.randn(n, n, device=dev), torch.randn(n, n, device=dev)
-
-            def tf32():
-                old = torch.backends.cuda.matmul.allow_tf32
-                torch.backends.cuda.matmul.allow_tf32 = True
-                try:
-                    return a @ b
-                finally:
-                    torch.backends.cuda.matmul.allow_tf32 = old
-            return tf32
+        if kind in FLOAT_DTYPES or kind == "tf32":
+            return matmul_fn(kind, n)
         try:
-            if kind == "fp8":
-                a = torch.randn(n, n, device=dev).to(torch.float8_e4m3fn)
-                b = torch.randn(n, n, device=dev).to(torch.float8_e4m3fn).t()
-                one = torch.ones((), device=dev)
-
-                def fn():
-                    return torch._scaled_mm(a, b, scale_a=one, scale_b=one, out_dtype=torch.bfloat16)
-            else:
-                a = torch.randint(-8, 8, (n, n), device=dev, dtype=torch.int8)
-                b = torch.randint(-8, 8, (n, n), device=dev, dtype=torch.int8)
-
-                def fn():
-                    return torch._int_mm(a, b)
-            fn()
+            return matmul_fn(kind, n)
         except Exception as why:  # no such path on this torch/GPU
             raise Skip(f"{kind}: {str(why).splitlines()[0][:120]}") from why
-        return fn
     return factory
 
 
