@@ -1,0 +1,5 @@
+import sys
+
+from llmnote.grading.batch import main
+
+sys.exit(main())

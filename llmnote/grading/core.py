@@ -1,0 +1,253 @@
+"""Checks for graded assignments: run each check with a time limit, and say in
+plain words what happened.
+
+An assignment is a list of :class:`Check` objects. A check is a function that
+takes the student's functions (by name) and raises when something is wrong:
+``NotImplementedError`` means the student has not filled the function in yet,
+``AssertionError`` (``llmnote.testing.MismatchError`` included) is a wrong
+answer, anything else is a crash in the student's code. Each check runs under a
+time limit (``SIGALRM`` where the platform has it), so a loop that never ends
+costs one check, not the whole notebook.
+
+Every result is printed for the student and also as one machine-readable line
+(``MARKER`` + JSON) that the batch grader reads back from the executed
+notebook.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import random
+import signal
+import sys
+import threading
+import time
+import traceback
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+
+MARKER = "LLMNOTE-GRADE "
+DEFAULT_TIME_LIMIT_S = 60.0
+
+PASS, FAIL, NOT_IMPLEMENTED, ERROR, TIMEOUT, MISSING = (
+    "pass", "fail", "not implemented", "error", "timeout", "missing")
+
+
+@dataclass(frozen=True)
+class Check:
+    """One graded check: ``fn(**student_functions)`` raises when wrong."""
+
+    name: str
+    fn: Callable[..., Any]
+    needs: tuple[str, ...]  # names of the student's functions the check calls
+    points: float = 1.0
+    hidden: bool = False  # run by the grader, not by the notebook's check cell
+    doc: str = ""
+
+
+@dataclass(frozen=True)
+class Assignment:
+    name: str
+    title: str
+    checks: tuple[Check, ...]
+    notebook: str  # file stem under notebooks/assignments/
+
+    @property
+    def functions(self) -> tuple[str, ...]:
+        return tuple(dict.fromkeys(n for c in self.checks for n in c.needs))
+
+    @property
+    def points(self) -> float:
+        return sum(c.points for c in self.checks)
+
+
+@dataclass
+class Result:
+    assignment: str
+    check: str
+    status: str
+    points: float
+    max_points: float
+    seconds: float
+    message: str = ""
+
+    @property
+    def passed(self) -> bool:
+        return self.status == PASS
+
+
+@dataclass
+class Report:
+    """The results of one run of an assignment's checks."""
+
+    assignment: str
+    results: list[Result] = field(default_factory=list)
+
+    @property
+    def passed(self) -> bool:
+        return bool(self.results) and all(r.passed for r in self.results)
+
+    @property
+    def score(self) -> float:
+        return sum(r.points for r in self.results)
+
+    @property
+    def max_score(self) -> float:
+        return sum(r.max_points for r in self.results)
+
+    def statuses(self) -> dict[str, str]:
+        return {r.check: r.status for r in self.results}
+
+    def __repr__(self) -> str:
+        return f"Report({self.assignment!r}, score {self.score:g}/{self.max_score:g})"
+
+
+class CheckTimeout(BaseException):
+    """A check ran past its time limit (a BaseException, so that a student's
+    ``except Exception`` inside a loop cannot swallow it)."""
+
+
+@contextlib.contextmanager
+def time_limit(seconds: float | None) -> Iterator[None]:
+    """Raise :class:`CheckTimeout` in the block after ``seconds`` (main thread, POSIX only;
+    elsewhere the block runs without a limit)."""
+    usable = (seconds is not None and seconds > 0 and hasattr(signal, "SIGALRM")
+              and threading.current_thread() is threading.main_thread())
+    if not usable:
+        yield
+        return
+
+    def _raise(signum, frame):
+        raise CheckTimeout(f"still running after the time limit of {seconds:g} s")
+
+    old = signal.signal(signal.SIGALRM, _raise)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)
+
+
+def _student_frame(tb) -> str:
+    """The innermost traceback line outside llmnote and torch: where the student's code failed."""
+    frames = [f for f in traceback.extract_tb(tb)
+              if "llmnote" not in f.filename.replace("\\", "/").split("/")[-3:-1]
+              and "site-packages" not in f.filename]
+    if not frames:
+        return ""
+    f = frames[-1]
+    return f" (in {f.name}, line {f.lineno}: {f.line.strip() if f.line else ''})"
+
+
+def run_check(assignment: str, check: Check, functions: Mapping[str, Any],
+              time_limit_s: float | None = DEFAULT_TIME_LIMIT_S) -> Result:
+    """Run one check; never raises (except KeyboardInterrupt)."""
+    # needs: functions (callable) and, in capitals, settings the student chose (MODEL = ...)
+    missing = [n for n in check.needs
+               if n not in functions or (not n.isupper() and not callable(functions[n]))]
+    if missing:
+        return Result(assignment, check.name, MISSING, 0.0, check.points, 0.0,
+                      f"{', '.join(missing)} not defined: was the cell that defines "
+                      "them deleted or renamed?")
+    t0 = time.perf_counter()
+    try:
+        with time_limit(time_limit_s):
+            check.fn(**{n: functions[n] for n in check.needs})
+        status, msg = PASS, ""
+    except NotImplementedError as e:
+        status, msg = NOT_IMPLEMENTED, str(e) or "a function still raises NotImplementedError"
+    except CheckTimeout as e:
+        status, msg = TIMEOUT, str(e)
+    except AssertionError as e:
+        status, msg = FAIL, (str(e) or "assertion failed" + _student_frame(e.__traceback__))
+    except Exception as e:  # a crash in the student's code: report it, go on
+        status = ERROR
+        msg = f"{type(e).__name__}: {e}{_student_frame(e.__traceback__)}"
+    dt = time.perf_counter() - t0
+    return Result(assignment, check.name, status, check.points if status == PASS else 0.0,
+                  check.points, dt, msg)
+
+
+def _print_result(r: Result, out) -> None:
+    mark = {PASS: "PASS", FAIL: "FAIL", NOT_IMPLEMENTED: "TODO", ERROR: "ERROR",
+            TIMEOUT: "TIMEOUT", MISSING: "MISSING"}[r.status]
+    print(f"[{mark:>7}] {r.check} ({r.points:g}/{r.max_points:g} points, {r.seconds:.1f} s)", file=out)
+    if r.message and r.status != PASS:
+        for line in r.message.splitlines()[:12]:
+            print(f"          {line}", file=out)
+
+
+def run_checks(assignment: Assignment, functions: Mapping[str, Any], *, hidden: bool = False,
+               time_limit_s: float | None = DEFAULT_TIME_LIMIT_S, seed: int | None = None,
+               quiet: bool = False, markers: bool = True) -> Report:
+    """Run an assignment's checks against ``functions`` (name -> callable) and print a report.
+
+    Fresh random inputs each run; the seed is printed so that a failure can be
+    replayed with ``seed=``. ``hidden=True`` adds the checks that the student's
+    notebook does not run (the batch grader uses it).
+    """
+    out = sys.stdout
+    seed = int(torch.seed() % 2**31) if seed is None else seed
+    torch.manual_seed(seed)
+    random.seed(seed)
+    report = Report(assignment.name)
+    if not quiet:
+        print(f"{assignment.title}: checks with fresh random inputs (seed {seed})", file=out)
+    for check in assignment.checks:
+        if check.hidden and not hidden:
+            continue
+        r = run_check(assignment.name, check, functions, time_limit_s)
+        report.results.append(r)
+        if not quiet:
+            _print_result(r, out)
+        if markers:
+            print(MARKER + json.dumps(asdict(r)), file=out)
+    if not quiet:
+        print(f"score: {report.score:g} / {report.max_score:g}", file=out)
+    return report
+
+
+def parse_markers(text: str) -> list[Result]:
+    """The results printed by :func:`run_checks` in ``text`` (stdout of an executed cell)."""
+    found = []
+    for line in text.splitlines():
+        if line.startswith(MARKER):
+            try:
+                found.append(Result(**json.loads(line[len(MARKER):])))
+            except (TypeError, ValueError):
+                continue
+    return found
+
+
+def case(text: str) -> contextlib.AbstractContextManager:
+    """Prefix any failure raised in the block with the case it belongs to
+    (``case("shape (3, 7), bfloat16")``), so the student reads which input failed."""
+    return _Case(text)
+
+
+class _Case(contextlib.AbstractContextManager):
+    def __init__(self, text: str):
+        self.text = text
+
+    def __exit__(self, typ, exc, tb):
+        if exc is None or isinstance(exc, (NotImplementedError, CheckTimeout)):
+            return False
+        if isinstance(exc, AssertionError):
+            raise AssertionError(f"case {self.text}: {exc}").with_traceback(tb) from None
+        if _rebuildable(exc):
+            raise type(exc)(f"case {self.text}: {exc}").with_traceback(tb) from None
+        return False
+
+
+def _rebuildable(exc: BaseException) -> bool:
+    try:
+        type(exc)("x")
+        return True
+    except Exception:
+        return False
+

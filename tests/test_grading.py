@@ -1,0 +1,293 @@
+"""llmnote.grading, tools/make_student.py and the assignment notebooks.
+
+- the instructor versions pass every check, hidden ones included;
+- the generated student versions run top to bottom and every check reports
+  "not implemented";
+- a deliberately wrong solution of each assignment is caught;
+- the batch grader gives the right table for a good, a wrong, a not-a-notebook,
+  a missing-cells and a runs-forever submission, within its time limits.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import time
+from pathlib import Path
+
+import jupytext
+import matplotlib
+import nbformat
+import pytest
+import torch
+
+from llmnote import grading
+from llmnote.grading import core
+
+matplotlib.use("Agg")
+
+ROOT = Path(__file__).resolve().parent.parent
+ASSIGNMENT_DIR = ROOT / "notebooks" / "assignments"
+_spec = importlib.util.spec_from_file_location("make_student", ROOT / "tools" / "make_student.py")
+make_student = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(make_student)
+
+NOTEBOOKS = {a.name: ASSIGNMENT_DIR / f"{a.notebook}.md" for a in grading.ASSIGNMENTS.values()}
+
+# (assignment, text in the instructor's solution, wrong replacement, check that must catch it)
+WRONG = [
+    ("softmax", "e = tl.exp(x - tl.max(x, axis=0))", "e = tl.exp(x)", "large logits"),
+    ("softmax", "row * stride_x + cols", "row * n_cols + cols", "non-contiguous rows"),
+    ("rmsnorm", "dx = rstd * (u - xhat * (tl.sum(u * xhat, axis=0) / N))", "dx = rstd * u",
+     "backward: grads of x and weight"),
+    ("rmsnorm", "1.0 / tl.sqrt(tl.sum(x * x, axis=0) / N + eps)",
+     "1.0 / (tl.sqrt(tl.sum(x * x, axis=0) / N) + eps)", "forward: zeros, fp16 overflow, eps"),
+    ("rope", "(a * c - b * sn)", "(a * c + b * sn)", "odd sizes, every dtype"),
+    ("flash_attention", "acc * alpha[:, None]", "acc", "odd sizes, every dtype"),
+    ("flash_attention", "(m_i + tl.math.log2(l_safe)) / 1.4426950408889634", "m_i + tl.math.log2(l_safe)",
+     "odd sizes, every dtype"),
+    ("flash_attention", "keep = keep & (cols[None, :] <= rows[:, None] + shift)",
+     "keep = keep & (cols[None, :] <= rows[:, None])", "causal, N_q <= N_k"),
+    ("paged_decode", "blk = tl.load(BT + b * max_blocks + j).to(tl.int64)", "blk = b * max_blocks + j",
+     "odd lengths, every dtype"),
+    ("paged_decode", "ok = (slots < BS) & (j * BS + slots < n)", "ok = slots < BS", "odd lengths, every dtype"),
+    ("int4", "scale = ((hi - lo) / 15)", "scale = ((hi - lo) / 7)", "quantize: odd sizes, every dtype"),
+    ("int4", "acc += tl.sum((q - z) * s * x[:, None], axis=0)", "acc += tl.sum(q * s * x[:, None], axis=0)",
+     "W4A16 GEMV: odd sizes, every dtype"),
+    ("block_manager", "for i in range((len(token_ids) - 1) // bs):", "for i in range(len(token_ids) // bs):",
+     "prefix hits"),
+    ("block_manager", "h = hash((parent, tuple(token_ids[i * bs:(i + 1) * bs])))\n            if h not in self.cached:\n                break",
+     "h = hash((None, tuple(token_ids[i * bs:(i + 1) * bs])))\n            if h not in self.cached:\n                break",
+     "prefix hits"),
+    ("block_manager", "        for b in reversed(table):\n            self.ref[b] -= 1",
+     "        for b in reversed(table):\n            self.ref[b] = 0", "prefix hits"),
+    ("roofline", "nbytes = 2 * (m * k + k * n + m * n)", "nbytes = 2 * (m * k + k * n)", "matmul roofline"),
+    ("roofline", "nbytes = 2 * linear + batch * L * 2 * kv * context_len * 2", "nbytes = 2 * linear",
+     "decode step vs llmnote.analysis"),
+]
+
+
+def code_cells(nb) -> list[str]:
+    """Code cells without the setup cell (it pip-installs on Colab; here llmnote is imported)."""
+    cells = [c.source for c in nb.cells if c.cell_type == "code"]
+    return cells[1:]
+
+
+def run_cells(sources: list[str]) -> dict:
+    ns: dict = {"__name__": "__assignment__"}
+    for src in sources:
+        exec(compile(src, "<assignment cell>", "exec"), ns)  # noqa: S102
+    return ns
+
+
+def instructor(name: str) -> nbformat.NotebookNode:
+    return jupytext.read(NOTEBOOKS[name], fmt="md:myst")
+
+
+def solved(name: str) -> nbformat.NotebookNode:
+    """What a student who got everything right hands in: the instructor's notebook with
+    the hidden tests removed and the solution markers dropped."""
+    nb = instructor(name)
+    cells = []
+    for c in nb.cells:
+        if c.cell_type == "code":
+            lines = make_student._strip_regions(c.source.split("\n"), make_student.BEGIN_HIDDEN,
+                                                make_student.END_HIDDEN, name, stub=False)
+            c.source = "\n".join(ln for ln in lines if ln.strip() not in
+                                 (make_student.BEGIN_SOLUTION, make_student.END_SOLUTION))
+            if not c.source.strip():
+                continue
+        cells.append(c)
+    nb.cells = cells
+    return nb
+
+
+# ------------------------------------------------------------------ the generator
+
+def test_student_source_stubs_solutions_and_drops_hidden_tests():
+    src = ("def f(x):\n    y = 1\n    ### BEGIN SOLUTION\n    return x + y\n    ### END SOLUTION\n"
+           "check(f)\n### BEGIN HIDDEN TESTS\nassert f(1) == 2\n### END HIDDEN TESTS")
+    out = make_student.student_source(src)
+    assert "return x + y" not in out and "assert f(1)" not in out and "BEGIN" not in out
+    assert "    # YOUR CODE HERE\n    raise NotImplementedError" in out
+    assert out.startswith("def f(x):\n    y = 1\n") and out.endswith("check(f)")
+    ns: dict = {"check": lambda f: None}
+    exec(out, ns)  # noqa: S102
+    with pytest.raises(NotImplementedError):
+        ns["f"](1)
+
+
+@pytest.mark.parametrize("bad", ["### BEGIN SOLUTION\nx = 1",
+                                 "x = 1\n### END SOLUTION",
+                                 "### BEGIN SOLUTION\n### BEGIN SOLUTION\n### END SOLUTION"])
+def test_unbalanced_markers_are_an_error(bad):
+    with pytest.raises(make_student.MarkerError, match="SOLUTION"):
+        make_student.student_source(bad, "nb, cell 3")
+
+
+def test_every_assignment_has_a_notebook_with_markers():
+    assert set(NOTEBOOKS) == set(grading.ASSIGNMENTS)
+    for name, md in NOTEBOOKS.items():
+        nb = instructor(name)
+        assert make_student.has_markers(nb), md
+        student = make_student.make_student(nb, md.stem)
+        text = "\n".join(c.source for c in student.cells)
+        assert "BEGIN SOLUTION" not in text and "HIDDEN TESTS" not in text
+        assert student.metadata["llmnote"]["assignment"] == md.stem
+
+
+def test_make_student_cli_writes_notebooks(tmp_path):
+    assert make_student.main(["--out", str(tmp_path)]) == 0
+    written = sorted(p.stem for p in tmp_path.glob("*.ipynb"))
+    assert written == sorted(md.stem for md in NOTEBOOKS.values())
+    nb = nbformat.read(tmp_path / f"{written[0]}.ipynb", 4)
+    nbformat.validate(nb)
+
+
+# ------------------------------------------------------------------ the assignments
+
+@pytest.mark.parametrize("name", sorted(NOTEBOOKS))
+def test_instructor_version_passes_every_check(name):
+    ns = run_cells(code_cells(instructor(name)))  # includes the hidden-test asserts
+    report = grading.run_checks(grading.get(name), ns, hidden=True, markers=False)
+    assert report.passed, [(r.check, r.status, r.message) for r in report.results]
+    assert len(report.results) == len(grading.get(name).checks)
+
+
+@pytest.mark.parametrize("name", sorted(NOTEBOOKS))
+def test_student_version_runs_and_reports_not_implemented(name, capsys):
+    student = make_student.make_student(instructor(name), name)
+    ns = run_cells(code_cells(student))  # top to bottom, no exception
+    out = capsys.readouterr().out
+    assert "[   TODO]" in out and "[   PASS]" not in out
+    report = grading.run_checks(grading.get(name), ns, hidden=True, markers=False)
+    assert {r.status for r in report.results} == {grading.NOT_IMPLEMENTED}, report.statuses()
+    assert report.score == 0
+
+
+@pytest.mark.parametrize("name,right,wrong,caught_by", WRONG, ids=[f"{w[0]}-{i}" for i, w in enumerate(WRONG)])
+def test_a_wrong_solution_is_caught(name, right, wrong, caught_by):
+    src = code_cells(solved(name))
+    assert any(right in c for c in src), f"{right!r} is no longer in the {name} solution"
+    ns = run_cells([c.replace(right, wrong) for c in src])
+    report = grading.run_checks(grading.get(name), ns, hidden=True, markers=False)
+    status = report.statuses()
+    assert status[caught_by] in (grading.FAIL, grading.ERROR), status
+    assert not report.passed
+
+
+# ------------------------------------------------------------------ the check runner
+
+def test_statuses_in_plain_words():
+    a = grading.Assignment("demo", "demo", (
+        grading.Check("ok", lambda f: f(), ("f",)),
+        grading.Check("wrong", lambda f: grading.expect_close(torch.zeros(2, 3), torch.ones(2, 3),
+                                                              dtype=torch.float32), ("f",)),
+        grading.Check("shape", lambda f: grading.expect_close(torch.zeros(3), torch.ones(2),
+                                                              dtype=torch.float32), ("f",)),
+        grading.Check("crash", lambda f: [][1], ("f",)),
+        grading.Check("forever", lambda f: time.sleep(30), ("f",)),
+        grading.Check("todo", lambda g: g(), ("g",)),
+        grading.Check("gone", lambda h: h(), ("h",)),
+    ), "demo")
+
+    def g():
+        raise NotImplementedError
+
+    t0 = time.perf_counter()
+    report = grading.run_checks(a, {"f": lambda: None, "g": g}, time_limit_s=0.5, markers=False)
+    assert time.perf_counter() - t0 < 5
+    s = report.statuses()
+    assert s == {"ok": "pass", "wrong": "fail", "shape": "fail", "crash": "error", "forever": "timeout",
+                 "todo": "not implemented", "gone": "missing"}
+    msg = {r.check: r.message for r in report.results}
+    assert "at (" in msg["wrong"] and "6 of 6" in msg["wrong"]  # where, and how many
+    assert "shape (3,)" in msg["shape"]
+    assert "IndexError" in msg["crash"]
+    assert "h not defined" in msg["gone"]
+    assert report.score == 1 and report.max_score == 7
+
+
+def test_case_names_the_failing_input():
+    a = grading.get("softmax")
+    report = grading.run_checks(a, {"softmax": lambda x: torch.softmax(x.float(), -1)}, markers=False)
+    first = report.results[0]
+    assert first.status == grading.FAIL
+    assert "shape (" in first.message and "float16" in first.message and "dtype" in first.message
+
+
+def test_markers_round_trip(capsys):
+    grading.run_checks(grading.get("rope"), {}, markers=True)
+    found = grading.parse_markers(capsys.readouterr().out)
+    assert [r.check for r in found] == [c.name for c in grading.get("rope").checks if not c.hidden]
+    assert {r.status for r in found} == {grading.MISSING}
+
+
+def test_speed_report_is_gpu_only(capsys):
+    if llmnote_on_gpu():
+        pytest.skip("on a GPU the speed report runs")
+    assert grading.speed_report("x", lambda: None, lambda: None, lambda n: (), lambda n: 1, [1]) is None
+    assert "needs a CUDA GPU" in capsys.readouterr().out
+
+
+def llmnote_on_gpu() -> bool:
+    from llmnote import device
+    return device.on_gpu()
+
+
+def test_unknown_assignment_is_a_clear_error():
+    with pytest.raises(ValueError, match="assignment must be one of"):
+        grading.get("nope")
+
+
+# ------------------------------------------------------------------ the batch grader
+
+def _with(nb, right: str, wrong: str):
+    nb = nbformat.from_dict(nb)
+    hit = False
+    for c in nb.cells:
+        if right in c.source:
+            c.source = c.source.replace(right, wrong)
+            hit = True
+    assert hit, right
+    return nb
+
+
+def test_batch_grader_table(tmp_path):
+    name = "roofline"  # pure Python: the grader's machinery, not the interpreter, is timed here
+    student = make_student.make_student(instructor(name), name)
+    good = solved(name)
+    wrong = _with(good, "nbytes = 2 * (m * k + k * n + m * n)", "nbytes = 4 * (m * k + k * n + m * n)")
+    missing = nbformat.from_dict(good)
+    missing.cells = [c for c in missing.cells if "def decode_step_estimate" not in c.source]
+    forever = _with(good, "def decode_step_estimate(cfg, hw, batch, context_len) -> dict:\n",
+                    "def decode_step_estimate(cfg, hw, batch, context_len) -> dict:\n    while True:\n        pass\n")
+    for stem, nb in [("good", good), ("wrong", wrong), ("missing", missing), ("forever", forever),
+                     ("todo", student)]:
+        nbformat.write(nb, tmp_path / f"{stem}.ipynb")
+    (tmp_path / "notes.txt").write_text("my answers are in the email")
+
+    t0 = time.monotonic()
+    df = grading.grade_folder(tmp_path, name, out=tmp_path / "scores.csv", check_time_limit_s=2,
+                              cell_time_limit_s=4, notebook_time_limit_s=20)
+    elapsed = time.monotonic() - t0
+    df = df.set_index("student")
+    details = df.attrs["details"].set_index(["student", "check"])["status"]
+    checks = [c.name for c in grading.get(name).checks]
+    full = grading.get(name).points
+
+    assert df.loc["good", "total"] == full
+    assert df.loc["todo", "total"] == 0
+    assert set(details["todo"]) == {grading.NOT_IMPLEMENTED}
+    assert details["wrong", "matmul roofline"] == grading.FAIL
+    assert 0 < df.loc["wrong", "total"] < full
+    assert details["missing", "decode step vs llmnote.analysis"] == grading.MISSING
+    assert details["missing", "parameter count"] == grading.PASS
+    assert details["forever", "decode step vs llmnote.analysis"] == grading.TIMEOUT
+    assert details["forever", "parameter count"] == grading.PASS
+    assert "time limit" in df.loc["forever", "problems"]
+    assert df.loc["notes", "total"] == 0 and "not a notebook" in df.loc["notes", "problems"]
+    assert list(df.columns[: len(checks)]) == checks
+    assert (tmp_path / "scores.csv").exists() and (tmp_path / "scores_details.csv").exists()
+    # the limits hold: the forever notebook costs its cells' and checks' limits, not forever
+    assert df.loc["forever", "seconds"] < 60, df["seconds"]
+    assert elapsed < 180
