@@ -93,6 +93,30 @@ def test_stream_matches_generate_and_metrics(model):
         assert o.ttft is not None and o.ttft > 0 and o.tpot is not None and o.tpot > 0
 
 
+def test_step_log_chunks_account_for_every_token(model):
+    """``step_log[i]["chunks"]``: per sequence its new tokens and whether it prefilled or
+    decoded; prompt chunks plus decodes add up to each request's tokens, preemption included."""
+    prompts = [[3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5], [2, 7], [1, 8, 2, 8, 1, 8, 2, 8, 4, 5, 9, 0, 4]]
+    llm = LLM(model, config=EngineConfig(block_size=4, num_blocks=6, max_num_batched_tokens=5))
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    assert llm.scheduler.num_preemptions > 0  # 6 blocks of 4 cannot hold all three at once
+    prefill, decode = [0] * 3, [0] * 3
+    for step in llm.step_log:
+        assert [c[0] for c in step["chunks"]] == step["seq_ids"]
+        assert sum(c[1] for c in step["chunks"]) == step["tokens"] <= 5
+        for sid, n, kind in step["chunks"]:
+            assert kind in ("prefill", "decode") and (kind == "prefill" or n == 1)
+            (prefill if kind == "prefill" else decode)[sid] += n
+    for i, (p, o) in enumerate(zip(prompts, outs)):
+        # every generated token but the last is decoded once, unless a preemption recomputed it
+        assert prefill[i] + decode[i] >= len(p) + len(o.token_ids) - 1
+        if o.num_preemptions == 0:
+            assert prefill[i] == len(p) and decode[i] == len(o.token_ids) - 1, (i, prefill, decode)
+        else:
+            assert prefill[i] > len(p)
+
+
 def test_seeded_sampling_does_not_depend_on_the_batch(model):
     p = SamplingParams(temperature=1.0, top_k=50, top_p=0.9, max_tokens=8, seed=1234,
                        ignore_eos=True)

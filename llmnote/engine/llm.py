@@ -109,7 +109,7 @@ class LLM:
         self.scheduler = Scheduler(config, self.runner.num_blocks, self.max_model_len)
         self._next_id = 0
         self.requests: dict[int, Sequence] = {}  # every submitted request, by id
-        self.step_log: list[dict] = []  # per step: tokens, sequences, live and held KV slots
+        self.step_log: list[dict] = []  # per step: tokens, chunks, live and held KV slots
 
     # ------------------------------------------------------------ requests
     def _encode(self, prompt: object, where: str) -> tuple[list[int], str | None]:
@@ -182,13 +182,14 @@ class LLM:
             if self.scheduler.has_work():  # cannot happen: admission guarantees progress
                 raise RuntimeError("the scheduler found nothing to run with requests pending")
             return []
+        chunks = batch.chunks()  # (id, new tokens, "decode" | "prefill") per sequence
         sampled = self.runner.run(batch)
         got = self.scheduler.postprocess(batch, sampled, self.eos_token_ids, time.perf_counter())
         live, held = self.scheduler.live_slots()  # after the step: its keys are written
         self.step_log.append(dict(tokens=batch.num_tokens, seqs=len(batch), live_slots=live,
                                   running=len(self.scheduler.running),
                                   held_slots=held, preempted=batch.num_preempted,
-                                  seq_ids=[s.seq_id for s, _ in batch.items]))
+                                  seq_ids=[s.seq_id for s, _ in batch.items], chunks=chunks))
         for s in got:
             if s.is_finished:
                 self.runner.release(s.seq_id)

@@ -49,6 +49,13 @@ class ScheduledBatch:
     def __len__(self) -> int:
         return len(self.items)
 
+    def chunks(self) -> list[tuple[int, int, str]]:
+        """``(seq_id, new tokens, "decode" | "prefill")`` per sequence; call it before
+        :meth:`Scheduler.postprocess`. A recompute after preemption counts as prefill."""
+        return [(s.seq_id, n, "decode" if n == 1 and s.num_computed == len(s) - 1
+                 and s.num_computed >= s.num_prompt_tokens else "prefill")
+                for s, n in self.items]
+
 
 class Scheduler:
     def __init__(self, config: EngineConfig, num_blocks: int, max_model_len: int) -> None:
