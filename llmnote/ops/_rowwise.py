@@ -140,6 +140,17 @@ def bwd_config(n: int, element_size: int, tensors: int = 2) -> RowConfig:
     return cfg
 
 
+def launch_forward(kernel, m: int, args: tuple, constexprs: dict, cfg: RowConfig,
+                   dev: torch.device) -> None:
+    """Launch a row-wise forward kernel over ``m`` rows: one program per ``cfg.block_m``
+    rows, or, when ``cfg.num_stages > 1`` (persistent: loads issued ahead), at most one
+    wave of programs (:func:`resident_programs`), each walking several row blocks."""
+    grid = triton.cdiv(m, cfg.block_m)
+    if cfg.num_stages > 1:
+        grid = min(grid, resident_programs(kernel, args, constexprs, cfg.num_warps, dev))
+    kernel[(grid,)](*args, **constexprs, num_warps=cfg.num_warps)
+
+
 # (kernel, constexprs, warps, device, dtypes) -> (programs, registers, shared bytes)
 _RESIDENT: dict[tuple, tuple[int, int, int]] = {}
 

@@ -38,7 +38,7 @@ import triton.language as tl
 from llmnote import device
 from llmnote.ops._rowwise import (
     MAX_N, SMEM_FOR_STAGES, RowConfig, as_rows, bwd_config, check_eps, check_param,
-    check_row_length, fwd_config, resident_programs,
+    check_row_length, fwd_config, launch_forward, resident_programs,
 )
 from llmnote.ops._validate import check_tensor
 
@@ -156,11 +156,7 @@ def _forward(x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: fl
     constexprs = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, NUM_STAGES=cfg.num_stages)
     args = (x2, weight, bias, y, mean, rstd, m, n, eps,
             x2.stride(0), x2.stride(1), weight.stride(0), bias.stride(0), y.stride(0))
-    grid = triton.cdiv(m, cfg.block_m)
-    if cfg.num_stages > 1:  # persistent: one wave of programs, loads issued ahead
-        grid = min(grid, resident_programs(_layernorm_fwd_kernel, args, constexprs,
-                                           cfg.num_warps, x2.device))
-    _layernorm_fwd_kernel[(grid,)](*args, **constexprs, num_warps=cfg.num_warps)
+    launch_forward(_layernorm_fwd_kernel, m, args, constexprs, cfg, x2.device)
     return y, mean, rstd
 
 

@@ -47,7 +47,7 @@ import triton.language as tl
 from llmnote import device
 from llmnote.ops._rowwise import (
     MAX_N, RowConfig, as_rows, bwd_config, check_eps, check_param, check_row_length,
-    fwd_config, resident_programs,
+    fwd_config, launch_forward, resident_programs,
 )
 from llmnote.ops._validate import check_same, check_tensor
 
@@ -156,11 +156,7 @@ def _forward(x2: torch.Tensor, r2: torch.Tensor | None, weight: torch.Tensor, ep
     args = (x2, r, weight, y, h if h is not None else y, rstd, m, n, eps,
             x2.stride(0), x2.stride(1), r.stride(0), r.stride(1), weight.stride(0),
             y.stride(0), y.stride(0))
-    grid = triton.cdiv(m, cfg.block_m)
-    if cfg.num_stages > 1:  # persistent: one wave of programs, loads issued ahead
-        grid = min(grid, resident_programs(_rmsnorm_fwd_kernel, args, constexprs,
-                                           cfg.num_warps, x2.device))
-    _rmsnorm_fwd_kernel[(grid,)](*args, **constexprs, num_warps=cfg.num_warps)
+    launch_forward(_rmsnorm_fwd_kernel, m, args, constexprs, cfg, x2.device)
     return y, h, rstd
 
 
