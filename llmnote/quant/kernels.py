@@ -186,7 +186,7 @@ def _int8_gemm_kernel(
         k_left = K - k * BLOCK_K
         a = tl.load(a_ptrs, mask=offs_k[None, :] < k_left, other=0)  # BM x BK int8
         b = tl.load(b_ptrs, mask=offs_k[:, None] < k_left, other=0)  # BK x BN int8
-        acc = tl.dot(a, b, acc)  # int8 x int8 -> int32, exact
+        acc = tl.dot(a, b, acc, out_dtype=tl.int32)  # int8 x int8 -> int32, exact
         a_ptrs += BLOCK_K * stride_ak
         b_ptrs += BLOCK_K * stride_bk
     # Epilogue: dequantize in fp32 while the tile is in registers.
