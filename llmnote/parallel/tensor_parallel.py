@@ -1,0 +1,216 @@
+"""Tensor parallelism for llmnote's Llama layers, as in Megatron-LM (Shoeybi et al., 2019).
+
+A linear layer ``y = x W^T + b`` with ``W`` of shape (out, in) can be split over
+``p`` ranks two ways:
+
+- **column-parallel**: rank ``r`` holds rows ``r*out/p .. (r+1)*out/p`` of ``W``
+  (a slice of the *output* features) and computes its slice of ``y`` from the
+  whole ``x``. No communication; the output is left split.
+- **row-parallel**: rank ``r`` holds columns ``r*in/p .. (r+1)*in/p`` of ``W``
+  (a slice of the *input* features), takes the matching slice of ``x`` and
+  computes a partial ``y_r = x_r W_r^T``; the full ``y = sum_r y_r`` needs one
+  **all-reduce** (sum over ranks). The bias is added once, after it.
+
+Megatron's pairing puts a column-parallel layer first and a row-parallel layer
+second, so the split output of the first is exactly the split input of the
+second, and anything elementwise in between (SwiGLU) or independent per head
+(RoPE, attention) runs on the local slice:
+
+    MLP:        gate, up column-parallel -> silu(gate) * up -> down row-parallel -> all-reduce
+    attention:  q, k, v column-parallel (whole heads per rank) -> RoPE, attention on
+                the local heads -> o row-parallel -> all-reduce
+
+One all-reduce of the (tokens, hidden) activations per attention block and one
+per MLP block: ``2 * num_layers`` per forward pass. Norms, embeddings and the
+output head stay replicated here (every rank holds them whole).
+
+Shards must be even: ``out`` (heads, intermediate size) divisible by ``p``;
+key/value heads divisible by ``p``, or, when ``p`` is a multiple of them, each
+kv head replicated on ``p / num_kv_heads`` ranks (as vLLM does). Anything else
+raises ``ValueError`` when the layer is built.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from llmnote.models.config import LlamaConfig
+from llmnote.models.llama import DecoderLayer, Llama
+
+
+# ---------------------------------------------------------------- communication
+class Comm:
+    """The collectives a tensor-parallel layer calls, with a tally of what they moved.
+
+    ``payload_bytes`` adds up the size of every tensor handed to :meth:`all_reduce`;
+    a ring all-reduce over ``p`` ranks sends (and receives) ``2 (p - 1) / p`` times
+    that per rank (:attr:`wire_bytes_per_rank`). ``reduce=False`` skips the
+    reduction (each rank keeps its partial sum): only to show that it is needed.
+    Outside a process group (or with one rank) the reduction is the identity.
+    """
+
+    def __init__(self, group: dist.ProcessGroup | None = None, reduce: bool = True) -> None:
+        self.group, self.reduce = group, reduce
+        self.calls = 0
+        self.payload_bytes = 0
+
+    @property
+    def world_size(self) -> int:
+        return dist.get_world_size(self.group) if dist.is_initialized() else 1
+
+    def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
+        """Sum ``t`` over the ranks, in place; returns ``t``."""
+        self.calls += 1
+        self.payload_bytes += t.numel() * t.element_size()
+        if self.reduce and self.world_size > 1:
+            dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self.group)
+        return t
+
+    @property
+    def wire_bytes_per_rank(self) -> float:
+        p = self.world_size
+        return 2 * (p - 1) / p * self.payload_bytes
+
+    def reset(self) -> None:
+        self.calls = self.payload_bytes = 0
+
+
+# ---------------------------------------------------------------- sharding
+def shard(t: torch.Tensor, dim: int, index: int, parts: int, name: str = "tensor") -> torch.Tensor:
+    """Part ``index`` of ``parts`` equal contiguous slices of ``t`` along ``dim`` (a copy)."""
+    if not (0 <= index < parts):
+        raise ValueError(f"shard index must lie in [0, {parts}), got {index}")
+    size = t.shape[dim]
+    if size % parts:
+        raise ValueError(f"{name}: size {size} along dim {dim} is not divisible by {parts} "
+                         f"ranks; tensor parallelism here needs even shards")
+    n = size // parts
+    return t.narrow(dim, index * n, n).clone()
+
+
+def _check_rank(rank: int, world_size: int) -> None:
+    if not (isinstance(world_size, int) and world_size >= 1):
+        raise ValueError(f"world_size must be an int >= 1, got {world_size!r}")
+    if not (isinstance(rank, int) and 0 <= rank < world_size):
+        raise ValueError(f"rank must be an int in [0, {world_size}), got {rank!r}")
+
+
+class ColumnParallelLinear(nn.Module):
+    """This rank's slice of the output features: ``y_r = x W_r^T + b_r``, W_r (out/p, in)."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(weight)
+        self.bias = None if bias is None else nn.Parameter(bias)
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, index: int, parts: int,
+                    name: str = "linear") -> ColumnParallelLinear:
+        """Slice ``index`` of ``parts`` of a full ``nn.Linear`` (rows of its weight)."""
+        w = shard(linear.weight.detach(), 0, index, parts, f"{name}.weight (out_features)")
+        b = None if linear.bias is None else shard(linear.bias.detach(), 0, index, parts,
+                                                   f"{name}.bias")
+        return cls(w, b)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (..., in) -> (..., out/p)
+        return F.linear(x, self.weight, self.bias)
+
+
+class RowParallelLinear(nn.Module):
+    """This rank's slice of the input features; the partial products are summed by
+    one all-reduce, then the (whole) bias is added once: ``y = sum_r x_r W_r^T + b``."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, comm: Comm) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(weight)
+        self.bias = None if bias is None else nn.Parameter(bias)
+        self.comm = comm
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, rank: int, world_size: int, comm: Comm,
+                    name: str = "linear") -> RowParallelLinear:
+        w = shard(linear.weight.detach(), 1, rank, world_size, f"{name}.weight (in_features)")
+        b = None if linear.bias is None else linear.bias.detach().clone()
+        return cls(w, b, comm)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (..., in/p) -> (..., out)
+        y = self.comm.all_reduce(F.linear(x, self.weight))
+        return y if self.bias is None else y + self.bias
+
+
+# ---------------------------------------------------------------- Llama blocks
+def kv_shard(num_kv_heads: int, rank: int, world_size: int) -> tuple[int, int]:
+    """``(index, parts)``: which slice of the key/value heads rank ``rank`` holds.
+
+    Split when ``num_kv_heads`` is a multiple of ``world_size``; replicated when
+    ``world_size`` is a multiple of ``num_kv_heads`` (rank r then holds kv head
+    ``r // (world_size / num_kv_heads)``, the one its query heads read).
+    """
+    if num_kv_heads % world_size == 0:
+        return rank, world_size
+    if world_size % num_kv_heads == 0:
+        return rank // (world_size // num_kv_heads), num_kv_heads
+    raise ValueError(f"num_key_value_heads ({num_kv_heads}) and world_size ({world_size}): "
+                     "one must divide the other to shard or replicate whole kv heads")
+
+
+def local_config(cfg: LlamaConfig, world_size: int) -> LlamaConfig:
+    """The shapes one rank's slice of a layer has: heads and intermediate size divided."""
+    for field in ("num_attention_heads", "intermediate_size"):
+        if getattr(cfg, field) % world_size:
+            raise ValueError(f"{field} ({getattr(cfg, field)}) is not divisible by world_size "
+                             f"({world_size}); tensor parallelism here needs even shards")
+    _, kv_parts = kv_shard(cfg.num_key_value_heads, 0, world_size)
+    return cfg.replace(num_attention_heads=cfg.num_attention_heads // world_size,
+                       num_key_value_heads=cfg.num_key_value_heads // kv_parts,
+                       intermediate_size=cfg.intermediate_size // world_size)
+
+
+def shard_decoder_layer(layer: DecoderLayer, cfg: LlamaConfig, rank: int, world_size: int,
+                        comm: Comm) -> DecoderLayer:
+    """Rank ``rank``'s part of one decoder block: a :class:`DecoderLayer` of the local
+    shapes whose q/k/v/gate/up are column-parallel and o/down row-parallel. Its
+    ``forward`` is the unchanged llmnote code, plus the two all-reduces."""
+    _check_rank(rank, world_size)
+    ref_attn = layer.self_attn
+    loc = local_config(cfg, world_size)
+    out = DecoderLayer(loc, ref_attn.layer_idx, ref_attn.ops)
+    kv_index, kv_parts = kv_shard(cfg.num_key_value_heads, rank, world_size)
+    a = out.self_attn
+    a.q_proj = ColumnParallelLinear.from_linear(ref_attn.q_proj, rank, world_size, "q_proj")
+    a.k_proj = ColumnParallelLinear.from_linear(ref_attn.k_proj, kv_index, kv_parts, "k_proj")
+    a.v_proj = ColumnParallelLinear.from_linear(ref_attn.v_proj, kv_index, kv_parts, "v_proj")
+    a.o_proj = RowParallelLinear.from_linear(ref_attn.o_proj, rank, world_size, comm, "o_proj")
+    if cfg.qk_norm:  # one weight over head_dim, shared by every head: replicated
+        a.q_norm.load_state_dict(ref_attn.q_norm.state_dict())
+        a.k_norm.load_state_dict(ref_attn.k_norm.state_dict())
+    m, ref_mlp = out.mlp, layer.mlp
+    m.gate_proj = ColumnParallelLinear.from_linear(ref_mlp.gate_proj, rank, world_size, "gate_proj")
+    m.up_proj = ColumnParallelLinear.from_linear(ref_mlp.up_proj, rank, world_size, "up_proj")
+    m.down_proj = RowParallelLinear.from_linear(ref_mlp.down_proj, rank, world_size, comm,
+                                                "down_proj")
+    out.input_layernorm.load_state_dict(layer.input_layernorm.state_dict())
+    out.post_attention_layernorm.load_state_dict(layer.post_attention_layernorm.state_dict())
+    return out.to(layer.input_layernorm.weight.dtype)
+
+
+def shard_llama(model: Llama, rank: int, world_size: int, comm: Comm) -> Llama:
+    """Replace every decoder block of ``model`` by rank ``rank``'s shard, **in place**
+    (embedding, final norm and ``lm_head`` stay whole); returns ``model``."""
+    _check_rank(rank, world_size)
+    cfg = model.config
+    local_config(cfg, world_size)  # refuse uneven shapes before changing anything
+    kv_shard(cfg.num_key_value_heads, rank, world_size)
+    layers = model.model.layers
+    for i in range(len(layers)):
+        layers[i] = shard_decoder_layer(layers[i], cfg, rank, world_size, comm)
+    return model
+
+
+def allreduce_bytes_per_token(cfg: LlamaConfig, bytes_per_element: int = 2) -> int:
+    """Bytes handed to all-reduce per token in one forward pass: two (hidden,) vectors
+    per layer (after attention's o_proj and the MLP's down_proj)."""
+    return 2 * cfg.num_hidden_layers * cfg.hidden_size * bytes_per_element

@@ -1,0 +1,79 @@
+"""Functions that :func:`llmnote.parallel.launch` runs on every rank.
+
+They live in a module (not in the notebook) because spawned processes import
+them by name. Each receives ``(rank, world_size, ...)`` and the full weights of
+the reference (as a config and a ``state_dict``), takes its own shard, runs, and
+returns plain tensors and numbers.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+import torch.distributed as dist
+
+from llmnote.models.config import LlamaConfig
+from llmnote.models.llama import DecoderLayer, Llama, reference_ops
+from llmnote.parallel.tensor_parallel import Comm, shard_decoder_layer, shard_llama
+
+
+def _layer(cfg: LlamaConfig, state: dict, layer_idx: int) -> DecoderLayer:
+    layer = DecoderLayer(cfg, layer_idx, reference_ops())
+    layer.load_state_dict(state)
+    return layer.to(next(iter(state.values())).dtype)
+
+
+@torch.no_grad()
+def block_forward(rank: int, world_size: int, cfg: LlamaConfig, state: dict, layer_idx: int,
+                  x: torch.Tensor, positions: torch.Tensor, reduce: bool = True) -> dict:
+    """One tensor-parallel decoder block on ``x`` (B, S, hidden): this rank's output
+    and what its all-reduces moved. ``reduce=False`` leaves out the all-reduce."""
+    comm = Comm(reduce=reduce)
+    block = shard_decoder_layer(_layer(cfg, state, layer_idx), cfg, rank, world_size, comm)
+    y = block(x, positions, None)
+    return {"out": y, "calls": comm.calls, "payload_bytes": comm.payload_bytes,
+            "wire_bytes_per_rank": comm.wire_bytes_per_rank,
+            "local_params": sum(p.numel() for p in block.parameters())}
+
+
+@torch.no_grad()
+def generate(rank: int, world_size: int, cfg: LlamaConfig, state: dict, input_ids: torch.Tensor,
+             max_new_tokens: int) -> dict:
+    """Greedy decoding with every block tensor-parallel: the tokens, the all-reduce
+    tally, and the tokens processed (prompt + decode steps) and wall time."""
+    model = Llama(cfg)
+    model.load_state_dict(state)
+    comm = Comm()
+    shard_llama(model, rank, world_size, comm)
+    dist.barrier()
+    t0 = time.perf_counter()
+    out = model.generate(input_ids, max_new_tokens)
+    seconds = time.perf_counter() - t0
+    b = input_ids.shape[0]
+    tokens = b * out.shape[1]  # run through the model: the prompt, then one step per new token
+    return {"tokens": out, "calls": comm.calls, "payload_bytes": comm.payload_bytes,
+            "wire_bytes_per_rank": comm.wire_bytes_per_rank, "tokens_processed": tokens,
+            "seconds": seconds}
+
+
+def all_reduce_times(rank: int, world_size: int, sizes: list[int], repeats: int = 5) -> list[float]:
+    """Seconds of one fp32 all-reduce of each size (elements) over this group: the
+    fastest of ``repeats`` (on a shared CPU, slower runs measure the OS scheduler)."""
+    out = []
+    for n in sizes:
+        t = torch.ones(n)
+        dist.all_reduce(t)  # warm-up
+        times = []
+        for _ in range(repeats):
+            dist.barrier()
+            t0 = time.perf_counter()
+            dist.all_reduce(t)
+            times.append(time.perf_counter() - t0)
+        out.append(min(times))
+    return out
+
+
+def block_forward_cases(rank: int, world_size: int, cases: list[dict]) -> list[dict]:
+    """:func:`block_forward` on several cases (keyword dicts) in one launch."""
+    return [block_forward(rank, world_size, **case) for case in cases]
