@@ -13,9 +13,10 @@ DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 # Odd sizes: rows not a multiple of BLOCK_M, lengths not a power of two, 1-element
 # rows, 3-D input, 300 rows (several row tiles per backward program, so the
 # cross-row sums of dweight and dbias are exercised), long rows several to a
-# backward program and the longest row supported.
+# backward program, a long row whose dx takes the chunked second pass (N > 16384,
+# not a multiple of the chunk) and the longest row supported.
 SHAPES = [(1, 1), (3, 7), (37, 129), (2, 3, 341), (5, 1823), (300, 129), (20, 4100),
-          (1, MAX_N - 3)]
+          (3, 16389), (1, MAX_N - 3)]
 LOWP_ATOL = {torch.float16: 1e-3, torch.bfloat16: 1e-2}
 NAMES = ["y", "dx", "dweight", "dbias"]
 
@@ -137,9 +138,12 @@ def test_bad_input(args, exc, match, dev):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("config", [RowConfig(1, 256, 4, 1), RowConfig(2, 256, 4, 3),
-                                    RowConfig(4, 256, 8, 2)], ids=str)
+                                    RowConfig(4, 256, 8, 2), RowConfig(1, 256, 4, chunk=64),
+                                    RowConfig(2, 256, 4, chunk=128)], ids=str)
 def test_launch_configs(config, dtype, dev, seed):
-    """Several rows a program, tiles loaded ahead, the persistent forward: same results."""
+    """Several rows a program, tiles loaded ahead, the persistent forward, dx in a
+    second pass over the row in chunks (201 columns: the last chunk is partial): same
+    results."""
     m, n = 37, 201
     x, w, b = _inputs((m, n), dtype, dev)
     dy = torch.randn(m, n, device=dev).to(dtype)
@@ -153,3 +157,16 @@ def test_launch_configs(config, dtype, dev, seed):
             assert_close(g, ref, atol=1e-5, rtol=1e-4, name=name)
         else:
             assert_close_lowp(g, ref, t, atol=1e-2, name=name)
+
+
+def test_long_rows_take_the_chunked_pass():
+    """LayerNorm keeps 4 row arrays: from N = 16384 on (16 values a thread) its backward
+    computes dx in a second pass; RMSNorm (3 arrays) only from N = 32768 on."""
+    from llmnote.ops._rowwise import bwd_config
+    assert bwd_config(8192, 2, arrays=4).chunk == 0
+    for n in (16384, 16385, MAX_N):
+        cfg = bwd_config(n, 2, arrays=4)
+        assert 0 < cfg.chunk < cfg.block_n and cfg.block_n % cfg.chunk == 0
+        assert cfg.num_stages == 1 and cfg.per_thread <= 64
+    assert bwd_config(16384, 2, arrays=4).num_warps == 16  # 128 registers a thread
+    assert bwd_config(16384, 2, arrays=3).chunk == 0 and bwd_config(32768, 4).chunk > 0

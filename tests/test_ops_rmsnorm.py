@@ -218,7 +218,7 @@ def test_add_rmsnorm_bad_residual(residual, exc, match, dev):
 # Launch shapes other than the defaults: several rows a program, tiles loaded ahead
 # (num_stages), the persistent forward (num_stages > 1), more tiles than programs.
 CONFIGS = [RowConfig(1, 256, 4, 1), RowConfig(2, 256, 4, 3), RowConfig(4, 256, 8, 2),
-           RowConfig(8, 256, 8, 1)]
+           RowConfig(8, 256, 8, 1), RowConfig(1, 256, 4, chunk=64)]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)

@@ -241,3 +241,27 @@ def test_recorded_benchmark_covers_providers_and_sizes():
     for dtype in ("bfloat16", "float32"):
         for provider in ("llmnote", "torch", "torch.compile"):
             assert all((provider, dtype, t) in got for t in TOKENS), (provider, dtype)
+
+
+def test_launch_plan_cache(dev, seed):
+    """Calls with the same shapes reuse a cached launch plan: a later call with other
+    strides, positions or settings must get its own plan, and bad input is still refused."""
+    import sys
+
+    rope_module = sys.modules["llmnote.ops.rope"]  # (llmnote.ops.rope is also the function)
+
+    q, k = make((1, 4, 2, 7, 32), torch.float32, dev)
+    pos = torch.arange(7, device=dev)
+    check(q, k, pos)  # plan made
+    check(q, k, pos)  # plan reused
+    qt, kt = q.transpose(1, 2).contiguous().transpose(1, 2), k  # other strides, same shape
+    check(qt, kt, pos)
+    q2, k2 = make((2, 4, 2, 7, 32), torch.float32, dev)
+    check(q2, k2, torch.stack((pos, pos + 50)))  # (batch, seq) positions: another plan
+    check(q, k, pos + 3, theta=500.0, interleaved=True)
+    keys = [key for key in rope_module._PLANS if key[0] in (q.shape, q2.shape)]
+    assert len(keys) >= 4
+    with pytest.raises(TypeError, match="q and k must have the same dtype"):
+        rope(q, k.half(), pos)
+    with pytest.raises(ValueError, match="positions must have shape"):
+        rope(q, k, pos[:5])

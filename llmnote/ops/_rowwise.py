@@ -23,10 +23,24 @@ the partial sums) in registers, and an SM has 64K 32-bit registers; the more
 rows an SM holds, the more loads are in flight, and for memory-bound code that
 is the whole game (Little's law: bytes in flight = bandwidth x latency).
 
-Known weak spot: LayerNorm's backward at N >= 16384. A 32-warp program then
-holds 16 values a thread of ``x_hat``, ``g``, ``dweight`` and ``dbias``, the
-whole register budget, and spills to local memory (H100: 54-66% of the copy
-rate, see ``norms.csv``). RMSNorm, with one accumulator less, fits.
+Long rows in the backward: a thread of a 32-warp program may have 64
+registers, and at N = 16384 it holds 16 values of each row array. RMSNorm
+keeps three through the row reduction (``x_hat``, ``g`` and the partial
+``dweight``): 48 registers, which fit. LayerNorm keeps four (``dbias`` too):
+64, the whole budget, and the kernel spilled to local memory (H100: 54-66% of
+the copy rate). :func:`bwd_config` therefore gives such rows a second pass
+(``RowConfig.chunk``): the first pass loads the whole row, adds it to the
+partial sums and reduces it, and keeps nothing else; the second walks the row
+again in chunks of ``chunk`` columns to compute ``dx``. Its loads hit the
+L1/L2 caches (the row was read a moment before), so HBM still sees each
+element once, and only the partial sums stay in registers across the passes.
+That helps, but not enough: the partial sums of ``dweight`` and ``dbias`` for
+a whole row (2 x 16384 fp32, half the SM's register file) plus the row being
+loaded still do not fit, the compiler still spills, and the H100 measured
+73% (bf16) and 59% (fp32) of the copy rate, against 66% and 54% for one pass
+(see :func:`bwd_config`). Freeing the partial sums from registers (keeping
+them in shared memory, or splitting a row across the programs of a cluster)
+is the open step.
 """
 
 from __future__ import annotations
@@ -43,6 +57,14 @@ from llmnote import device
 from llmnote.ops._validate import check_same, check_tensor
 
 MAX_N = 65536  # longest row (padded to a power of two) one program holds in registers
+ROW_REGISTERS = 48  # of the 64 a thread of a 32-warp program has: for fp32 row arrays (backward)
+DX_CHUNK = 4096  # columns per step of the backward's second pass (RowConfig.chunk)
+
+
+def cdiv(a: int, b: int) -> int:
+    """``ceil(a / b)`` for ints. (``triton.cdiv`` is a constexpr function in recent Triton
+    releases and costs microseconds per call from Python: too much on the launch path.)"""
+    return -(-a // b)
 
 
 def check_eps(eps: object) -> float:
@@ -77,13 +99,21 @@ def check_row_length(name: str, n: int) -> None:
 @dataclass(frozen=True)
 class RowConfig:
     """Launch shape of a row-wise kernel: tiles of ``block_m`` rows by ``block_n``
-    columns, ``num_warps`` warps a program, and (backward) ``num_stages`` tiles
-    being loaded ahead of the one being computed."""
+    columns, ``num_warps`` warps a program, ``num_stages`` tiles being loaded
+    ahead of the one being computed, and (backward) ``chunk``: 0 computes ``dx``
+    from the tile held in registers, a power of two below ``block_n`` computes
+    it in a second pass over the row, ``chunk`` columns at a time."""
 
     block_m: int
     block_n: int
     num_warps: int
     num_stages: int = 1
+    chunk: int = 0
+
+    @property
+    def dx_chunk(self) -> int:
+        """The ``DX_CHUNK`` constexpr of the backward kernels (``block_n``: one pass)."""
+        return self.chunk or self.block_n
 
     @property
     def per_thread(self) -> int:
@@ -115,27 +145,40 @@ def fwd_config(n: int, element_size: int) -> RowConfig:
 
 
 @functools.lru_cache(maxsize=None)
-def bwd_config(n: int, element_size: int, tensors: int = 2) -> RowConfig:
-    """Backward launch shape for rows of ``n`` elements; ``tensors`` row tiles are read.
+def bwd_config(n: int, element_size: int, tensors: int = 2, arrays: int = 3) -> RowConfig:
+    """Backward launch shape for rows of ``n`` elements; ``tensors`` row tiles are
+    read and ``arrays`` fp32 row arrays are kept through the row reduction
+    (RMSNorm: ``x_hat``, ``g`` and the partial ``dweight``, 3; LayerNorm 4).
 
-    The backward holds more per element than the forward (``x_hat``, ``g``
-    and the partial ``dweight``), so a thread takes 8 values of a tile
-    instead of 16 (50-64 registers) and short rows are packed to 1024
-    elements a program; several programs then share an SM and overlap each
-    other's loads. At N = 8192 a row needs all 32 warps a program can have
-    and one program fills the SM: there the kernel loads the next tiles
-    while it computes (3 stages, when they fit in :data:`SMEM_FOR_STAGES`).
-    H100 sweep, bf16 RMSNorm backward at N = 8192: 2.5 TB/s with 1 stage,
-    2.8 TB/s with 3. Elsewhere extra stages measured no better or worse (at
-    N = 16384, where 16 values a thread already fill the register file,
-    3 stages spilled and lost 10%).
+    The backward holds more per element than the forward, so a thread takes
+    8 values of a tile instead of 16 (50-64 registers) and short rows are
+    packed to 1024 elements a program; several programs then share an SM and
+    overlap each other's loads. At N = 8192 a row needs all 32 warps a
+    program can have and one program fills the SM: there the kernel loads the
+    next tiles while it computes (3 stages, when they fit in
+    :data:`SMEM_FOR_STAGES`). H100 sweep, bf16 RMSNorm backward at N = 8192:
+    2.5 TB/s with 1 stage, 2.8 TB/s with 3. Elsewhere extra stages measured no
+    better or worse (at N = 16384, where 16 values a thread already fill the
+    register file, 3 stages spilled and lost 10%). When the row arrays need
+    more than :data:`ROW_REGISTERS` registers a thread, ``dx`` gets a second
+    pass over the row in chunks of :data:`DX_CHUNK` columns (the module's
+    docstring says why) and, up to N = 16384, the program half the warps, so
+    that a thread may use 128 registers instead of 64. H100 exploration run (session 3, not a
+    recorded CSV), LayerNorm backward at N = 16384, bf16 / fp32 in GB/s: one
+    pass, 32 warps 1980 / 1617; second pass in chunks of 2048, 4096, 8192
+    columns with 32 warps 1779 / 1451, 1950 / 1654, 1936 / 1453; chunks of
+    4096 with 16 warps 2189 / 1786 (copy: 3006). All of them still spill.
     """
     block_n = triton.next_power_of_2(n)
     block_m = max(1, min(8, 1024 // block_n))
     num_warps = min(32, max(4, block_m * block_n // 256))
     cfg = RowConfig(block_m, block_n, num_warps)
     tile_bytes = block_m * block_n * element_size * tensors
-    if num_warps == 32 and cfg.per_thread <= 8 and 3 * tile_bytes <= SMEM_FOR_STAGES:
+    if cfg.per_thread * arrays > ROW_REGISTERS:
+        # half the warps while a thread then holds at most 32 values of a row array
+        warps = max(4, num_warps // 2) if cfg.per_thread <= 16 else num_warps
+        cfg = RowConfig(block_m, block_n, warps, chunk=min(DX_CHUNK, block_n // 2))
+    elif num_warps == 32 and cfg.per_thread <= 8 and 3 * tile_bytes <= SMEM_FOR_STAGES:
         cfg = RowConfig(block_m, block_n, num_warps, 3)
     return cfg
 
@@ -145,7 +188,7 @@ def launch_forward(kernel, m: int, args: tuple, constexprs: dict, cfg: RowConfig
     """Launch a row-wise forward kernel over ``m`` rows: one program per ``cfg.block_m``
     rows, or, when ``cfg.num_stages > 1`` (persistent: loads issued ahead), at most one
     wave of programs (:func:`resident_programs`), each walking several row blocks."""
-    grid = triton.cdiv(m, cfg.block_m)
+    grid = cdiv(m, cfg.block_m)
     if cfg.num_stages > 1:
         grid = min(grid, resident_programs(kernel, args, constexprs, cfg.num_warps, dev))
     kernel[(grid,)](*args, **constexprs, num_warps=cfg.num_warps)

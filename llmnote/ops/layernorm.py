@@ -37,7 +37,7 @@ import triton.language as tl
 
 from llmnote import device
 from llmnote.ops._rowwise import (
-    MAX_N, SMEM_FOR_STAGES, RowConfig, as_rows, bwd_config, check_eps, check_param,
+    MAX_N, SMEM_FOR_STAGES, RowConfig, as_rows, bwd_config, cdiv, check_eps, check_param,
     check_row_length, fwd_config, launch_forward, resident_programs,
 )
 from llmnote.ops._validate import check_tensor
@@ -89,6 +89,7 @@ def _layernorm_bwd_kernel(
     dy_ptr, x_ptr, w_ptr, mean_ptr, rstd_ptr, dx_ptr, dw_ptr, db_ptr, M, N,
     stride_dym, stride_dyn, stride_xm, stride_xn, stride_wn, stride_dxm, stride_dwg,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NUM_STAGES: tl.constexpr,
+    DX_CHUNK: tl.constexpr,
 ):
     pid = tl.program_id(0)
     num_programs = tl.num_programs(0)  # G, as many as the GPU holds at once
@@ -99,7 +100,8 @@ def _layernorm_bwd_kernel(
     # memory) while this one is computed: more bytes in flight per SM.
     for tile in tl.range(pid, tl.cdiv(M, BLOCK_M), num_programs, num_stages=NUM_STAGES):
         rows = (tile * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)  # int64: row * stride
-        mask = (rows[:, None] < M) & (cols[None, :] < N)
+        row_ok = rows[:, None] < M
+        mask = row_ok & (cols[None, :] < N)
         x = tl.load(x_ptr + rows[:, None] * stride_xm + cols[None, :] * stride_xn,
                     mask=mask, other=0.0).to(tl.float32)  # read MN
         dy = tl.load(dy_ptr + rows[:, None] * stride_dym + cols[None, :] * stride_dyn,
@@ -113,9 +115,25 @@ def _layernorm_bwd_kernel(
         g = dy * w[None, :]  # 0 in the padding (dy is)
         c1 = tl.sum(xh * g, axis=1) / N  # (BLOCK_M,)
         c2 = tl.sum(g, axis=1) / N
-        dx = (g - xh * c1[:, None] - c2[:, None]) * rstd[:, None]
-        tl.store(dx_ptr + rows[:, None] * stride_dxm + cols[None, :],
-                 dx.to(dx_ptr.dtype.element_ty), mask=mask)  # write MN
+        if DX_CHUNK == BLOCK_N:  # dx from the registers: the tile is still there
+            dx = (g - xh * c1[:, None] - c2[:, None]) * rstd[:, None]
+            tl.store(dx_ptr + rows[:, None] * stride_dxm + cols[None, :],
+                     dx.to(dx_ptr.dtype.element_ty), mask=mask)  # write MN
+        else:  # long rows: xh and g are not kept; a second pass re-reads the row from
+            # the caches (L1/L2: it was loaded a moment ago), DX_CHUNK columns at a time
+            for c0 in tl.range(0, N, DX_CHUNK):
+                ccols = c0 + tl.arange(0, DX_CHUNK)
+                cmask = row_ok & (ccols[None, :] < N)
+                xc = tl.load(x_ptr + rows[:, None] * stride_xm + ccols[None, :] * stride_xn,
+                             mask=cmask, other=0.0, eviction_policy="evict_first")
+                dyc = tl.load(dy_ptr + rows[:, None] * stride_dym + ccols[None, :] * stride_dyn,
+                              mask=cmask, other=0.0, eviction_policy="evict_first")
+                wc = tl.load(w_ptr + ccols * stride_wn, mask=ccols < N, other=0.0)
+                xhc = (xc.to(tl.float32) - mean[:, None]) * rstd[:, None]
+                gc = dyc.to(tl.float32) * wc.to(tl.float32)[None, :]
+                dxc = (gc - xhc * c1[:, None] - c2[:, None]) * rstd[:, None]
+                tl.store(dx_ptr + rows[:, None] * stride_dxm + ccols[None, :],
+                         dxc.to(dx_ptr.dtype.element_ty), mask=cmask)  # write MN
     tl.store(dw_ptr + pid * stride_dwg + cols, tl.sum(dw, axis=0), mask=cols < N)  # 2 x G x N
     tl.store(db_ptr + pid * stride_dwg + cols, tl.sum(db, axis=0), mask=cols < N)  # (fp32)
 
@@ -168,13 +186,14 @@ def _backward(dy: torch.Tensor, x2: torch.Tensor, weight: torch.Tensor, mean: to
     """
     m, n = x2.shape
     dx = torch.empty((m, n), dtype=x2.dtype, device=x2.device)
-    cfg = config or bwd_config(n, x2.element_size())
-    constexprs = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, NUM_STAGES=cfg.num_stages)
+    cfg = config or bwd_config(n, x2.element_size(), arrays=4)  # x_hat, g, dw, db
+    constexprs = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, NUM_STAGES=cfg.num_stages,
+                      DX_CHUNK=cfg.dx_chunk)
     args = [dy, x2, weight, mean, rstd, dx, mean, rstd, m, n,  # stand-ins for the partials
             dy.stride(0), dy.stride(1), x2.stride(0), x2.stride(1), weight.stride(0),
             dx.stride(0), n]
     g = min(resident_programs(_layernorm_bwd_kernel, args, constexprs, cfg.num_warps, x2.device),
-            triton.cdiv(m, cfg.block_m))
+            cdiv(m, cfg.block_m))
     partial = torch.empty((2, g, n), dtype=torch.float32, device=x2.device)  # dw, db
     args[6], args[7] = partial[0], partial[1]
     _layernorm_bwd_kernel[(g,)](*args, **constexprs, num_warps=cfg.num_warps)

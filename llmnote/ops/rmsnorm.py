@@ -46,7 +46,7 @@ import triton.language as tl
 
 from llmnote import device
 from llmnote.ops._rowwise import (
-    MAX_N, RowConfig, as_rows, bwd_config, check_eps, check_param, check_row_length,
+    MAX_N, RowConfig, as_rows, bwd_config, cdiv, check_eps, check_param, check_row_length,
     fwd_config, launch_forward, resident_programs,
 )
 from llmnote.ops._validate import check_same, check_tensor
@@ -107,7 +107,7 @@ def _rmsnorm_bwd_kernel(
     stride_dym, stride_dyn, stride_xm, stride_xn, stride_wn, stride_dhm, stride_dhn,
     stride_dxm, stride_dwg,
     HAS_DH: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    NUM_STAGES: tl.constexpr,
+    NUM_STAGES: tl.constexpr, DX_CHUNK: tl.constexpr,
 ):
     pid = tl.program_id(0)
     num_programs = tl.num_programs(0)  # G, as many as the GPU holds at once
@@ -117,7 +117,8 @@ def _rmsnorm_bwd_kernel(
     # memory) while this one is computed: more bytes in flight per SM.
     for tile in tl.range(pid, tl.cdiv(M, BLOCK_M), num_programs, num_stages=NUM_STAGES):
         rows = (tile * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)  # int64: row * stride
-        mask = (rows[:, None] < M) & (cols[None, :] < N)
+        row_ok = rows[:, None] < M
+        mask = row_ok & (cols[None, :] < N)
         x = tl.load(x_ptr + rows[:, None] * stride_xm + cols[None, :] * stride_xn,
                     mask=mask, other=0.0).to(tl.float32)  # read MN
         dy = tl.load(dy_ptr + rows[:, None] * stride_dym + cols[None, :] * stride_dyn,
@@ -130,12 +131,30 @@ def _rmsnorm_bwd_kernel(
         w = tl.load(w_ptr + cols * stride_wn, mask=cols < N, other=0.0).to(tl.float32)
         g = dy * w[None, :]
         c = tl.sum(xh * g, axis=1) / N  # (BLOCK_M,) mean_j(xh_j * g_j)
-        dx = (g - xh * c[:, None]) * rstd[:, None]
-        if HAS_DH:  # add_rmsnorm: the gradient of the new residual joins in
-            dx += tl.load(dh_ptr + rows[:, None] * stride_dhm + cols[None, :] * stride_dhn,
-                          mask=mask, other=0.0).to(tl.float32)  # read MN
-        tl.store(dx_ptr + rows[:, None] * stride_dxm + cols[None, :],
-                 dx.to(dx_ptr.dtype.element_ty), mask=mask)  # write MN
+        if DX_CHUNK == BLOCK_N:  # dx from the registers: the tile is still there
+            dx = (g - xh * c[:, None]) * rstd[:, None]
+            if HAS_DH:  # add_rmsnorm: the gradient of the new residual joins in
+                dx += tl.load(dh_ptr + rows[:, None] * stride_dhm + cols[None, :] * stride_dhn,
+                              mask=mask, other=0.0).to(tl.float32)  # read MN
+            tl.store(dx_ptr + rows[:, None] * stride_dxm + cols[None, :],
+                     dx.to(dx_ptr.dtype.element_ty), mask=mask)  # write MN
+        else:  # long rows: a second pass re-reads x and dy from the caches (see _rowwise)
+            for c0 in tl.range(0, N, DX_CHUNK):
+                ccols = c0 + tl.arange(0, DX_CHUNK)
+                cmask = row_ok & (ccols[None, :] < N)
+                xc = tl.load(x_ptr + rows[:, None] * stride_xm + ccols[None, :] * stride_xn,
+                             mask=cmask, other=0.0, eviction_policy="evict_first")
+                dyc = tl.load(dy_ptr + rows[:, None] * stride_dym + ccols[None, :] * stride_dyn,
+                              mask=cmask, other=0.0, eviction_policy="evict_first")
+                wc = tl.load(w_ptr + ccols * stride_wn, mask=ccols < N, other=0.0)
+                gc = dyc.to(tl.float32) * wc.to(tl.float32)[None, :]
+                dxc = (gc - xc.to(tl.float32) * rstd[:, None] * c[:, None]) * rstd[:, None]
+                if HAS_DH:
+                    dxc += tl.load(dh_ptr + rows[:, None] * stride_dhm
+                                   + ccols[None, :] * stride_dhn,
+                                   mask=cmask, other=0.0).to(tl.float32)  # read MN
+                tl.store(dx_ptr + rows[:, None] * stride_dxm + ccols[None, :],
+                         dxc.to(dx_ptr.dtype.element_ty), mask=cmask)  # write MN
     tl.store(dw_ptr + pid * stride_dwg + cols, tl.sum(dw, axis=0), mask=cols < N)  # G x N fp32
 
 
@@ -171,12 +190,12 @@ def _backward(dy: torch.Tensor, x2: torch.Tensor, weight: torch.Tensor, rstd: to
     cfg = config or bwd_config(n, x2.element_size(), 2 if dh is None else 3)
     d = dh if dh is not None else dy
     constexprs = dict(HAS_DH=dh is not None, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-                      NUM_STAGES=cfg.num_stages)
+                      NUM_STAGES=cfg.num_stages, DX_CHUNK=cfg.dx_chunk)
     args = [dy, x2, weight, rstd, d, dx, rstd, m, n,  # rstd: stand-in for the partial buffer
             dy.stride(0), dy.stride(1), x2.stride(0), x2.stride(1), weight.stride(0),
             d.stride(0), d.stride(1), dx.stride(0), n]
     g = min(resident_programs(_rmsnorm_bwd_kernel, args, constexprs, cfg.num_warps, x2.device),
-            triton.cdiv(m, cfg.block_m))
+            cdiv(m, cfg.block_m))
     args[6] = dw_partial = torch.empty((g, n), dtype=torch.float32, device=x2.device)
     _rmsnorm_bwd_kernel[(g,)](*args, **constexprs, num_warps=cfg.num_warps)
     return dx, dw_partial.sum(dim=0).to(weight.dtype)  # (G, N) -> (N,), fixed order

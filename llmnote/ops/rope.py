@@ -187,6 +187,11 @@ def _rope_kernel(
                   da, db, fmask, cos, sin, BLOCK_HK)
 
 
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, n - 1).bit_length()
+
+
+@functools.lru_cache(maxsize=None)
 def _config(hq: int, hk: int, half: int) -> tuple[int, int, int, int]:
     """(BLOCK_HQ, BLOCK_HK, BLOCK_F, num_warps): tiles of about 512 pairs (8 heads of
     64 pairs at head_dim 128), looped over the heads, with up to 4 warps.
@@ -195,10 +200,10 @@ def _config(hq: int, hk: int, half: int) -> tuple[int, int, int, int]:
     Llama-3-8B layer shape this is within 1% of the best configuration measured at
     every size, while one 32-head tile per 4 warps lost 10-13%.
     """
-    block_f = triton.next_power_of_2(half)
+    block_f = _next_pow2(half)
     tile_heads = max(1, MAX_TILE_PAIRS // block_f)
-    block_hq = min(tile_heads, triton.next_power_of_2(hq))
-    block_hk = min(tile_heads, triton.next_power_of_2(hk))
+    block_hq = min(tile_heads, _next_pow2(hq))
+    block_hk = min(tile_heads, _next_pow2(hk))
     num_warps = max(1, min(4, block_hq * block_f // 128))
     return block_hq, block_hk, block_f, num_warps
 
@@ -217,17 +222,41 @@ def _launch(
     attn_factor: float, interleaved: bool, config: tuple[int, int, int, int],
 ) -> None:
     """Launch the kernel with an explicit ``_config``-style tuple (the tuning sweep uses this)."""
+    grid, args, constexprs = _launch_args(q, k, positions, inv_freq, attn_factor, interleaved,
+                                          config)
+    _rope_kernel[grid](q, k, positions, inv_freq, *args, **constexprs)
+
+
+def _launch_args(q, k, positions, inv_freq, attn_factor, interleaved, config):
+    """Everything the launch needs besides the four tensors: grid, scalars, constexprs."""
     b, hq, s, d = q.shape
     block_hq, block_hk, block_f, num_warps = config
-    pos2 = positions if positions.ndim == 2 else positions[None]
-    stride_pb = pos2.stride(0) if positions.ndim == 2 else 0  # (seq,): every batch row shares it
-    _rope_kernel[(b * s,)](
-        q, k, pos2, inv_freq,
-        s, hq, k.shape[1], d // 2, attn_factor,
-        *q.stride(), *k.stride(), stride_pb, pos2.stride(1),
-        INTERLEAVED=interleaved, BLOCK_HQ=block_hq, BLOCK_HK=block_hk, BLOCK_F=block_f,
-        LIBDEVICE_TRIG=not device.interpreting(), num_warps=num_warps,
-    )
+    # positions (seq,): every batch row reads the same one (batch stride 0)
+    stride_pb, stride_ps = positions.stride() if positions.ndim == 2 else (0, positions.stride(0))
+    args = (s, hq, k.shape[1], d // 2, attn_factor, *q.stride(), *k.stride(), stride_pb,
+            stride_ps)
+    constexprs = dict(INTERLEAVED=interleaved, BLOCK_HQ=block_hq, BLOCK_HK=block_hk,
+                      BLOCK_F=block_f, LIBDEVICE_TRIG=not device.interpreting(),
+                      num_warps=num_warps)
+    return (b * s,), args, constexprs
+
+
+# Launch plans by everything they depend on (shapes, strides, dtypes, devices, settings):
+# a layer calls RoPE with the same shapes again and again, and for a few thousand
+# tokens the kernel takes about as long (tens of microseconds) as checking the
+# arguments, building the frequency table key and the launch tuple in Python.
+_PLANS: dict[tuple, tuple] = {}
+
+
+def _plan_key(q, k, positions, theta, interleaved, scaling) -> tuple | None:
+    """The cache key of a call, or None when it cannot be cached (a dict of scaling
+    fields, an argument that is not a tensor: the full checks then report it)."""
+    if not (isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor)
+            and isinstance(positions, torch.Tensor)) or isinstance(scaling, dict):
+        return None
+    return (q.shape, q.stride(), q.dtype, q.device, k.shape, k.stride(), k.dtype, k.device,
+            positions.shape, positions.stride(), positions.dtype, positions.device,
+            type(theta), theta, bool(interleaved), scaling, device.backend())
 
 
 def rope(
@@ -246,18 +275,33 @@ def rope(
     ``x[i + d/2]`` (Hugging Face Llama/Qwen), ``True`` pairs ``x[2i]`` with
     ``x[2i+1]`` (GPT-J). ``scaling``: a :class:`RopeScaling` (or dict of its fields)
     or None. The ``dynamic`` scheme reads ``max(positions)``, one device sync.
+
+    The checks and the launch arguments are computed once per combination of
+    shapes, strides, dtypes, devices and settings and then reused (``_PLANS``).
     """
-    _check_args(q, k, positions, theta)
-    for name, t in (("q", q), ("k", k), ("positions", positions)):
-        check_device(name, t)
+    key = _plan_key(q, k, positions, theta, interleaved, scaling)
+    plan = _PLANS.get(key) if key is not None else None
+    if plan is None:
+        _check_args(q, k, positions, theta)
+        for name, t in (("q", q), ("k", k), ("positions", positions)):
+            check_device(name, t)
     if device.use_reference("rope", min_capability=(7, 0)):
         return rope_ref(q, k, positions, theta, interleaved, scaling)
-    b, hq, s, d = q.shape
-    if q.numel() == 0 and k.numel() == 0:
-        return q, k
-    sc = as_rope_scaling(scaling)
-    seq_len = int(positions.max()) + 1 if sc is not None and sc.rope_type == "dynamic" else None
-    inv_freq = _inv_freq_on(q.device, d, float(theta), sc, seq_len)
-    _launch(q, k, positions, inv_freq, attention_factor(sc), interleaved,
-            _config(hq, k.shape[1], d // 2))
+    if plan is None:
+        if q.numel() == 0 and k.numel() == 0:
+            return q, k
+        d = q.shape[-1]
+        sc = as_rope_scaling(scaling)
+        dynamic = sc is not None and sc.rope_type == "dynamic"
+        seq_len = int(positions.max()) + 1 if dynamic else None  # depends on the values
+        inv_freq = _inv_freq_on(q.device, d, float(theta), sc, seq_len)
+        config = _config(q.shape[1], k.shape[1], d // 2)
+        plan = (inv_freq, *_launch_args(q, k, positions, inv_freq, attention_factor(sc),
+                                        interleaved, config))
+        if key is not None and not dynamic:
+            if len(_PLANS) > 256:  # many shapes (a growing decode batch...): start over
+                _PLANS.clear()
+            _PLANS[key] = plan
+    inv_freq, grid, args, constexprs = plan
+    _rope_kernel[grid](q, k, positions, inv_freq, *args, **constexprs)
     return q, k

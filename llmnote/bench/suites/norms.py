@@ -26,11 +26,13 @@ weight gradient are not counted (G is the number of programs resident on the
 GPU; the partials add about 1% to a backward's bytes, 2% for layernorm's two
 at N = 16384). Before timing each size, llmnote's outputs (fwd) or
 gradients (bwd) are checked at full size against the reference run in fp32,
-with the low-precision rule of :mod:`llmnote.testing`.
+with the low-precision rule of :mod:`llmnote.testing` (on inputs of their own,
+freed, with PyTorch's cached memory, before the timed inputs are made).
 """
 
 from __future__ import annotations
 
+import gc
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -117,7 +119,7 @@ def _results(task: Callable) -> list[torch.Tensor]:
     return list(out) if isinstance(out, tuple) else [out]
 
 
-def _check(name: str, spec: _Op, inputs: list[torch.Tensor], direction: str, dys) -> None:
+def _check(name: str, spec: _Op, inputs: list[torch.Tensor], dys, direction: str) -> None:
     """llmnote's outputs or gradients vs the fp32 reference and PyTorch in the same dtype."""
     got = _results(_task(spec.ours, inputs, direction, dys))
     want = _results(_task(spec.ref, [t.float() for t in inputs], direction, dys))
@@ -132,14 +134,25 @@ def _providers(op: str, direction: str, dtype: torch.dtype) -> dict:
     spec = OPS[op]
     es = torch.empty((), dtype=dtype).element_size()
 
+    def make_inputs(m: int, n: int):
+        dys = [_rand(m, n, dtype) for _ in range(spec.n_outputs)] if direction == "bwd" else []
+        return spec.inputs(m, n, dtype), dys
+
     def setup(fn: Callable, n: int, check: bool = False) -> Callable:
         m = TOTAL // (n * es)
-        inputs = spec.inputs(m, n, dtype)
-        dys = [_rand(m, n, dtype) for _ in range(spec.n_outputs)] if direction == "bwd" else []
-        if check:
-            _check(op, spec, inputs, direction, dys)
+        if check:  # on inputs of their own, freed before the timed ones are made
+            _check(op, spec, *make_inputs(m, n), direction)
+        # The check leaves GBs of fp32 temporaries in PyTorch's caching allocator and
+        # many Python objects: release both, so that the tensors timed below sit in
+        # freshly allocated memory and no garbage-collector pause falls in the timing.
+        gc.collect()
+        if device.on_gpu():
+            torch.cuda.empty_cache()
+        inputs, dys = make_inputs(m, n)
         task = _task(fn, inputs, direction, dys)
-        task()  # warm-up outside the timed region (compilation, autotuning)
+        task()  # warm-up outside the timed region (compilation, the launch plan)
+        if device.on_gpu():
+            torch.cuda.synchronize()
         return task
 
     def ours(n):
