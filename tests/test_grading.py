@@ -17,11 +17,14 @@ from pathlib import Path
 import jupytext
 import matplotlib
 import nbformat
+import pandas as pd
 import pytest
 import torch
 
 from llmnote import grading
 from llmnote.grading import core
+from llmnote.grading import notebooks as gnb
+from llmnote.grading import record
 
 matplotlib.use("Agg")
 
@@ -55,11 +58,14 @@ WRONG = [
      "W4A16 GEMV: odd sizes, every dtype"),
     ("block_manager", "for i in range((len(token_ids) - 1) // bs):", "for i in range(len(token_ids) // bs):",
      "prefix hits"),
-    ("block_manager", "h = hash((parent, tuple(token_ids[i * bs:(i + 1) * bs])))\n            if h not in self.cached:\n                break",
-     "h = hash((None, tuple(token_ids[i * bs:(i + 1) * bs])))\n            if h not in self.cached:\n                break",
-     "prefix hits"),
-    ("block_manager", "        for b in reversed(table):\n            self.ref[b] -= 1",
-     "        for b in reversed(table):\n            self.ref[b] = 0", "prefix hits"),
+    ("block_manager", "h = hash((parent, tokens))", "h = hash((None, tokens))", "prefix hits"),
+    ("block_manager", "            self.ref[b] -= 1\n", "            self.ref[b] = 0\n", "prefix hits"),
+    ("block_manager", "revived = sum(1 for b in hits if self.ref[b] == 0)", "revived = 0",
+     "cached blocks survive free until reused"),
+    ("block_manager", "                    self.free_list.move_to_end(b, last=False)  # uncached: at the front",
+     "                    pass", "eviction order"),
+    ("block_manager", "        table.clear()\n", "\n", "allocate, free, out of blocks"),
+    ("block_manager", "for b in reversed(table):", "for b in table:", "eviction order"),
     ("roofline", "nbytes = 2 * (m * k + k * n + m * n)", "nbytes = 2 * (m * k + k * n)", "matmul roofline"),
     ("roofline", "nbytes = 2 * linear + batch * L * 2 * kv * context_len * 2", "nbytes = 2 * linear",
      "decode step vs llmnote.analysis"),
@@ -68,15 +74,10 @@ WRONG = [
 
 def code_cells(nb) -> list[str]:
     """Code cells without the setup cell (it pip-installs on Colab; here llmnote is imported)."""
-    cells = [c.source for c in nb.cells if c.cell_type == "code"]
-    return cells[1:]
+    return gnb.code_sources((c.cell_type, c.source) for c in nb.cells)
 
 
-def run_cells(sources: list[str]) -> dict:
-    ns: dict = {"__name__": "__assignment__"}
-    for src in sources:
-        exec(compile(src, "<assignment cell>", "exec"), ns)  # noqa: S102
-    return ns
+run_cells = gnb.run_cells
 
 
 def instructor(name: str) -> nbformat.NotebookNode:
@@ -90,10 +91,7 @@ def solved(name: str) -> nbformat.NotebookNode:
     cells = []
     for c in nb.cells:
         if c.cell_type == "code":
-            lines = make_student._strip_regions(c.source.split("\n"), make_student.BEGIN_HIDDEN,
-                                                make_student.END_HIDDEN, name, stub=False)
-            c.source = "\n".join(ln for ln in lines if ln.strip() not in
-                                 (make_student.BEGIN_SOLUTION, make_student.END_SOLUTION))
+            c.source = gnb.solution_source(c.source, name)
             if not c.source.strip():
                 continue
         cells.append(c)
@@ -173,6 +171,83 @@ def test_a_wrong_solution_is_caught(name, right, wrong, caught_by):
     status = report.statuses()
     assert status[caught_by] in (grading.FAIL, grading.ERROR), status
     assert not report.passed
+
+
+def test_engine_block_manager_passes_the_assignment_checks():
+    """The assignment's checks take a class: the engine's own passes all of them, so a
+    student class that passes them follows the engine's interface and rules."""
+    from llmnote.engine import BlockManager
+
+    report = grading.run_checks(grading.get("block_manager"), {"BlockManager": BlockManager},
+                                hidden=True, markers=False)
+    assert report.passed, [(r.check, r.status, r.message) for r in report.results]
+
+
+def test_a_block_manager_with_another_interface_is_reported():
+    """The previous assignment's interface (free instead of free_blocks, commit without
+    num_computed) is a clear error, not a pass."""
+    ns = run_cells(code_cells(solved("block_manager")))
+    cls = ns["BlockManager"]
+
+    class Old(cls):
+        def commit(self, table, token_ids):  # noqa: D102
+            return super().commit(table, token_ids, len(token_ids))
+
+        free = cls.free_blocks
+        free_blocks = property(lambda self: None)
+
+    report = grading.run_checks(grading.get("block_manager"), {"BlockManager": Old}, hidden=True,
+                                markers=False)
+    assert not report.passed
+    assert report.statuses()["prefix hits"] == grading.ERROR
+    assert "commit" in {r.check: r.message for r in report.results}["prefix hits"]
+
+
+def test_notebook_reader_without_jupytext_reads_the_paired_ipynb(monkeypatch):
+    """benchmarks/assignments.py runs where Jupyter's packages may be missing: the paired
+    .ipynb gives the same code as the .md."""
+    import sys
+
+    for name, md in NOTEBOOKS.items():
+        with_md = gnb.code_sources(gnb.read_cells(md))
+        monkeypatch.setitem(sys.modules, "jupytext", None)
+        without = gnb.code_sources(gnb.read_cells(md))
+        monkeypatch.delitem(sys.modules, "jupytext")
+        assert without == with_md, name
+
+
+def test_record_rows_on_cpu(tmp_path, capsys):
+    """The rows benchmarks/assignments.py writes (here the pure-Python assignments, whose
+    notebooks have no speed cell): the standard columns and the check columns."""
+    from llmnote.bench import results
+
+    df = record.record(["block_manager", "roofline"], jobs=1, time_limit_s=60,
+                       save_to=lambda d: results.save(d, "assignments", tmp_path))
+    saved = pd.read_csv(tmp_path / "assignments.csv")
+    assert list(saved.columns[: len(results.COLUMNS)]) == results.COLUMNS
+    assert len(saved) == len(df) == 2 and set(saved["metric"]) == {"checks passed"}
+    checks = record.checks_table(saved)
+    assert (checks["checks_passed"] == checks["checks_total"]).all()
+    assert checks.loc["a7_block_manager", "checks_total"] == len(grading.get("block_manager").checks)
+    assert "drop-in: the engine's scheduler=pass" in checks.loc["a7_block_manager", "check_status"]
+
+
+def test_speed_table_layout():
+    """The appendix's table from rows shaped like a GPU run's (the speed report's rows and
+    the copy ceiling; values here are arbitrary, only the arithmetic is checked)."""
+    from llmnote.bench.results import environment
+
+    env, rows = environment(), []
+    for prov, gbs in [("student", 1.5), ("reference", 3.0)]:
+        for metric, v in [("time", 2.0), ("bandwidth", gbs)]:
+            rows.append(dict(bench="a1_softmax", provider=prov, x_name="N", x_value=7, metric=metric,
+                             unit="", p50=v, p20=v, p80=v, assignment="softmax", **env))
+    rows.append(dict(bench="ceiling", provider="copy", x_name="bytes", x_value=1, metric="bandwidth",
+                     unit="GB/s", p50=6.0, p20=6.0, p80=6.0, assignment="softmax", **env))
+    t = record.speed_table(pd.DataFrame(rows))
+    row = t.loc[("a1_softmax", "N", 7)]
+    assert row["student / ceiling"] == row["student"] / row["copy ceiling"] == 0.25
+    assert row["student / reference"] == 0.5
 
 
 # ------------------------------------------------------------------ the check runner
@@ -265,6 +340,7 @@ def test_batch_grader_table(tmp_path):
                      ("todo", student)]:
         nbformat.write(nb, tmp_path / f"{stem}.ipynb")
     (tmp_path / "notes.txt").write_text("my answers are in the email")
+    (tmp_path / "broken.ipynb").write_text('{"cells": [')  # a truncated upload
 
     t0 = time.monotonic()
     df = grading.grade_folder(tmp_path, name, out=tmp_path / "scores.csv", check_time_limit_s=2,
@@ -286,6 +362,8 @@ def test_batch_grader_table(tmp_path):
     assert details["forever", "parameter count"] == grading.PASS
     assert "time limit" in df.loc["forever", "problems"]
     assert df.loc["notes", "total"] == 0 and "not a notebook" in df.loc["notes", "problems"]
+    assert df.loc["broken", "total"] == 0 and "not a readable notebook" in df.loc["broken", "problems"]
+    assert set(details["broken"]) == {grading.ERROR}
     assert list(df.columns[: len(checks)]) == checks
     assert (tmp_path / "scores.csv").exists() and (tmp_path / "scores_details.csv").exists()
     # the limits hold: the forever notebook costs its cells' and checks' limits, not forever

@@ -9,7 +9,9 @@ at once):
 - ``### BEGIN HIDDEN TESTS`` ... ``### END HIDDEN TESTS``: removed (instructor
   checks); a cell left empty by that is dropped.
 
-The student notebook gets no outputs and ``metadata.llmnote`` naming the
+The marker handling lives in ``llmnote.grading.notebooks`` (the tests and
+``benchmarks/assignments.py`` use it to run the instructor's solutions). The
+student notebook gets no outputs and ``metadata.llmnote`` naming the
 assignment. The checks themselves live in ``llmnote.grading``; the batch grader
 runs them, hidden ones included, whatever the student's check cell says.
 
@@ -20,7 +22,6 @@ runs them, hidden ones included, whatever the student's check cell says.
 from __future__ import annotations
 
 import argparse
-import re
 import sys
 from pathlib import Path
 
@@ -28,49 +29,17 @@ import jupytext
 import nbformat
 
 ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:  # run from a checkout without installing llmnote
+    sys.path.insert(0, str(ROOT))
+
+from llmnote.grading.notebooks import (  # noqa: E402  (the one marker convention)
+    BEGIN_HIDDEN, BEGIN_SOLUTION, END_HIDDEN, END_SOLUTION, STUB, MarkerError, student_source,
+)
+
 ASSIGNMENTS = ROOT / "notebooks" / "assignments"
 
-BEGIN_SOLUTION, END_SOLUTION = "### BEGIN SOLUTION", "### END SOLUTION"
-BEGIN_HIDDEN, END_HIDDEN = "### BEGIN HIDDEN TESTS", "### END HIDDEN TESTS"
-STUB = 'raise NotImplementedError("your code here")'
-
-
-class MarkerError(ValueError):
-    """Unbalanced or nested markers in an instructor notebook."""
-
-
-def _strip_regions(lines: list[str], begin: str, end: str, where: str,
-                   stub: bool) -> list[str]:
-    out: list[str] = []
-    inside = False
-    for n, line in enumerate(lines, 1):
-        s = line.strip()
-        if s == begin:
-            if inside:
-                raise MarkerError(f"{where}, line {n}: {begin!r} inside another one")
-            inside = True
-            if stub:
-                indent = line[: len(line) - len(line.lstrip())]
-                out += [f"{indent}# YOUR CODE HERE", f"{indent}{STUB}"]
-            continue
-        if s == end:
-            if not inside:
-                raise MarkerError(f"{where}, line {n}: {end!r} without {begin!r}")
-            inside = False
-            continue
-        if not inside:
-            out.append(line)
-    if inside:
-        raise MarkerError(f"{where}: {begin!r} is never closed by {end!r}")
-    return out
-
-
-def student_source(source: str, where: str = "cell") -> str:
-    """The student version of one code cell's source."""
-    lines = source.split("\n")
-    lines = _strip_regions(lines, BEGIN_HIDDEN, END_HIDDEN, where, stub=False)
-    lines = _strip_regions(lines, BEGIN_SOLUTION, END_SOLUTION, where, stub=True)
-    return re.sub(r"\n{4,}", "\n\n\n", "\n".join(lines)).strip("\n")
+__all__ = ["BEGIN_HIDDEN", "BEGIN_SOLUTION", "END_HIDDEN", "END_SOLUTION", "MarkerError", "STUB",
+           "has_markers", "main", "make_student", "student_source", "write_student"]
 
 
 def has_markers(nb: nbformat.NotebookNode) -> bool:

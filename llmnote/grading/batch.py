@@ -18,7 +18,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-import nbformat
 import pandas as pd
 
 from llmnote.grading.core import (
@@ -41,6 +40,7 @@ def grade_notebook(path: str | Path, assignment: Assignment, *, check_time_limit
                    cell_time_limit_s: float = 120.0, notebook_time_limit_s: float = 600.0,
                    kernel_name: str = "python3") -> tuple[list[Result], list[str]]:
     """Execute one submission and grade it: (results per check, notes in plain words)."""
+    import nbformat  # Jupyter's packages are needed by the grader only, not by the checks
     from nbclient import NotebookClient
     from nbclient.exceptions import CellTimeoutError, DeadKernelError
 
