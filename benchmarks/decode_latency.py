@@ -1,4 +1,4 @@
-"""Record HF decode step times against the roofline prediction:
+"""Record HF and llmnote-engine decode step times against the roofline prediction:
 `python benchmarks/decode_latency.py --out DIR` (see llmnote.bench.suites.decode_latency)."""
 
 import pandas as pd
@@ -10,6 +10,7 @@ if __name__ == "__main__":
     df = main(run, BENCH)
     t = df[df.bench == BENCH].pivot_table(index=["model", "x_value"], columns="provider", values="p50")
     for p in [c for c in t.columns if c.startswith("roofline")]:
-        t[f"hf / {p}"] = t["hf"] / t[p]
+        for m in [c for c in ("hf", "llmnote-engine") if c in t.columns]:
+            t[f"{m} / {p}"] = t[m] / t[p]
     with pd.option_context("display.width", 200):
         print(t.round(3))

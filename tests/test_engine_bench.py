@@ -24,3 +24,14 @@ def test_engine_bench_smoke(tmp_path):
     assert got[("llmnote-prefix-cache", "prefix", "cached_prompt_fraction")] > 0.5
     assert got[("llmnote-no-cache", "prefix", "cached_prompt_fraction")] == 0
     save(df, "engine", tmp_path)
+
+
+def test_decode_latency_engine_rows_smoke():
+    """The engine provider of the decode_latency suite: every timed step is a decode step
+    of the whole batch (it raises otherwise), and the rows carry the batch sizes."""
+    from llmnote.bench.results import environment
+    from llmnote.bench.suites.decode_latency import engine_rows
+
+    rows = engine_rows("qwen3-tiny", [1, 3], context=20, env=environment(), reps=2)
+    assert [r["x_value"] for r in rows] == [1, 3]
+    assert all(r["provider"] == "llmnote-engine" and r["p50"] > 0 for r in rows)

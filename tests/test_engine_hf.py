@@ -2,13 +2,17 @@
 ``generate`` on the same weights, for a batch of prompts of different lengths
 (some sharing a prefix), in every scheduling mode: prefix caching on and off,
 chunked prefill on and off, and a cache too small for all requests at once
-(which forces preemption by recompute)."""
+(which forces preemption by recompute). On a GPU the same checks run with the
+model on the device and CUDA graphs on and off (graph decode steps use the
+split-KV paged decode kernel)."""
 
+import copy
 import os
 
 import pytest
 import torch
 
+from llmnote import device
 from llmnote.engine import LLM, EngineConfig, SamplingParams
 from llmnote.models import Llama, get_preset, save_pretrained
 from llmnote.models.shakespeare import CHECKPOINT_DIR, has_checkpoint, load_shakespeare
@@ -110,3 +114,31 @@ def test_greedy_tokens_match_hf(case, hf_tokens, mode):
     if mode == "preempt":
         assert llm.scheduler.num_preemptions > 0
     assert llm.scheduler.blocks.num_free == llm.runner.num_blocks  # nothing leaked
+
+
+GPU_MODES = ("plain", "chunked+cache", "preempt")
+GPU_CASES = [(m, mode, graphs, be) for m in ("shakespeare", "llama-tiny", "qwen3-tiny")
+             for mode in GPU_MODES for graphs in (False, True) for be in ("flash", "paged")
+             if be == "flash" or mode == "plain"]
+
+
+@pytest.mark.skipif(not device.on_gpu(), reason="needs a GPU (CUDA graphs, compiled kernels)")
+@pytest.mark.parametrize("case, mode, graphs, backend", GPU_CASES, indirect=["case"])
+def test_greedy_tokens_match_hf_on_gpu(case, hf_tokens, mode, graphs, backend):
+    ours = copy.deepcopy(case[0]).to("cuda")
+    settings = dict(MODES[mode])
+    bs = BS if backend == "flash" else 16  # the paged prefill kernel needs blocks of >= 16
+    settings["num_blocks"] = settings.get("num_blocks", 64) * BS // bs
+    cfg = EngineConfig(block_size=bs, max_model_len=128, max_num_batched_tokens=128,
+                       max_num_seqs=4, attention_backend=backend, cuda_graphs=graphs
+                       ).replace(**settings)
+    llm = LLM(ours, config=cfg)
+    assert bool(llm.runner.graphs) == graphs
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    outs = llm.generate(case[2], params, use_tqdm=False)
+    assert [o.token_ids for o in outs] == hf_tokens
+    if graphs:
+        assert llm.runner.num_graph_steps > 0
+    if mode == "preempt":
+        assert llm.scheduler.num_preemptions > 0
+    assert llm.scheduler.blocks.num_free == llm.runner.num_blocks

@@ -9,7 +9,7 @@ import torch
 
 from llmnote.engine import LLM, EngineConfig, SamplingParams
 from llmnote.engine.attention import AttentionMetadata, paged_attention_ref, write_kv
-from llmnote.engine.paged_kernel import paged_attention
+from llmnote.engine.paged_kernel import paged_attention, paged_decode
 from llmnote.testing import assert_close
 
 
@@ -50,6 +50,78 @@ def test_paged_kernel_matches_reference(seed, dev, dtype, h, hkv, d):
                               [t[::-1] for t in meta.block_tables], 16)  # a wrong table
     bad = paged_attention(q, kc, vc, meta2, d**-0.5)
     assert (bad[:5].float() - want[:5]).abs().max() > 1e-2
+
+
+def decode_inputs(lens, h, hkv, d, dtype, dev, junk=2):
+    """A decode step (one query per sequence) and its int32 tables, padded with block ids
+    far outside the cache (holes a correct kernel never reads)."""
+    q, kc, vc, meta = random_batch(lens, [1] * len(lens), h, hkv, d, 16, dtype, dev)
+    width = max(len(t) for t in meta.block_tables) + junk
+    tables = torch.tensor([t + [10**6] * (width - len(t)) for t in meta.block_tables],
+                          dtype=torch.int32, device=dev)
+    ctx = torch.tensor(lens, dtype=torch.int32, device=dev)
+    return q, kc, vc, meta, tables, ctx
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("h, hkv, splits", [(4, 4, 1), (6, 2, 3), (8, 2, 2), (4, 1, 5)])
+def test_paged_decode_split_kv_matches_reference(seed, dev, dtype, h, hkv, splits):
+    lens = [1, 37, 95, 16, 50]  # one token, odd lengths, exactly one block
+    d = 16
+    q, kc, vc, meta, tables, ctx = decode_inputs(lens, h, hkv, d, dtype, dev)
+    got = paged_decode(q, kc, vc, tables, ctx, d**-0.5, splits)
+    want = paged_attention_ref(q.float(), kc.float(), vc.float(), meta, d**-0.5)
+    if dtype == torch.float32:
+        assert_close(got, want, atol=1e-5, rtol=1e-5, name=f"paged decode, {splits} splits")
+    else:
+        lowp = paged_attention_ref(q, kc, vc, meta, d**-0.5).float()
+        tol = 2 * (lowp - want).abs().max().item() + 1e-2
+        assert (got.float() - want).abs().max().item() <= tol
+    # a wrong block table (one block of the longest sequence replaced by a junk block) is
+    # caught; swapping two blocks would not be: one query attends to all keys in any order
+    used = {b for t in meta.block_tables for b in t}
+    junk_block = next(b for b in range(kc.shape[0]) if b not in used)
+    bad_tables = tables.clone()
+    bad_tables[2, 1] = junk_block
+    bad = paged_decode(q, kc, vc, bad_tables, ctx, d**-0.5, splits)
+    assert (bad[2].float() - want[2]).abs().max() > 1e-2
+    assert_close(bad[[0, 1, 3, 4]].float(), got[[0, 1, 3, 4]].float(), atol=1e-6, rtol=1e-6,
+                 name="other sequences unaffected")
+
+
+def test_paged_attention_dispatches_decode_to_split_kv(seed, dev):
+    """A decode-only step through the backend entry point (splits chosen from the context
+    lengths) equals the reference, as does a step mixing a prefill chunk with decodes."""
+    lens = [130, 3, 64]
+    q, kc, vc, meta = random_batch(lens, [1, 1, 1], 4, 2, 32, 16, torch.float32, dev)
+    want = paged_attention_ref(q, kc, vc, meta, 0.2)
+    assert_close(paged_attention(q, kc, vc, meta, 0.2), want, atol=1e-5, rtol=1e-5,
+                 name="decode step")
+
+
+def test_paged_decode_refuses_bad_input(dev):
+    q, kc, vc, meta, tables, ctx = decode_inputs([5, 9], 4, 2, 16, torch.float32, dev)
+    with pytest.raises(ValueError, match="num_splits"):
+        paged_decode(q, kc, vc, tables, ctx, 0.25, 0)
+    with pytest.raises(TypeError, match="int32"):
+        paged_decode(q, kc, vc, tables.long(), ctx, 0.25, 1)
+    with pytest.raises(ValueError, match="multiple"):
+        paged_decode(q[:, :3], kc, vc, tables, ctx, 0.25, 1)
+
+
+def test_cuda_graphs_need_a_gpu():
+    from llmnote import device
+    from llmnote.models import Llama, get_preset
+
+    if device.on_gpu():
+        pytest.skip("checks the CPU behaviour")
+    m = Llama(get_preset("llama-tiny")).eval()
+    with pytest.raises(ValueError, match="cuda_graphs=True needs the model on a CUDA GPU"):
+        LLM(m, config=EngineConfig(cuda_graphs=True, cpu_num_blocks=8))
+    llm = LLM(m, config=EngineConfig(cpu_num_blocks=8))  # the default: eager on the CPU
+    assert not llm.runner.use_graphs and not llm.runner.graphs
+    with pytest.raises(ValueError, match="cuda_graphs must be"):
+        EngineConfig(cuda_graphs="yes")
 
 
 def test_paged_kernel_refuses_odd_shapes(dev):

@@ -17,10 +17,15 @@ compute it:
   a time, gathering its blocks; what the CPU runs, and the oracle.
 * ``flash`` (:func:`paged_attention_flash`): gathers every sequence's keys and
   values into a packed batch and calls llmnote's FlashAttention-2 varlen
-  kernel (the default on a GPU).
-* ``paged`` (:func:`paged_attention_triton`): a Triton kernel that reads the
+  kernel (the GPU default when the paged kernel's shapes do not fit).
+* ``paged`` (:func:`paged_attention_triton`): Triton kernels that read the
   blocks through the block table in place (:mod:`llmnote.engine.paged_kernel`),
-  no gather; a tuned paged decode with split-KV plugs in the same way.
+  no gather: one kernel for prefill chunks, and split-KV for decode-only steps
+  (the default on a GPU).
+
+With CUDA graphs on, decode steps use the split-KV paged decode whatever the
+backend (:mod:`llmnote.engine.model_runner`); the backend serves the eager
+steps (prefills, chunks mixed with decodes).
 
 The metadata is an explicit object passed to every layer (no module-level
 global), so one layer can be run alone in a notebook.

@@ -9,6 +9,15 @@ Work per step: at most ``max_num_seqs`` sequences and ``max_num_batched_tokens``
 tokens (prefill chunks plus one token per decoding sequence). Without chunked
 prefill a prompt must fit the token budget in one step, so the budget must be
 at least ``max_model_len``.
+
+CUDA graphs: ``cuda_graphs=None`` (the default) captures the decode step in
+CUDA graphs when the model is on a CUDA GPU and runs eagerly otherwise;
+``True`` asks for them and is refused (``ValueError`` when the engine is
+built) if the model is not on a CUDA GPU; ``False`` runs every step eagerly.
+Graphs are captured for the batch sizes 1, 2, 4, 8, 16, 32, ... below
+``max_num_seqs`` and ``max_num_seqs`` itself; a decode step of ``B``
+sequences replays the smallest graph of at least ``B`` (padded rows write to a
+scratch block nobody reads).
 """
 
 from __future__ import annotations
@@ -29,8 +38,10 @@ class EngineConfig:
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
-    attention_backend: str | None = None  # "reference" | "flash" | "paged"; None: flash on GPU
+    attention_backend: str | None = None  # "reference" | "flash" | "paged"; None: see
+    # model_runner.default_backend (paged on a GPU where its shapes allow, else flash)
     seed: int = 0  # the generator of requests that carry no seed of their own
+    cuda_graphs: bool | None = None  # None: on when the model is on a CUDA GPU
 
     def __post_init__(self) -> None:
         for name in ("block_size", "cpu_num_blocks", "max_num_batched_tokens", "max_num_seqs"):
@@ -41,6 +52,8 @@ class EngineConfig:
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError("gpu_memory_utilization must lie in (0, 1], got "
                              f"{self.gpu_memory_utilization!r}")
+        if self.cuda_graphs not in (None, True, False):
+            raise ValueError(f"cuda_graphs must be None, True or False, got {self.cuda_graphs!r}")
         if self.attention_backend not in (None, "reference", "flash", "paged"):
             raise ValueError("attention_backend must be None, 'reference', 'flash' or 'paged', got "
                              f"{self.attention_backend!r}")

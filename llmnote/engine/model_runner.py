@@ -12,6 +12,22 @@ embedding, norms, projections, the model's RoPE and MLP ops are the model's
 own; only attention is replaced by attention over the paged cache
 (:mod:`llmnote.engine.attention`). Logits are computed only for the last token
 of each sequence that samples in this step.
+
+CUDA graphs (``EngineConfig.cuda_graphs``): a decode step of a small model is
+hundreds of short kernels, and launching them from Python costs more than
+running them at batch 1. So on a GPU the runner captures the whole decode
+forward (embedding to logits) once per batch size in
+``1, 2, 4, ..., max_num_seqs`` into a CUDA graph reading static input buffers
+(token ids, positions, slot mapping, block tables, context lengths), and a
+decode step copies its inputs into those buffers and replays the graph of the
+next captured size. Padded rows write their key and value into one scratch
+block beyond the block manager's blocks and attend to it alone. The captured
+forward contains no host synchronisation: attention is the split-KV paged
+decode (:func:`llmnote.engine.paged_kernel.paged_decode`, whatever the eager
+backend), whose chunks are sized on the device from each sequence's length,
+and RoPE reads cos/sin from a table made once on the device. Steps with
+prefill chunks run eagerly. Sampling runs on the GPU after the graph; the one
+host synchronisation per step is reading the sampled ids (one per sequence).
 """
 
 from __future__ import annotations
@@ -51,24 +67,50 @@ def choose_num_blocks(model: Llama, config: EngineConfig, dtype: torch.dtype,
     return n
 
 
+def default_backend(on_gpu: bool, block_size: int, head_dim: int) -> str:
+    """``reference`` on the CPU; on a GPU the paged kernel where its shapes allow it
+    (power-of-2 ``block_size >= 16`` and ``head_dim >= 16``), else gather + FlashAttention.
+    On the H100 the paged kernel gave the higher throughput (the recorded engine CSV)."""
+    if not on_gpu:
+        return "reference"
+    pow2 = not (block_size & (block_size - 1) or head_dim & (head_dim - 1))
+    return "paged" if pow2 and block_size >= 16 and head_dim >= 16 else "flash"
+
+
+GRAPH_BATCH_SIZES = tuple(2**i for i in range(16))  # captured: those < max_num_seqs, and it
+
+
 class ModelRunner:
     def __init__(self, model: Llama, config: EngineConfig) -> None:
         self.model, self.config = model.eval(), config
         p = next(model.parameters())
         self.device, self.dtype = p.device, p.dtype
         c = model.config
+        self.max_model_len = min(config.max_model_len or 10**12, c.max_position_embeddings)
+        is_cuda = self.device.type == "cuda" and not device.interpreting()
+        if config.cuda_graphs and not is_cuda:
+            raise ValueError(f"cuda_graphs=True needs the model on a CUDA GPU, but it is on "
+                             f"{self.device}; pass cuda_graphs=None (graphs where possible) or "
+                             "False")
+        self.use_graphs = is_cuda and config.cuda_graphs is not False
         self.num_blocks = choose_num_blocks(model, config, self.dtype, self.device)
-        shape = (self.num_blocks, config.block_size, c.num_key_value_heads, c.head_dim)
+        # with graphs, one more block: the scratch block that padded rows write to
+        shape = (self.num_blocks + self.use_graphs, config.block_size, c.num_key_value_heads,
+                 c.head_dim)
         self.k_caches = [torch.zeros(shape, dtype=self.dtype, device=self.device)
                          for _ in range(c.num_hidden_layers)]
         self.v_caches = [torch.zeros(shape, dtype=self.dtype, device=self.device)
                          for _ in range(c.num_hidden_layers)]
         on_gpu = device.on_gpu() and self.device.type == "cuda"
-        backend = config.attention_backend or ("flash" if on_gpu else "reference")
+        backend = config.attention_backend or default_backend(on_gpu, config.block_size, c.head_dim)
         self.attention = BACKENDS[backend]
         self.backend = backend
         self.generators: dict[int, torch.Generator] = {}
         self.default_generator = torch.Generator(device=self.device).manual_seed(config.seed)
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.num_graph_steps = 0  # decode steps replayed from a graph
+        if self.use_graphs:
+            self.capture()
 
     # ------------------------------------------------------------ inputs
     def prepare(self, batch: ScheduledBatch
@@ -94,10 +136,11 @@ class ModelRunner:
         return as_t(ids), as_t(pos), meta, last
 
     # ------------------------------------------------------------ forward
-    @torch.no_grad()
-    def forward(self, ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-                logits_rows: list[int]) -> torch.Tensor:
-        """ids, positions: (T,) -> logits (len(logits_rows), vocab) of the chosen rows."""
+    def _layers(self, ids: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
+                attend, rope=None) -> torch.Tensor:
+        """The decoder on packed tokens ``ids (T,)`` -> final hidden states ``(T, hidden)``
+        (before the last norm); ``attend(layer, q (T, H, D)) -> (T, H, D)`` reads the cache
+        after this step's keys and values are written; ``rope`` replaces the model's."""
         decoder = self.model.model
         x = decoder.embed_tokens(ids)[None]  # (1, T, h)
         t = ids.shape[0]
@@ -111,15 +154,127 @@ class ModelRunner:
             if a.qk_norm:
                 q, k = a.q_norm(q), a.k_norm(k)
             q, k = q.transpose(1, 2), k.transpose(1, 2)  # (1, heads, T, D)
-            a.ops.rope(q, k, positions, *a.rope_args)  # in place
+            (rope or a.ops.rope)(q, k, positions, *a.rope_args)  # in place
             q, k = q[0].transpose(0, 1), k[0].transpose(0, 1)  # (T, heads, D)
-            write_kv(k, v, self.k_caches[i], self.v_caches[i], meta.slot_mapping)
-            o = self.attention(q, self.k_caches[i], self.v_caches[i], meta, d**-0.5)  # (T, H, D)
+            write_kv(k, v, self.k_caches[i], self.v_caches[i], slot_mapping)
+            o = attend(i, q)  # (T, H, D)
             x = x + a.o_proj(o.reshape(1, t, h_ * d))
             x = x + layer.mlp(layer.post_attention_layernorm(x))
-        rows = torch.tensor(logits_rows, dtype=torch.long, device=x.device)
-        return self.model.lm_head(decoder.norm(x[0, rows]))  # (S, vocab)
+        return x[0]
 
+    @torch.no_grad()
+    def forward(self, ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                logits_rows: list[int]) -> torch.Tensor:
+        """ids, positions: (T,) -> logits (len(logits_rows), vocab) of the chosen rows (eager)."""
+        scale = self.model.config.head_dim ** -0.5
+        x = self._layers(ids, positions, meta.slot_mapping, lambda i, q: self.attention(
+            q, self.k_caches[i], self.v_caches[i], meta, scale))
+        rows = torch.tensor(logits_rows, dtype=torch.long, device=x.device)
+        return self.model.lm_head(self.model.model.norm(x[rows]))  # (S, vocab)
+
+    # ------------------------------------------------------------ CUDA graphs
+    def _graph_rope(self):
+        """A RoPE that can be captured: the model's kernel as is (its frequencies live on the
+        device after a first call); the reference's math on a cos/sin table made once here
+        (the reference copies its frequencies from the host on every call)."""
+        from llmnote.ops.rope import _rotate, rope_ref
+        from llmnote.ops.rope_scaling import as_rope_scaling, rope_cos_sin
+
+        a = self.model.model.layers[0].self_attn
+        theta, interleaved, scaling = a.rope_args
+        sc = as_rope_scaling(scaling)
+        if sc is not None and sc.rope_type == "dynamic":
+            raise ValueError("dynamic RoPE scaling reads max(position) on the host: it cannot be "
+                             "captured; pass cuda_graphs=False")
+        if a.ops.rope is not rope_ref:
+            return a.ops.rope
+        pos = torch.arange(self.max_model_len, device=self.device)
+        cos, sin = rope_cos_sin(pos, a.head_dim, theta, sc)  # (L, D/2) fp32
+
+        def rope(q, k, positions, *args):
+            c, s_ = cos[positions][None, None], sin[positions][None, None]  # (1, 1, T, D/2)
+            q.copy_(_rotate(q, c, s_, interleaved))
+            k.copy_(_rotate(k, c, s_, interleaved))
+            return q, k
+
+        return rope
+
+    def _decode_graph_forward(self, b: int, splits: int) -> torch.Tensor:
+        """The captured decode forward of the first ``b`` rows of the static buffers."""
+        from llmnote.engine.paged_kernel import paged_decode
+
+        scale = self.model.config.head_dim ** -0.5
+        tables, ctx = self.g_tables[:b], self.g_ctx[:b]
+        x = self._layers(self.g_ids[:b], self.g_pos[:b], self.g_slots[:b], lambda i, q: paged_decode(
+            q, self.k_caches[i], self.v_caches[i], tables, ctx, scale, splits), self._rope)
+        return self.model.lm_head(self.model.model.norm(x))  # (b, vocab)
+
+    @torch.no_grad()
+    def capture(self) -> None:
+        """Capture the decode forward for every batch size of :data:`GRAPH_BATCH_SIZES`
+        below ``max_num_seqs``, and ``max_num_seqs``; largest first, one memory pool."""
+        from llmnote.engine.paged_kernel import decode_splits
+
+        n, bs = self.config.max_num_seqs, self.config.block_size
+        width = -(-self.max_model_len // bs)
+        scratch = self.num_blocks  # the extra block
+        dev = self.device
+        self.g_ids = torch.zeros(n, dtype=torch.long, device=dev)
+        self.g_pos = torch.zeros(n, dtype=torch.long, device=dev)
+        self.g_slots = torch.full((n,), scratch * bs, dtype=torch.long, device=dev)
+        self.g_tables = torch.full((n, width), scratch, dtype=torch.int32, device=dev)
+        self.g_ctx = torch.ones(n, dtype=torch.int32, device=dev)
+        self._rope = self._graph_rope()
+        hkv = self.model.config.num_key_value_heads
+        sizes = sorted({s for s in GRAPH_BATCH_SIZES if s < n} | {n}, reverse=True)
+        pool = None
+        for b in sizes:
+            splits = decode_splits(b, hkv, self.max_model_len, dev)
+            for _ in range(2):  # warm-up: Triton compiles outside the capture
+                self._decode_graph_forward(b, splits)
+            torch.cuda.synchronize(dev)
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g, pool=pool):
+                out = self._decode_graph_forward(b, splits)
+            pool = g.pool() if pool is None else pool
+            self.graphs[b] = (g, out)
+        torch.cuda.synchronize(dev)
+
+    def _replay(self, batch: ScheduledBatch) -> torch.Tensor | None:
+        """Logits ``(len(batch), vocab)`` of a one-token-per-sequence step from a graph, or
+        None when the step needs the eager path."""
+        b = len(batch.items)
+        if not self.graphs or b > self.config.max_num_seqs or any(n != 1 for _, n in batch.items):
+            return None
+        size = min(s for s in self.graphs if s >= b)
+        bs, scratch = self.config.block_size, self.num_blocks
+        width = max(len(seq.block_table) for seq, _ in batch.items)
+        cols = [[], [], [], []]  # ids, positions, slots, context lengths
+        tables = []
+        for seq, _ in batch.items:
+            p = seq.num_computed
+            cols[0].append(seq.token_ids[p])
+            cols[1].append(p)
+            cols[2].append(seq.block_table[p // bs] * bs + p % bs)
+            cols[3].append(p + 1)
+            tables.append(seq.block_table + [scratch] * (width - len(seq.block_table)))
+        pad = size - b
+        for col, fill in zip(cols, (0, 0, scratch * bs, 1)):
+            col.extend([fill] * pad)
+        tables.extend([[scratch] * width] * pad)
+        host = torch.tensor(cols, dtype=torch.long)  # (4, size)
+        self.g_ids[:size].copy_(host[0], non_blocking=True)
+        self.g_pos[:size].copy_(host[1], non_blocking=True)
+        self.g_slots[:size].copy_(host[2], non_blocking=True)
+        self.g_ctx[:size].copy_(host[3].to(torch.int32), non_blocking=True)
+        self.g_tables[:size, :width].copy_(torch.tensor(tables, dtype=torch.int32),
+                                           non_blocking=True)
+        g, out = self.graphs[size]
+        g.replay()
+        self.num_graph_steps += 1
+        return out[:b]
+
+    # ------------------------------------------------------------ sampling
     def generator(self, seq_id: int, seed: int | None) -> torch.Generator:
         if seed is None:
             return self.default_generator
@@ -132,11 +287,19 @@ class ModelRunner:
 
     def run(self, batch: ScheduledBatch) -> dict[int, int]:
         """Run one step; returns ``seq_id -> sampled token`` for the sequences that sample."""
-        ids, pos, meta, last = self.prepare(batch)
         sampling = [seq for seq, n in batch.items if seq.num_computed + n == len(seq)]
-        logits = self.forward(ids, pos, meta, last)
+        logits = self._replay(batch)
+        if logits is not None:
+            if len(sampling) < len(batch.items):  # a one-token prefill chunk mid-prompt
+                rows = [i for i, (seq, n) in enumerate(batch.items)
+                        if seq.num_computed + n == len(seq)]
+                logits = logits[torch.tensor(rows, device=logits.device)]
+        else:
+            ids, pos, meta, last = self.prepare(batch)
+            with torch.no_grad():
+                logits = self.forward(ids, pos, meta, last)
         if not sampling:
             return {}
         gens = [self.generator(s.seq_id, s.params.seed) for s in sampling]
-        tokens = sample(logits, [s.params for s in sampling], gens).tolist()  # a host sync
+        tokens = sample(logits, [s.params for s in sampling], gens).tolist()  # the step's sync
         return {s.seq_id: tok for s, tok in zip(sampling, tokens)}

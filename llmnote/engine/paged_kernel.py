@@ -9,9 +9,21 @@ comes from the block table, so nothing is gathered. Queries are the last
 ``n_q`` of the ``n_k`` context positions (bottom-right causal mask).
 
 Traffic per program: read its queries, and ``n_k`` keys and values of its key
-head (once per query head of the group: GQA heads are not packed together,
-and long decodes are not split across programs; split-KV and packed GQA
-heads are what a tuned decode kernel adds).
+head (once per query head of the group: GQA heads are not packed together).
+
+Decode steps (one query per sequence, ``max n_q = 1``) take a second kernel,
+:func:`paged_decode`: split-KV ("flash-decoding") over the block table. One
+program handles one (split, sequence, kv head) and all the query heads of that
+GQA group as one tile (``group`` rows padded to 16), so each key and value is
+read once per group instead of once per query head. A sequence's context is
+cut into ``num_splits`` chunks of ``ceil(n_k / num_splits)`` positions rounded
+up to ``BLOCK_N``, sized on the device from its own length, so the host never
+reads the lengths (CUDA-graph safe); each program writes its chunk's
+normalised output and log-sum-exp, and the combine step of
+:mod:`llmnote.ops.attention.decode` (``combine_splits``) merges them. The
+number of splits comes from :func:`llmnote.ops.attention.decode.choose_num_splits`
+(about two programs per SM, at least 256 positions a split) at the longest
+context of the step; with one split the first kernel writes the output itself.
 """
 
 from __future__ import annotations
@@ -24,6 +36,7 @@ from llmnote import device
 from llmnote.engine.attention import AttentionMetadata
 
 BLOCK_M = 16
+DECODE_BLOCK_N = 32 if device.interpreting() else 64  # keys per step of a decode program
 
 
 @triton.jit
@@ -108,6 +121,9 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     if q.stride(-1) != 1 or k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
         raise ValueError("q, k_cache and v_cache need a unit-stride head_dim")
     tables, cu, ctx, max_q = _inputs(meta, q.device)
+    if t and max_q == 1 and t == meta.batch:  # a decode step: split-KV, GQA heads packed
+        splits = decode_splits(t, hkv, max(meta.context_lens), q.device)
+        return paged_decode(q, k_cache, v_cache, tables, ctx, sm_scale, splits)
     out = torch.empty_like(q)
     if t == 0:
         return out
@@ -121,4 +137,127 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         UPCAST=device.interpreting() and q.dtype == torch.bfloat16,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
     )
+    return out
+
+
+@triton.jit
+def _paged_decode_kernel(
+    Q, KC, VC, TABLES, CTX, O_PART, L_PART, OUT, qk_scale,
+    stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+    stride_tb, stride_pb, stride_ph, stride_ps, stride_lb, stride_lh, stride_ot, stride_oh,
+    H_KV, GROUP, NUM_SPLITS,
+    BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr,
+    BLOCK_N: tl.constexpr, FINAL: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+):
+    """One program: one chunk of one (sequence, kv head), all GROUP query heads at once."""
+    split = tl.program_id(0)
+    off_bk = tl.program_id(1)
+    b = (off_bk // H_KV).to(tl.int64)
+    hk = (off_bk % H_KV).to(tl.int64)
+    n_k = tl.load(CTX + b)
+    chunk = tl.cdiv(tl.cdiv(n_k, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    lo = split * chunk
+    hi = tl.minimum(lo + chunk, n_k)
+
+    offs_g = tl.arange(0, BLOCK_H)
+    heads = hk * GROUP + offs_g
+    g_ok = offs_g < GROUP
+    offs_d = tl.arange(0, HEAD_DIM)
+    offs_n = tl.arange(0, BLOCK_N)
+    q = tl.load(Q + b * stride_qt + heads[:, None] * stride_qh + offs_d[None, :],
+                mask=g_ok[:, None], other=0.0)  # (BH, D)
+    if UPCAST:
+        q = q.to(tl.float32)
+    m_i = tl.full((BLOCK_H,), float("-inf"), tl.float32)
+    l_i = tl.zeros((BLOCK_H,), tl.float32)
+    acc = tl.zeros((BLOCK_H, HEAD_DIM), tl.float32)
+    for start in range(lo, hi, BLOCK_N):
+        pos = start + offs_n  # (N,) positions in the sequence
+        valid = pos < hi
+        blk = tl.load(TABLES + b * stride_tb + pos // BLOCK_SIZE, mask=valid, other=0)
+        blk = blk.to(tl.int64)  # (N,) the block of each position (a block spans many)
+        row = pos % BLOCK_SIZE
+        k = tl.load(KC + blk[:, None] * stride_kb + row[:, None] * stride_ks + hk * stride_kh
+                    + offs_d[None, :], mask=valid[:, None], other=0.0)  # read N x D
+        v = tl.load(VC + blk[:, None] * stride_vb + row[:, None] * stride_vs + hk * stride_vh
+                    + offs_d[None, :], mask=valid[:, None], other=0.0)
+        if UPCAST:
+            k = k.to(tl.float32)
+            v = v.to(tl.float32)
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale  # (BH, N), log2 units
+        s = tl.where(valid[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))  # finite: the tile has a valid position
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        m_i = m_new
+    empty = l_i == 0.0  # an empty chunk
+    l_safe = tl.where(empty, 1.0, l_i)
+    acc = acc / l_safe[:, None]
+    if FINAL:
+        tl.store(OUT + b * stride_ot + heads[:, None] * stride_oh + offs_d[None, :],
+                 acc.to(OUT.dtype.element_ty), mask=g_ok[:, None])
+    else:
+        lse2 = tl.where(empty, float("-inf"), m_i + tl.log2(l_safe))
+        p_off = b * stride_pb + heads * stride_ph + split * stride_ps  # (BH,)
+        tl.store(O_PART + p_off[:, None] + offs_d[None, :], acc, mask=g_ok[:, None])
+        tl.store(L_PART + b * stride_lb + heads * stride_lh + split, lse2, mask=g_ok)
+
+
+def decode_splits(batch: int, kv_heads: int, context: int, dev: torch.device) -> int:
+    """Splits for a decode step whose longest context is ``context`` tokens."""
+    from llmnote.ops.attention._common import num_sms
+    from llmnote.ops.attention.decode import choose_num_splits
+
+    return choose_num_splits(batch, kv_heads, context, num_sms(dev))
+
+
+def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                 block_tables: torch.Tensor, context_lens: torch.Tensor, sm_scale: float,
+                 num_splits: int, block_n: int | None = None) -> torch.Tensor:
+    """One query per sequence over the paged cache, split-KV: ``q (batch, heads, head_dim)``,
+    ``block_tables (batch, width)`` int32, ``context_lens (batch,)`` int32 (each >= 1)
+    -> ``(batch, heads, head_dim)``. No host synchronisation: safe to capture in a
+    CUDA graph (the partial buffers then come from the graph's memory pool)."""
+    from llmnote.ops.attention.decode import combine_splits
+
+    t, h, d = q.shape
+    bs, hkv = k_cache.shape[1], k_cache.shape[2]
+    if d & (d - 1) or d < 16 or bs & (bs - 1):
+        raise ValueError(f"paged_decode needs a power-of-2 head_dim >= 16 and block_size, "
+                         f"got head_dim {d}, block_size {bs}")
+    if h % hkv:
+        raise ValueError(f"q's heads ({h}) must be a multiple of the cache's kv heads ({hkv})")
+    if block_tables.dtype != torch.int32 or context_lens.dtype != torch.int32:
+        raise TypeError(f"block_tables and context_lens must be int32, got "
+                        f"{block_tables.dtype}, {context_lens.dtype}")
+    if block_tables.shape[0] < t or context_lens.shape[0] < t:
+        raise ValueError(f"block_tables and context_lens need a row per sequence ({t}), got "
+                         f"{tuple(block_tables.shape)} and {tuple(context_lens.shape)}")
+    if isinstance(num_splits, bool) or not isinstance(num_splits, int) or num_splits < 1:
+        raise ValueError(f"num_splits must be an int >= 1, got {num_splits!r}")
+    out = torch.empty_like(q)
+    if t == 0:
+        return out
+    group = h // hkv
+    final = num_splits == 1
+    part = torch.empty((t, h, num_splits, d) if not final else (1, 1, 1, d),
+                       dtype=torch.float32, device=q.device)
+    lpart = torch.empty(part.shape[:3], dtype=torch.float32, device=q.device)
+    _paged_decode_kernel[(num_splits, t * hkv)](
+        q, k_cache, v_cache, block_tables, context_lens, part, lpart, out,
+        sm_scale * 1.4426950408889634,
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
+        part.stride(0), part.stride(1), part.stride(2), lpart.stride(0), lpart.stride(1),
+        out.stride(0), out.stride(1), hkv, group, num_splits,
+        BLOCK_SIZE=bs, HEAD_DIM=d, BLOCK_H=max(16, triton.next_power_of_2(group)),
+        BLOCK_N=block_n or max(DECODE_BLOCK_N, bs), FINAL=final,
+        UPCAST=device.interpreting() and q.dtype == torch.bfloat16,
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_warps=4,
+    )
+    if not final:
+        lse = torch.empty((t, h), dtype=torch.float32, device=q.device)
+        combine_splits(part, lpart, out, lse)
     return out

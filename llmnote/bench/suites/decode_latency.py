@@ -9,9 +9,18 @@ with CUDA events after warm-up; the cache is cropped back to ``context``
 outside the timed region, so every timed step sees the same context. Sampling
 is not timed (nor predicted).
 
+The same step through llmnote's engine (``llmnote-engine``, on a GPU): the
+preset's llmnote model with random bf16 weights and llmnote's kernels, ``B``
+requests of ``context`` random prompt tokens prefilled, then each
+``LLM.step()`` timed on the host (it ends by reading the sampled ids, so the
+GPU is done): scheduling, copying the inputs, replaying the CUDA graph of the
+decode forward (split-KV paged attention) and greedy sampling. The context
+grows by one token per timed step (``context + 1`` at the first).
+
 Rows (``bench = "decode_latency"``, ``x_name = "batch"``, ``metric = "time"`` in ms):
 
 * ``hf``: measured (median and 20/80% over the repeats);
+* ``llmnote-engine``: measured through the engine (extra ``cuda_graphs``);
 * ``roofline-datasheet``: :func:`llmnote.analysis.latency.decode_step_time` on the
   H100 SXM datasheet peaks (context + 1 tokens, FlashAttention counting);
 * ``roofline-measured``: the same with the copy bandwidth and bf16 matmul rate
@@ -23,6 +32,7 @@ Extra columns: ``model``, ``context``, ``attn_implementation``. Nothing is fitte
 from __future__ import annotations
 
 import dataclasses
+import gc
 
 import numpy as np
 import pandas as pd
@@ -110,9 +120,65 @@ def time_decode_step(model, cfg, batch: int, context: int, warmup: int = 3, reps
     return Timing(float(p50), float(p20), float(p80))
 
 
+def time_engine_steps(llm, batch: int, context: int, vocab: int, warmup: int = 3,
+                      reps: int = 20) -> Timing:
+    """Median and 20/80% (ms) of ``LLM.step()`` with ``batch`` sequences decoding after
+    ``context``-token prompts."""
+    import time
+
+    from llmnote.engine import SamplingParams
+
+    g = torch.Generator().manual_seed(batch)
+    sp = SamplingParams(temperature=0, max_tokens=warmup + reps + 2, ignore_eos=True)
+    ids = [llm.add_request(torch.randint(0, vocab, (context,), generator=g).tolist(), sp)
+           for _ in range(batch)]
+    seqs = [llm.requests[i] for i in ids]
+    while any(s.num_output_tokens == 0 for s in seqs):  # prefill: every request has a token
+        llm.step()
+    times = []
+    for i in range(warmup + reps):
+        t0 = time.perf_counter()
+        got = llm.step()
+        ms = (time.perf_counter() - t0) * 1e3
+        if len(got) != batch or llm.step_log[-1]["tokens"] != batch:
+            raise RuntimeError(f"step {i} was not a decode step of all {batch} sequences")
+        if i >= warmup:
+            times.append(ms)
+    while llm.has_unfinished():
+        llm.step()
+    p50, p20, p80 = np.quantile(times, [0.5, 0.2, 0.8])
+    return Timing(float(p50), float(p20), float(p80))
+
+
+def engine_rows(name: str, batches: list[int], context: int, env: dict, reps: int = 20
+                ) -> list[dict]:
+    """``llmnote-engine`` rows for one model shape (one engine, graphs for every batch)."""
+    from llmnote.bench.suites.engine import random_model, use_kernels
+    from llmnote.engine import LLM, EngineConfig
+
+    model = random_model(name)
+    ops = use_kernels(model)
+    bs, longest = 16, context + reps + 8
+    cfg = EngineConfig(block_size=bs, max_model_len=longest, max_num_seqs=max(batches),
+                       max_num_batched_tokens=8192, enable_prefix_caching=False,
+                       num_blocks=max(batches) * -(-longest // bs) + 8)
+    llm = LLM(model, config=cfg)
+    vocab = min(10000, model.config.vocab_size)
+    rows = []
+    for b in batches:
+        extra = {"model": name, "context": context, "attn_implementation": "paged-split-kv",
+                 "cuda_graphs": bool(llm.runner.graphs), "ops": ops}
+        t = time_engine_steps(llm, b, context, vocab, reps=reps)
+        print(f"{BENCH}: llmnote-engine {name} batch {b}: {t.p50:.3f} ms per step")
+        rows += rows_for(BENCH, "llmnote-engine", "batch", b, t, {}, extra, env)
+    return rows
+
+
 def run(quick: bool = False, models: list[str] | None = None, batches: list[int] | None = None,
-        context: int = CONTEXT, hardware: str = "H100-SXM", reps: int = 20) -> pd.DataFrame:
-    """Measured and predicted decode steps (quick: Qwen3-0.6B only, batch 1 and 64)."""
+        context: int = CONTEXT, hardware: str = "H100-SXM", reps: int = 20,
+        engine: bool | None = None) -> pd.DataFrame:
+    """Measured and predicted decode steps (quick: Qwen3-0.6B only, batch 1 and 64).
+    ``engine``: also time llmnote's engine (default: on a GPU)."""
     models = models or (MODELS[:1] if quick else MODELS)
     batches = batches or ([1, 64] if quick else BATCHES)
     dev = device.default_device()
@@ -147,5 +213,13 @@ def run(quick: bool = False, models: list[str] | None = None, batches: list[int]
         del model
         if dev.type == "cuda":
             torch.cuda.empty_cache()
+        if engine if engine is not None else device.on_gpu():
+            try:
+                rows += engine_rows(name, batches, context, env, reps=reps)
+            except (torch.OutOfMemoryError, RuntimeError, ValueError) as why:
+                print(f"{BENCH}: llmnote-engine {name} failed: {str(why).splitlines()[0][:200]}")
+            gc.collect()
+            if dev.type == "cuda":
+                torch.cuda.empty_cache()
     frames.append(pd.DataFrame(rows))
     return pd.concat(frames, ignore_index=True)

@@ -18,16 +18,28 @@ length; weights random in bf16 with the Qwen3-0.6B shapes of
   running sequences, averaged over steps, weighted by slots) and
   ``contiguous_live_fraction`` (live slots / the ``prompt + max_tokens`` slots
   a contiguous per-request allocation would reserve for the same running set).
-* ``decode-b1``: one request, 128-token prompt, 512 new tokens: decode
+* ``decode-b1``: one request, 128-token prompt, 512 new tokens (64 for the
+  ``-eager`` rows): decode
   tokens/s = 1 / time per output token, and its fraction of the weight-read
-  roofline, copy bandwidth / weight bytes (copy measured in the same run).
+  roofline, copy bandwidth (bytes read + written per second, measured in the
+  same run) / weight bytes.
+  ``llmnote-<backend>`` replays CUDA graphs (the default on a GPU; extra column
+  ``cuda_graphs``), ``llmnote-<backend>-eager`` launches every kernel from
+  Python (``cuda_graphs=False``): the gap is the launch overhead.
+* ``decode-b1-quant`` (``quant=True``, on a GPU): the same batch-1 decode of
+  the Qwen3-0.6B-shaped model (random weights) after
+  :func:`llmnote.quant.quantize_model` (``llmnote-w8a8``: SmoothQuant W8A8;
+  ``llmnote-w4a16``: AWQ int4 g128; calibration: random token ids, fine for
+  speed) against ``llmnote-bf16``; the LM head and embedding stay bf16.
+  Extra columns ``weight_bytes`` (what one decode step reads) and ``cuda_graphs``.
 * ``prefix``: 64 requests sharing a 1024-token system prompt plus 32 own
   tokens, 64 new tokens each, prefix caching on and off: mean TTFT and
   throughput.
 * ``hf-check``: the Shakespeare model in fp32, 8 prompts, 32 greedy tokens:
   the fraction of requests whose tokens equal transformers ``generate``.
 
-No CUDA graphs yet: every decode step launches its kernels from Python.
+CUDA graphs are on for every engine row on a GPU (the default of
+:class:`~llmnote.engine.EngineConfig`) except the ``-eager`` rows.
 """
 
 from __future__ import annotations
@@ -45,6 +57,7 @@ from llmnote.bench.results import COLUMNS, environment
 
 BENCH = "engine"
 MODEL = "qwen3-0.6b"
+PARTS = ("check", "engine", "hf", "prefix", "quant")
 
 
 def _rows(provider: str, x_name: str, x_value, wall_s: float, values: dict[str, tuple[str, float]],
@@ -213,8 +226,6 @@ def hf_check(num_prompts: int = 8, new: int = 32, backend: str | None = None) ->
 def _throughput_and_decode(model, backend: str, requests, vocab: int, max_len: int, quick: bool,
                            bw: float, ops: str) -> list[dict]:
     """The nano-vllm workload, then one batch-1 decode, on one attention backend."""
-    from llmnote.engine import SamplingParams
-
     rows: list[dict] = []
     name = f"llmnote-{backend}"
     llm = _engine(model, attention_backend=backend)
@@ -226,40 +237,124 @@ def _throughput_and_decode(model, backend: str, requests, vocab: int, max_len: i
     live_held, live_contig = kv_fractions(llm)
     print(f"{name} throughput: {tokens} tokens in {wall:.1f} s = {tokens / wall:.0f} tok/s, "
           f"{llm.runner.num_blocks} KV blocks, {llm.scheduler.num_preemptions} preemptions, "
+          f"{llm.runner.num_graph_steps} graph steps, "
           f"KV live/held {live_held:.1%}, live/contiguous {live_contig:.1%}")
     rows += _rows(name, "workload", "throughput", wall, {
         "throughput": ("tok/s", tokens / wall), "kv_live_fraction": ("", live_held),
         "contiguous_live_fraction": ("", live_contig),
         "preemptions": ("", float(llm.scheduler.num_preemptions)),
         "mean_ttft": ("s", sum(o.ttft for o in outs) / len(outs))},
-        extra={"requests": len(requests), "kv_blocks": llm.runner.num_blocks, "ops": ops})
+        extra={"requests": len(requests), "kv_blocks": llm.runner.num_blocks, "ops": ops,
+               "cuda_graphs": bool(llm.runner.graphs)})
 
-    # batch-1 decode against the weight-read roofline
+    rows += _decode_b1(llm, model, name, vocab, max_len, quick, bw, ops)
+    del llm
+    _free()
+    if _on_cuda(model):  # the same decode without graphs: launch overhead
+        eager = _engine(model, attention_backend=backend, cuda_graphs=False)
+        rows += _decode_b1(eager, model, f"{name}-eager", vocab, max_len, quick, bw, ops,
+                           new=max_len // 16)  # slow: fewer tokens, the rate is what counts
+        del eager
+        _free()
+    return rows
+
+
+def _on_cuda(model) -> bool:
+    return next(model.parameters()).device.type == "cuda" and not device.interpreting()
+
+
+def weight_bytes(model) -> int:
+    """Bytes of weights one decode step reads: parameters and buffers (quantized weights
+    are buffers), each once; the embedding table only when it is also the LM head (a
+    step reads one row of it otherwise)."""
+    emb = model.model.embed_tokens.weight
+    tied = model.lm_head.weight.data_ptr() == emb.data_ptr()
+    seen, total = set(), 0
+    for t in list(model.parameters()) + list(model.buffers()):
+        if t.data_ptr() in seen or (t.data_ptr() == emb.data_ptr() and not tied):
+            continue
+        seen.add(t.data_ptr())
+        total += t.numel() * t.element_size()
+    return total
+
+
+def _decode_b1(llm, model, name: str, vocab: int, max_len: int, quick: bool, bw: float,
+               ops: str, workload: str = "decode-b1", extra: dict | None = None,
+               new: int | None = None) -> list[dict]:
+    """Batch-1 decode tokens/s against the weight-read roofline (``new`` tokens; default
+    half of ``max_len``, an eighth when quick)."""
+    from llmnote.engine import SamplingParams
+
     g = torch.Generator().manual_seed(2)
     prompt = torch.randint(0, vocab, (max_len // 8,), generator=g).tolist()
-    new = max_len // 8 if quick else max_len // 2
-    out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=new, ignore_eos=True),
-                       use_tqdm=False)[0]
-    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    roofline = bw / 2 / weight_bytes  # a copy moves each byte twice; decode reads weights once
+    new = new or (max_len // 8 if quick else max_len // 2)
+    sp = SamplingParams(temperature=0, max_tokens=new, ignore_eos=True)
+    llm.generate([prompt[:16]], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True),
+                 use_tqdm=False)  # warm-up
+    out = llm.generate([prompt], sp, use_tqdm=False)[0]
+    wb = weight_bytes(model)
+    # bw counts the bytes a copy reads plus those it writes: the rate at which memory
+    # moves bytes, which a weight read (all reads) can reach too
+    roofline = bw / wb
     rate = 1 / out.tpot
-    print(f"{name} decode-b1: {rate:.0f} tok/s = {rate / roofline:.0%} of the weight-read "
-          f"roofline ({roofline:.0f} tok/s)")
-    rows += _rows(name, "workload", "decode-b1", out.tpot * new, {
+    graphs = bool(llm.runner.graphs)
+    print(f"{name} {workload}: {rate:.0f} tok/s = {rate / roofline:.0%} of the weight-read "
+          f"roofline ({roofline:.0f} tok/s, {wb / 1e9:.2f} GB), cuda graphs {graphs}")
+    return _rows(name, "workload", workload, out.tpot * new, {
         "decode_rate": ("tok/s", rate), "roofline_fraction": ("", rate / roofline),
-        "roofline": ("tok/s", roofline)}, extra={"cuda_graphs": False, "ops": ops})
+        "roofline": ("tok/s", roofline), "tpot": ("s", out.tpot)},
+        extra={"cuda_graphs": graphs, "ops": ops, "weight_bytes": wb, **(extra or {})})
+
+
+def quant_decode(bw: float, max_len: int = 1024, quick: bool = False,
+                 model_name: str = MODEL, backend: str | None = None) -> list[dict]:
+    """Batch-1 decode through the engine: bf16 vs SmoothQuant W8A8 vs AWQ W4A16."""
+    from llmnote.quant import quantize_model
+
+    rows: list[dict] = []
+    for method, name in ((None, "llmnote-bf16"), ("smoothquant", "llmnote-w8a8"),
+                         ("awq", "llmnote-w4a16")):
+        model = random_model(model_name)
+        ops = use_kernels(model)
+        vocab = min(10000, model.config.vocab_size)
+        try:
+            if method is not None:
+                calib = torch.randint(0, vocab, (4, 128), generator=torch.Generator().manual_seed(5))
+                calib = calib.to(next(model.parameters()).device)
+                kw = {"n_grid": 5} if method == "awq" else {}
+                quantize_model(model, method, calib, **kw)
+            try:
+                llm = _engine(model, attention_backend=backend)
+            except Exception as e:  # graphs not capturable with these layers: eager
+                print(f"{name}: CUDA graphs failed ({e!r}); eager")
+                _free()
+                llm = _engine(model, attention_backend=backend, cuda_graphs=False)
+            rows += _decode_b1(llm, model, name, vocab, max_len, quick, bw, ops,
+                               workload="decode-b1-quant", extra={"method": method or "bf16"})
+            del llm
+        except Exception as e:  # one method failing must not cost the others
+            print(f"{name}: failed: {e!r}")
+        del model
+        _free()
     return rows
 
 
 def run(quick: bool = False, *, model_name: str = MODEL, max_len: int = 1024,
         num_requests: int | None = None, hf_batches: tuple[int, ...] = (64, 128),
-        check: tuple[int, int] = (8, 32), backends: tuple[str, ...] | None = None
-        ) -> pd.DataFrame:
+        check: tuple[int, int] = (8, 32), backends: tuple[str, ...] | None = None,
+        quant: bool | None = None, parts: tuple[str, ...] = PARTS) -> pd.DataFrame:
     """All four workloads; ``quick``: 32 requests, one HF batch size, shorter runs.
     ``model_name``, ``max_len`` (the longest prompt or output; the others scale with
     it), ``num_requests`` and ``check`` (prompts, tokens of the transformers check)
     shrink the run to a CPU smoke test. ``backends``: the engine's attention backends
-    to measure (default: ``flash`` and ``paged`` on a GPU, ``reference`` on the CPU)."""
+    to measure (default: ``paged`` and ``flash`` on a GPU, ``reference`` on the CPU; the
+    first that works runs the prefix workload).
+    ``quant``: also the ``decode-b1-quant`` rows (default: on a GPU, not quick).
+    ``parts``: which of :data:`PARTS` to run (to split a recording over several calls;
+    the copy bandwidth is measured in each)."""
+    bad = set(parts) - set(PARTS)
+    if bad:
+        raise ValueError(f"parts must be among {PARTS}, got {sorted(bad)}")
     rows: list[dict] = []
     n = num_requests or (32 if quick else 256)
     if quick:
@@ -268,8 +363,8 @@ def run(quick: bool = False, *, model_name: str = MODEL, max_len: int = 1024,
     rows += copy.to_dict("records")
     bw = float(copy[copy["metric"] == "bandwidth"]["p50"].iloc[0]) * 1e9  # read + write, B/s
     if backends is None:
-        backends = ("flash", "paged") if device.on_gpu() else ("reference",)
-    for be in backends:
+        backends = ("paged", "flash") if device.on_gpu() else ("reference",)
+    for be in backends if "check" in parts else ():
         try:
             frac = hf_check(*check, backend=be)
         except Exception as e:  # a failing backend must not cost the rest of the run
@@ -286,8 +381,8 @@ def run(quick: bool = False, *, model_name: str = MODEL, max_len: int = 1024,
     print(f"model ops: {ops}")
     vocab = min(10000, model.config.vocab_size)
     requests = nano_vllm_requests(n, max(1, max_len // 10), max_len, vocab=vocab)
-    working = []
-    for be in backends:
+    working = [] if "engine" in parts else list(backends)
+    for be in backends if "engine" in parts else ():
         try:
             rows += _throughput_and_decode(model, be, requests, vocab, max_len, quick, bw, ops)
             working.append(be)
@@ -297,7 +392,7 @@ def run(quick: bool = False, *, model_name: str = MODEL, max_len: int = 1024,
 
     # the peer: transformers generate in static batches
     useful = sum(o for _, o in requests)
-    for b in hf_batches:
+    for b in hf_batches if "hf" in parts else ():
         try:
             w = hf_static(model, requests, b)
         except torch.OutOfMemoryError as e:
@@ -317,7 +412,7 @@ def run(quick: bool = False, *, model_name: str = MODEL, max_len: int = 1024,
             for _ in range(16 if quick else 64)]
     if not working:
         raise RuntimeError(f"no attention backend of {backends} ran")
-    for caching in (True, False):
+    for caching in (True, False) if "prefix" in parts else ():
         llm = _engine(model, enable_prefix_caching=caching, attention_backend=working[0])
         outs, w = run_engine(llm, reqs, temperature=0.0)
         ttft = sum(o.ttft for o in outs) / len(outs)
@@ -331,5 +426,7 @@ def run(quick: bool = False, *, model_name: str = MODEL, max_len: int = 1024,
             extra={"attention": working[0]})
         del llm, outs
         _free()
+    if "quant" in parts and (quant if quant is not None else (device.on_gpu() and not quick)):
+        rows += quant_decode(bw, max_len, quick, model_name, working[0])
     df = pd.DataFrame(rows)
     return df[list(dict.fromkeys(COLUMNS + list(df.columns)))]

@@ -267,9 +267,24 @@ def decode_attention(
         UPCAST=upcast(q.dtype), PRECISION=dot_precision(q.dtype),
     )
     if not final:
-        _decode_combine_kernel[(b * h,)](
-            part, lpart, out, lse, part.stride(0), part.stride(1), part.stride(2),
-            lpart.stride(0), lpart.stride(1), out.stride(0), out.stride(1), h, splits,
-            HEAD_DIM=d, SPLITS_PAD=max(2, triton.next_power_of_2(splits)), num_warps=4,
-        )
+        combine_splits(part, lpart, out, lse)
     return (out, lse) if return_lse else out
+
+
+def combine_splits(part: torch.Tensor, lpart: torch.Tensor, out: torch.Tensor,
+                   lse: torch.Tensor) -> None:
+    """Merge split-KV partials into ``out (batch, heads, head_dim)`` and ``lse (batch, heads)``.
+
+    ``part (batch, heads, splits, head_dim)`` fp32: each split's normalised output;
+    ``lpart (batch, heads, splits)`` fp32: its log-sum-exp in log2 units (``-inf``:
+    an empty split). Shared by this module and the engine's paged decode
+    (:mod:`llmnote.engine.paged_kernel`); no host synchronisation (CUDA-graph safe).
+    """
+    b, h, splits, d = part.shape
+    if b * h == 0:
+        return
+    _decode_combine_kernel[(b * h,)](
+        part, lpart, out, lse, part.stride(0), part.stride(1), part.stride(2),
+        lpart.stride(0), lpart.stride(1), out.stride(0), out.stride(1), h, splits,
+        HEAD_DIM=d, SPLITS_PAD=max(2, triton.next_power_of_2(splits)), num_warps=4,
+    )
