@@ -25,6 +25,15 @@ Four parts (``run(parts=...)``), every provider timed in the same run:
     (``enable_gqa``): ``sdpa`` (its own choice of backend) and each backend
     that accepts the call, ``torch-naive``.
     Bench ``attention-decode-splits`` sweeps ``num_splits`` at one shape.
+``fa3`` (bench ``attention-fa3``, ``x_name = "N"``)
+    FlashAttention-3 ideas (``flash3.py``), forward only, the ``fwd`` set-up
+    from N = 1k: ``llmnote`` (FlashAttention-2), ``fa3`` (bf16, TMA
+    descriptors, warp specialisation and pipelining depth autotuned),
+    ``fa3-fp8`` (the FP8 kernel on inputs quantised beforehand, as FP8
+    inference keeps them), ``fa3-fp8-quant`` (the same plus quantising Q, K, V
+    in PyTorch inside the timed call), ``sdpa-flash``, ``sdpa-cudnn``. FP8
+    throughput counts the same FLOPs. ``fa3-fp8`` is checked against
+    ``flash_attention_fp8_ref`` within ``fp8_p_rounding_bound`` before timing.
 ``memory`` (bench ``attention-memory``, ``x_name = "N"``)
     Peak memory allocated by one forward beyond its inputs, B = 1, H = 16,
     D = 128, metric ``peak_memory`` in MiB (GPU only).
@@ -54,12 +63,14 @@ from llmnote.bench.results import COLUMNS, environment
 from llmnote.bench.suites.common import compiled, dtype_name
 from llmnote.ops.attention import (
     decode_attention, decode_attention_ref, flash_attention, flash_attention_ref,
-    flash_attention_v1,
+    flash_attention_fp8, flash_attention_fp8_quantized, flash_attention_fp8_ref,
+    flash_attention_v1, flash_attention_v3, quantize_fp8_blocks, quantize_fp8_channels,
 )
+from llmnote.ops.attention.reference import fp8_p_rounding_bound
 from llmnote.testing import assert_close_lowp
 
 BENCH = "attention"
-PARTS = ("fwd", "bwd", "decode", "memory")
+PARTS = ("fwd", "bwd", "decode", "memory", "fa3")
 SDPA_BACKENDS = {
     "sdpa-flash": SDPBackend.FLASH_ATTENTION,
     "sdpa-cudnn": SDPBackend.CUDNN_ATTENTION,
@@ -327,6 +338,89 @@ def _decode_part(setup: Setup, dtype, quick: bool) -> list[pd.DataFrame]:
 
 
 # --------------------------------------------------------------------------------------------
+# FlashAttention-3 ideas: TMA / warp specialisation and FP8
+# --------------------------------------------------------------------------------------------
+
+
+def _fa3_providers(setup: Setup, d: int, causal: bool, dtype) -> dict:
+    h = setup.hidden // d
+
+    def inputs(n):
+        b = setup.tokens // n
+        return tuple(_rand(b, h, n, d, dtype=dtype) for _ in range(3))
+
+    def exact(fn, name):  # checked like the fwd part, then timed
+        def factory(n):
+            q, k, v = inputs(n)
+            _check(fn, q, k, v, causal, "fwd", q, name)
+            task = _task(fn, q, k, v, "fwd", None)
+            task()
+            return task
+        return factory
+
+    def fp8(with_quant: bool):
+        def factory(n):
+            q, k, v = inputs(n)
+            sl = (slice(0, 1), slice(0, 2))
+            got = flash_attention_fp8(q, k, v, causal=causal)[sl].float()
+            want = flash_attention_fp8_ref(q[sl], k[sl], v[sl], causal=causal).float()
+            excess = (got - want).abs() - fp8_p_rounding_bound(q[sl], k[sl], v[sl], causal=causal)
+            if float(excess.max()) > 0:
+                raise AssertionError(f"fa3-fp8 at N = {n}: differs from flash_attention_fp8_ref by "
+                                     f"{float(excess.max()):.3g} beyond the P-rounding bound")
+            if with_quant:
+                task = lambda: flash_attention_fp8(q, k, v, causal=causal)  # noqa: E731
+            else:
+                q8, k8, vt8 = quantize_fp8_blocks(q), quantize_fp8_blocks(k), quantize_fp8_channels(v)
+                task = lambda: flash_attention_fp8_quantized(  # noqa: E731
+                    *q8, *k8, *vt8, causal=causal, out_dtype=dtype)
+            task()
+            return task
+        return factory
+
+    def gpu_only(factory):
+        def f(n):
+            if not device.on_gpu():
+                raise Skip("SDPA backends are compared on a GPU only")
+            fn = factory(n)
+            try:
+                fn()
+            except RuntimeError as e:
+                raise Skip(str(e).splitlines()[0][:120]) from None
+            return fn
+        return f
+
+    providers = {
+        "llmnote": exact(lambda q, k, v: flash_attention(q, k, v, causal=causal), "llmnote"),
+        "fa3": exact(lambda q, k, v: flash_attention_v3(q, k, v, causal=causal), "fa3"),
+        "fa3-fp8": fp8(False),
+        "fa3-fp8-quant": fp8(True),
+    }
+    for name in ("sdpa-flash", "sdpa-cudnn"):
+        sdpa = _sdpa(SDPA_BACKENDS[name], causal)
+        providers[name] = gpu_only(lambda n, f=sdpa: _task(f, *inputs(n), "fwd", None))
+    return providers
+
+
+def _fa3_part(setup: Setup, dtype) -> list[pd.DataFrame]:
+    ns = tuple(n for n in setup.ns if n >= 1024) if device.on_gpu() else setup.ns
+    frames = []
+    for d in sorted(setup.head_dims, reverse=True):  # D = 128 first
+        h = setup.hidden // d
+        for causal in (False, True):
+            metrics = {"throughput": ("TFLOP/s", lambda n, ms, h=h, d=d, c=causal: attention_flops(
+                setup.tokens // n, h, n, d, c, "fwd") / (ms * 1e-3) / 1e12)}
+
+            def extra(n, h=h, d=d, c=causal):
+                return {"direction": "fwd", "causal": c, "D": d, "H": h,
+                        "B": setup.tokens // n, "dtype": dtype_name(dtype)}
+
+            frames.append(sweep("attention-fa3", "N", ns, _fa3_providers(setup, d, causal, dtype),
+                                metrics, extra=extra, rep_ms=100 if device.on_gpu() else 5))
+    return frames
+
+
+# --------------------------------------------------------------------------------------------
 # Peak memory
 # --------------------------------------------------------------------------------------------
 
@@ -383,7 +477,7 @@ def _memory_part(setup: Setup, dtype) -> list[pd.DataFrame]:
 def run(quick: bool = False, parts: tuple[str, ...] = PARTS,
         head_dims: tuple[int, ...] | None = None, dtype: torch.dtype = torch.bfloat16,
         ) -> pd.DataFrame:
-    """The attention benchmark. ``parts``: any of ``fwd, bwd, decode, memory``.
+    """The attention benchmark. ``parts``: any of ``fwd, bwd, decode, memory, fa3``.
 
     quick (a notebook's live run): D = 128, N = 1k, 4k, 16k, no FlexAttention,
     no ceilings; without a GPU, tiny sizes in the interpreter.
@@ -402,6 +496,8 @@ def run(quick: bool = False, parts: tuple[str, ...] = PARTS,
         frames += _decode_part(setup, dtype, quick)
     if "memory" in parts:
         frames += _memory_part(setup, dtype)
+    if "fa3" in parts:
+        frames += _fa3_part(setup, dtype)
     frames = [f for f in frames if not f.empty]
     if not frames:
         return pd.DataFrame(columns=COLUMNS)

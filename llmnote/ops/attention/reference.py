@@ -144,3 +144,121 @@ def softmax_stats_ref(x: torch.Tensor, block_n: int | None = None) -> tuple[torc
     m_sub = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
     l = torch.exp(xf - m_sub[..., None]).sum(dim=-1)
     return m, l
+
+
+# --------------------------------------------------------------------------------------------
+# FlashAttention-3 (flash3.py): the bf16 kernel has the FlashAttention-2 reference; the FP8
+# kernel's reference quantises and dequantises with the same scales, then attends exactly.
+# --------------------------------------------------------------------------------------------
+
+FP8_DTYPE = torch.float8_e4m3fn
+FP8_MAX = 448.0  # largest finite e4m3 value
+FP8_BLOCK = 128  # rows of Q (and of K) sharing one scale
+_TINY = 2.0**-60  # floor of a scale: an all-zero block still gets a finite, positive scale
+
+
+def quantize_fp8_blocks(x: torch.Tensor, block: int = FP8_BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-block e4m3 quantisation of ``x (batch, heads, seq, head_dim)``.
+
+    Rows ``[j * block, (j + 1) * block)`` of one (batch, head) share the scale
+    ``s = amax / 448``; returns ``(x8, s)`` with ``x8 = round(x / s)`` in e4m3,
+    shaped like ``x``, and ``s`` fp32 ``(batch, heads, ceil(seq / block))``, so
+    that ``x ~ x8 * s``.
+    """
+    b, h, n, d = x.shape
+    nb = -(-n // block)
+    xf = x.float()
+    pad = torch.nn.functional.pad(xf, (0, 0, 0, nb * block - n))  # zeros change no amax
+    amax = pad.view(b, h, nb, block * d).abs().amax(dim=-1)  # (B, H, nb)
+    scale = (amax / FP8_MAX).clamp_min(_TINY)
+    rows = scale.repeat_interleave(block, dim=2)[:, :, :n, None]  # (B, H, N, 1)
+    return (xf / rows).to(FP8_DTYPE), scale
+
+
+def dequantize_fp8_blocks(x8: torch.Tensor, scale: torch.Tensor, block: int = FP8_BLOCK) -> torch.Tensor:
+    """Inverse of :func:`quantize_fp8_blocks`, in fp32."""
+    rows = scale.repeat_interleave(block, dim=2)[:, :, : x8.shape[2], None]
+    return x8.float() * rows
+
+
+def quantize_fp8_channels(v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-channel e4m3 quantisation of ``v (batch, heads, seq, head_dim)``, transposed.
+
+    Each (batch, head, channel) has the scale ``amax over seq / 448``. Returns
+    ``(vt8, s)``: ``vt8 (batch, heads, head_dim, seq)`` in e4m3 (a view whose
+    last stride is rounded up to 16 elements, as TMA and the FP8 tensor-core
+    layout want: the sequence is the reduction dimension of ``P V``) and ``s``
+    fp32 ``(batch, heads, head_dim)``.
+    """
+    b, h, n, d = v.shape
+    vf = v.float()
+    scale = (vf.abs().amax(dim=2) / FP8_MAX).clamp_min(_TINY) if n else vf.new_ones(b, h, d)
+    n_pad = max(-(-n // 16) * 16, 16)
+    vt8 = torch.zeros((b, h, d, n_pad), dtype=FP8_DTYPE, device=v.device)
+    vt8[..., :n] = (vf / scale[:, :, None, :]).transpose(2, 3).to(FP8_DTYPE)
+    return vt8[..., :n], scale
+
+
+def dequantize_fp8_channels(vt8: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """Inverse of :func:`quantize_fp8_channels`: fp32 ``(batch, heads, seq, head_dim)``."""
+    return (vt8.float() * scale[..., None]).transpose(2, 3)
+
+
+def hadamard_rotation(d: int, seed: int = 0, device: torch.device | str = "cpu") -> torch.Tensor:
+    """An orthogonal ``(d, d)`` fp32 matrix ``diag(random signs) @ H_d / sqrt(d)``
+    (``H_d`` the Sylvester Hadamard matrix, ``d`` a power of two): the rotation
+    of FlashAttention-3's incoherent processing. ``(Q R)(K R)^T = Q K^T``."""
+    if d < 1 or d & (d - 1):
+        raise ValueError(f"d must be a power of two, got {d}")
+    h = torch.ones(1, 1)
+    while h.shape[0] < d:
+        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
+    gen = torch.Generator().manual_seed(seed)
+    signs = torch.randint(0, 2, (d,), generator=gen).float() * 2 - 1
+    return (signs[:, None] * h / math.sqrt(d)).to(device)
+
+
+def flash_attention_v3_ref(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False,
+    sm_scale: float | None = None,
+) -> torch.Tensor:
+    """The reference of the TMA / warp-specialised kernel: exact attention."""
+    return flash_attention_ref(q, k, v, causal=causal, sm_scale=sm_scale)
+
+
+def flash_attention_fp8_ref(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False,
+    sm_scale: float | None = None, rotate: bool = False, block: int = FP8_BLOCK,
+) -> torch.Tensor:
+    """What the FP8 kernel computes, up to the rounding of ``P`` to e4m3:
+    Q, K (per ``block`` rows) and V (per channel) quantised and dequantised with
+    the kernel's scales, then exact attention in fp32; the output in q's dtype.
+    ``rotate``: Q and K multiplied by :func:`hadamard_rotation` first."""
+    scale = 1.0 / math.sqrt(q.shape[-1]) if sm_scale is None else sm_scale
+    if rotate:
+        r = hadamard_rotation(q.shape[-1], device=q.device)
+        q, k = q.float() @ r, k.float() @ r
+    qd = dequantize_fp8_blocks(*quantize_fp8_blocks(q, block), block)
+    kd = dequantize_fp8_blocks(*quantize_fp8_blocks(k, block), block)
+    vd = dequantize_fp8_channels(*quantize_fp8_channels(v))
+    return flash_attention_ref(qd, kd, vd, causal=causal, sm_scale=scale).to(v.dtype)
+
+
+def fp8_p_rounding_bound(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False,
+    sm_scale: float | None = None, block: int = FP8_BLOCK,
+) -> torch.Tensor:
+    """Elementwise bound on ``|kernel - flash_attention_fp8_ref|`` for the FP8 kernel.
+
+    The kernel differs from the reference by rounding ``P`` to e4m3 before
+    ``P V``: each ``p`` moves by at most ``2^-4 p`` (round to nearest, 3
+    mantissa bits), so ``|dO_i| <= 2^-4 sum_j p_ij |v_j| / l_i``: attention of
+    the same scores over ``|V|``. Added: ``2^-7 |O|`` for the output's rounding
+    to bf16 and e4m3 subnormals, and ``2^-10 max|O|``. fp32, shaped like the output.
+    """
+    qd = dequantize_fp8_blocks(*quantize_fp8_blocks(q, block), block)
+    kd = dequantize_fp8_blocks(*quantize_fp8_blocks(k, block), block)
+    vd = dequantize_fp8_channels(*quantize_fp8_channels(v))
+    o = flash_attention_ref(qd, kd, vd, causal=causal, sm_scale=sm_scale).abs()
+    spread = flash_attention_ref(qd, kd, vd.abs(), causal=causal, sm_scale=sm_scale)
+    return 2.0**-4 * spread + 2.0**-7 * o + 2.0**-10 * (float(o.max()) if o.numel() else 0.0)
