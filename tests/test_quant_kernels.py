@@ -165,3 +165,70 @@ def test_bad_input(dev):
         K.w4a16_linear(x.float(), qw, s, z, 32)
     with pytest.raises(TypeError, match="qweight must have dtype"):
         K.w4a16_linear(x, qw.to(torch.int16), s, z, 32)
+
+
+# The W4A16 kernel has two inner loops (FMA reduction for batch <= GEMV_MAX_M, tl.dot above),
+# two scale paths (one group per K step, or a group per packed row) and an in-kernel split-K
+# reduction (last-arriving program sums the workspace slices and resets its counter).
+@pytest.mark.parametrize("m", [1, 3, 8, 16, 17])
+@pytest.mark.parametrize("split_k", [1, 4])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_w4a16_batches_split_bias(seed, dev, m, split_k, dtype):
+    n, k, g = 37, 200, 8  # odd N; K = 200 is no multiple of the 32- or 128-code steps
+    if m > K.GEMV_MAX_M:
+        k, g = 384, 32 if split_k == 1 else 128  # GEMM steps are 128 codes: per-row and one-group scales
+    qw, s, z = _w4(n, k, g, dtype, dev)
+    x = torch.randn(m, k, device=dev).to(dtype)
+    bias = torch.randn(n, device=dev).to(dtype)
+    out = K.w4a16_linear(x, qw, s, z, g, bias, split_k=split_k)
+    assert out.dtype == dtype and out.shape == (m, n)
+    ref32 = K.w4a16_linear_ref(x.float(), qw, s.float(), z.float(), g, bias.float())
+    assert_close_lowp(out, ref32, _lowp_ref(x, qw, s, z, g) + bias, atol=1e-3, name=f"w4a16 m={m} split={split_k}")
+
+
+def test_w4a16_split_k_repeats_and_resets_counters(seed, dev):
+    """Split-K twice in a row (and more slices than K steps) gives the same result: the
+    arrival counters are back at zero after each launch."""
+    qw, s, z = _w4(24, 128, 32, torch.float16, dev)
+    x = torch.randn(2, 128, device=dev).half()
+    first = K.w4a16_linear(x, qw, s, z, 32, split_k=8)
+    again = K.w4a16_linear(x, qw, s, z, 32, split_k=8)
+    plain = K.w4a16_linear(x, qw, s, z, 32, split_k=1)
+    assert torch.equal(first, again)
+    assert_close(first.float(), plain.float(), atol=2e-3, rtol=2e-3)
+    _, cnt = K._WS[(x.device.type, x.device.index)]
+    assert int(cnt.abs().sum()) == 0
+
+
+def test_w4a16_extreme_codes_and_group_fallback(dev):
+    """Codes 0 and 15 in every nibble position (the sign bit of the int32 word included);
+    a group size that is no multiple of 8 falls back to the reference."""
+    k, n = 64, 16
+    q = torch.tensor([0, 15]).repeat(k * n // 2).reshape(k, n)
+    q[::3] = 15 - q[::3]
+    qw = pack_int4(q).to(dev)
+    for g in (16, 4):
+        s = (torch.rand(k // g, n) + 0.5).half().to(dev)
+        z = torch.full((k // g, n), 7.0).half().to(dev)
+        x = torch.randn(1, k, device=dev).half()
+        out = K.w4a16_linear(x, qw, s, z, g)
+        assert_close_lowp(out, K.w4a16_linear_ref(x.float(), qw, s.float(), z.float(), g),
+                          _lowp_ref(x, qw, s, z, g), atol=1e-3, name=f"extreme codes g={g}")
+
+
+@pytest.fixture(autouse=True)
+def _one_w4_candidate(monkeypatch):
+    """No timing of W4A16 candidate tiles in the tests (each would compile on a GPU): the
+    first candidate runs; the benchmark checks the tuned choice at full size."""
+    monkeypatch.setattr(K, "W4_AUTOTUNE", False)
+
+
+def test_w4a16_split_k_many_programs(seed, dev):
+    """Many split-K programs racing on the arrival counters (a real race on a GPU)."""
+    n, k, split = (4096, 4096, 16) if device.on_gpu() else (48, 512, 4)
+    qw, s, z = _w4(n, k, 128, torch.bfloat16, dev)
+    x = torch.randn(1, k, device=dev).bfloat16()
+    ref32 = K.w4a16_linear_ref(x.float(), qw, s.float(), z.float(), 128)
+    lowp = _lowp_ref(x, qw, s, z, 128)
+    for _ in range(5 if device.on_gpu() else 1):
+        assert_close_lowp(K.w4a16_linear(x, qw, s, z, 128, split_k=split), ref32, lowp, atol=1e-3)

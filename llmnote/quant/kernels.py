@@ -13,12 +13,15 @@
   4-bit codes packed eight per int32 along K (``(K // 8, N)``, see
   :func:`llmnote.quant.primitives.pack_int4`) with one scale and one zero point
   per group of ``group_size`` input channels and output channel (``(K // G, N)``).
-  Each program loads packed words, unpacks with shifts and masks, dequantizes
-  ``(q - z) * s`` in registers and feeds the tile to ``tl.dot``: the weight
-  crosses memory as 4 bits per value. Batch 1-8 ("GEMV"): 16-row tiles (the
-  smallest ``mma``); larger batches ("GEMM"): larger tiles. Up to batch 64,
-  split-K when the output tiles are too few to fill the GPU (programs own
-  slices of K and add their partial sums with fp32 atomics).
+  Each program loads every packed word of its tile once, decodes codes with a
+  shift and a mask-and-OR into exact fp32 numbers (no int-to-float conversion),
+  and dequantizes ``(q - z) * s`` in registers: the weight crosses memory as 4
+  bits per value. Batch 1 ("GEMV"): fp32 multiply-adds, no tensor cores;
+  larger batches: the dequantized slices feed ``tl.dot``. Up to batch 64,
+  split-K gives each program a slice of K; partial sums go to an fp32
+  workspace and the last program to finish a tile adds them and writes C (no
+  memset, no second kernel). The first call per shape times a few tiles (with
+  their split) and keeps the fastest (:data:`TUNE_LOG`).
 
 Rounding: the kernels round half away from zero (``floor(|v| + 0.5)``); the
 references do the same (``torch.round`` would round half to even).
@@ -32,6 +35,7 @@ from __future__ import annotations
 
 import functools
 import math
+from typing import NamedTuple
 
 import torch
 import triton
@@ -273,38 +277,63 @@ def _check_w4a16(x, qweight, scales, zeros, group_size, bias) -> None:
             raise ValueError(f"bias must have shape (N,) = ({N},), got {tuple(bias.shape)}")
 
 
-def _w4_config(bm, bn, bk, warps, stages, split_k=1):
-    return triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 8},
-                         num_warps=warps, num_stages=stages)
+class W4Config(NamedTuple):
+    """One launch shape of :func:`_w4a16_kernel`: tile ``(bm, bn)``, ``bk`` codes of K per
+    step (a multiple of 8: ``bk // 8`` packed rows), ``sub`` steps unrolled per loop
+    iteration, warps, pipeline stages, and ``dot`` (tensor cores) or FMA reduction."""
+    bm: int
+    bn: int
+    bk: int
+    sub: int
+    warps: int
+    stages: int
+    dot: bool
+
+    def meta(self) -> dict:
+        return dict(BLOCK_M=self.bm, BLOCK_N=self.bn, BLOCK_K=self.bk, SUB=self.sub, USE_DOT=self.dot,
+                    num_warps=self.warps, num_stages=self.stages)
 
 
-W4_GEMV_GPU = [_w4_config(16, bn, bk, w, s) for bn in (32, 64, 128) for bk in (64, 128, 256)
-               for w, s in ((4, 3), (4, 4), (8, 3))]
-W4_GEMM_GPU = [_w4_config(*c) for c in ((64, 128, 64, 4, 4), (128, 128, 64, 8, 3), (128, 256, 64, 8, 3),
-                                        (64, 64, 128, 4, 4), (32, 128, 128, 4, 4), (32, 64, 128, 4, 4),
-                                        (16, 64, 128, 4, 4), (16, 32, 256, 4, 3))]
-W4_INTERPRETER = [_w4_config(16, 16, 32, 4, 1)]
-GEMV_MAX_M = 8
+GEMV_MAX_M = 1  # batch 1: FMA reduction (no tensor cores); larger: tl.dot
+# GEMV (batch 1): few columns per program, many programs (split-K).
+W4_GEMV_GPU = [W4Config(0, bn, 128, sub, w, 1, False)
+               for bn, sub, w in ((32, 4, 4), (64, 2, 4), (64, 4, 4), (128, 2, 4), (256, 1, 8))]
+# GEMM (batch > 4): tensor-core tiles of 128 codes of K (8 dots of 16), 16 to 128 rows.
+W4_GEMM_GPU = [W4Config(*c, True) for c in ((16, 32, 128, 2, 4, 2), (16, 64, 128, 1, 4, 2), (16, 64, 128, 2, 4, 3),
+                                            (16, 128, 128, 1, 4, 2), (64, 64, 128, 1, 4, 3), (64, 128, 128, 1, 8, 3),
+                                            (128, 128, 128, 1, 8, 3))]
+W4_GEMV_INTERPRETER = [W4Config(0, 16, 32, 2, 4, 1, False)]
+W4_GEMM_INTERPRETER = [W4Config(16, 16, 128, 1, 4, 1, True)]
 
 
-def _w4_prune(configs, named_args, **kwargs):
-    """:func:`llmnote.ops.matmul.select_configs` on this launch, with K the length of one
-    split-K slice; shared memory counted at 4 bytes per element (the kernel loads an
-    int32 word for each code of its weight tile)."""
-    x = named_args["x_ptr"]
-    split = named_args.get("SPLIT_K", kwargs.get("SPLIT_K", 1))
-    smem = _max_shared_memory(x.device.index or 0) if x.device.type == "cuda" else None
-    return select_configs(configs, named_args["M"], named_args["N"], max(1, named_args["K"] // split), 4, smem)
-
-
-@triton.jit
+@triton.jit(do_not_specialize=["SPLIT_K", "NIBBLE"])
 def _w4a16_kernel(
-    x_ptr, qw_ptr, s_ptr, z_ptr, c_ptr, bias_ptr, M, N, K, M_BUCKET,
-    stride_xm, stride_xk, stride_cm, stride_cn,
-    GROUP: tl.constexpr, SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr, UPCAST: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    x_ptr, qw_ptr, s_ptr, z_ptr, c_ptr, bias_ptr, ws_ptr, cnt_ptr, M, N, K, SPLIT_K, NIBBLE,
+    stride_xm, stride_cm, stride_cn,
+    GROUP: tl.constexpr, HAS_BIAS: tl.constexpr, UPCAST: tl.constexpr, USE_DOT: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SUB: tl.constexpr,
+    GROUP_M: tl.constexpr, EVEN_N: tl.constexpr,
 ):
-    """Program (pid, pid_k): tile (pid_m, pid_n) of C over the K slices pid_k, pid_k + SPLIT_K, ..."""
+    """Program (pid, pid_k): tile (pid_m, pid_n) of C over the pid_k-th contiguous slice of K.
+
+    Each step loads a (BLOCK_K // 8, BLOCK_N) tile of packed words once; code j of
+    word row r is input channel k = 8 r + j, so the step runs over j = 0..7 with the
+    activations x[:, 8 r + j] (a strided load) and never unpacks into a (BLOCK_K, BLOCK_N)
+    tile. Decoding a code without an int-to-float conversion: one shift moves codes
+    2p and 2p + 1 to mantissa bits 15-18 and 19-22; masking one of them and OR-ing in
+    the exponent of 1.0 gives the fp32 number f = 1 + q / 256 (even j) or 1 + q / 16
+    (odd j), exactly; with s, z of the word's group, (q - z) s = 256 s f - (256 + z) s
+    (or 16 s f - (16 + z) s). Batch 1 (USE_DOT False) multiplies and adds in fp32
+    registers: even codes take the exponent of 16.0 instead (f = 16 + q / 16), so that
+    sum_j x_j f_j = 16 sum_even x + sum_odd x + sum_j x_j q_j / 16, and the affine part
+    is corrected once per step. Larger batches feed each dequantized
+    (BLOCK_K // 8, BLOCK_N) slice to tl.dot.
+    """
+    BKW: tl.constexpr = BLOCK_K // 8  # packed rows per step
+    # NIBBLE = 0x78000 (bits 15-18) comes in as an argument so that both masks stay in
+    # registers for the whole loop (as immediates they are re-created before each use).
+    mask_lo = NIBBLE
+    mask_hi = NIBBLE << 4
     pid = tl.program_id(0)
     pid_k = tl.program_id(1)
     num_pid_m = tl.cdiv(M, BLOCK_M)
@@ -312,75 +341,195 @@ def _w4a16_kernel(
     pid_m, pid_n = _tile_coords(pid, num_pid_m, num_pid_n, GROUP_M)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    rows = tl.where(offs_m < M, offs_m, 0)
-    cols = tl.where(offs_n < N, offs_n, 0)
-    x_dtype = x_ptr.dtype.element_ty
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for kb in range(pid_k, tl.cdiv(K, BLOCK_K), SPLIT_K):
-        offs_k = kb * BLOCK_K + tl.arange(0, BLOCK_K)
-        k_ok = offs_k < K
-        x = tl.load(x_ptr + rows.to(tl.int64)[:, None] * stride_xm + offs_k[None, :] * stride_xk,
-                    mask=k_ok[None, :], other=0.0)  # BM x BK activations
-        # Eight consecutive k share one int32 word: word k // 8, bits 4 (k % 8) .. +3.
-        words = tl.load(qw_ptr + (offs_k // 8).to(tl.int64)[:, None] * N + cols[None, :],
-                        mask=k_ok[:, None], other=0)  # BK x BN int32 (each word read by 8 rows)
-        q = (words >> ((offs_k % 8) * 4)[:, None]) & 0xF
-        if GROUP % BLOCK_K == 0:  # the whole K tile lies in one group: one row of scales
-            g = (kb * BLOCK_K) // GROUP
-            s = tl.load(s_ptr + g * N + cols).to(tl.float32)[None, :]
-            z = tl.load(z_ptr + g * N + cols).to(tl.float32)[None, :]
-        else:
-            g = (offs_k // GROUP).to(tl.int64)
-            s = tl.load(s_ptr + g[:, None] * N + cols[None, :], mask=k_ok[:, None], other=0.0).to(tl.float32)
-            z = tl.load(z_ptr + g[:, None] * N + cols[None, :], mask=k_ok[:, None], other=0.0).to(tl.float32)
-        w = (q.to(tl.float32) - z) * s  # dequantized in registers
-        if UPCAST:  # interpreter: its bf16 dot is wrong; keep fp32
-            acc = tl.dot(x.to(tl.float32), w, acc)
-        else:
-            acc = tl.dot(x, w.to(x_dtype), acc)
-    if HAS_BIAS:
-        if pid_k == 0:
-            acc += tl.load(bias_ptr + cols).to(tl.float32)[None, :]
-    c_ptrs = c_ptr + offs_m.to(tl.int64)[:, None] * stride_cm + offs_n[None, :] * stride_cn
-    mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
-    if SPLIT_K == 1:
-        tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=mask)
+    rows = tl.where(offs_m < M, offs_m, 0)  # out-of-range rows read row 0; the store drops them
+    # Columns wrap around (as in Triton's matmul tutorial): loads stay in bounds. Only when
+    # N is a multiple of 16 are they declared contiguous (so vectorized): with another N a
+    # row of qweight, scales or zeros starts at an odd address and wide loads would fault
+    # ("misaligned address", seen on the H100 with N = 37).
+    if EVEN_N:
+        cols = tl.max_contiguous(tl.multiple_of(offs_n % N, BLOCK_N), BLOCK_N)
     else:
-        tl.atomic_add(c_ptrs, acc, mask=mask)  # c is an fp32 buffer zeroed by the host
+        cols = offs_n % N
+    KW = K // 8
+    n_steps = tl.cdiv(K, BLOCK_K)
+    iters = tl.cdiv(tl.cdiv(n_steps, SPLIT_K), SUB)
+    step0 = pid_k * iters * SUB
+    x_rows = x_ptr + rows.to(tl.int64)[:, None] * stride_xm  # (BM, 1)
+    rows0 = pid_m.to(tl.int64) * stride_xm  # the GEMV's one row
+    if USE_DOT:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    else:
+        tl.static_assert(BLOCK_M == 1, "the FMA (GEMV) path takes one row")
+        acc2 = tl.zeros((BKW, BLOCK_N), dtype=tl.float32)
+    for it in range(iters):
+        for sb in tl.static_range(SUB):
+            step = step0 + it * SUB + sb
+            # Rows past K (the last step, or steps past the end of a split-K slice) read the
+            # last row instead, unmasked, and get scale and zero 0: their terms vanish.
+            kw_ = step * BKW + tl.arange(0, BKW)
+            kw = tl.minimum(kw_, KW - 1)  # packed rows of this step
+            words = tl.load(qw_ptr + kw.to(tl.int64)[:, None] * N + cols[None, :])  # (BKW, BN) int32, once
+            if GROUP % BLOCK_K == 0:  # the step lies in one group: one row of scales and zeros
+                g = tl.minimum((step * BLOCK_K) // GROUP, K // GROUP - 1)
+                ok = step < n_steps
+                s = tl.where(ok, tl.load(s_ptr + g * N + cols).to(tl.float32), 0.0)[None, :]
+                z = tl.where(ok, tl.load(z_ptr + g * N + cols).to(tl.float32), 0.0)[None, :]
+            else:  # GROUP is a multiple of 8: each packed row lies in one group
+                ok = (kw_ < KW)[:, None]
+                g = ((kw * 8) // GROUP).to(tl.int64)
+                s = tl.load(s_ptr + g[:, None] * N + cols[None, :], mask=ok, other=0.0).to(tl.float32)
+                z = tl.load(z_ptr + g[:, None] * N + cols[None, :], mask=ok, other=0.0).to(tl.float32)
+            if USE_DOT:
+                w_hi = s * 16.0  # odd j: f = 1 + q / 16,  (q - z) s = 16 s f - (16 + z) s
+                c_hi = (z + 16.0) * s
+                w_lo = s * 256.0  # even j: f = 1 + q / 256, (q - z) s = 256 s f - (256 + z) s
+                c_lo = (z + 256.0) * s
+            else:
+                t = tl.zeros((BKW, BLOCK_N), dtype=tl.float32)  # sum_j x_j f_j
+                x_lo = tl.zeros((BKW,), dtype=tl.float32)  # sum of x_j over even j
+                x_hi = tl.zeros((BKW,), dtype=tl.float32)  # ... over odd j
+            for j in tl.static_range(8):
+                # Codes 2p and 2p + 1 (bits 8p .. 8p + 7) share one shift that moves them to bits 15-22.
+                if j % 2 == 0:
+                    if j <= 2:
+                        sh = words << (15 - 4 * j)
+                    else:
+                        sh = words >> (4 * j - 15)
+                    if USE_DOT:
+                        f = ((sh & mask_lo) | 0x3F800000).to(tl.float32, bitcast=True)  # 1 + q / 256
+                    else:
+                        f = ((sh & mask_lo) | 0x41800000).to(tl.float32, bitcast=True)  # 16 + q / 16
+                else:
+                    f = ((sh & mask_hi) | 0x3F800000).to(tl.float32, bitcast=True)  # 1 + q / 16
+                if USE_DOT:
+                    xj = tl.load(x_rows + (kw * 8 + j)[None, :])
+                    if j % 2 == 0:
+                        w = f * w_lo - c_lo  # dequantized (BKW, BN) slice: channels 8 r + j
+                    else:
+                        w = f * w_hi - c_hi
+                    if UPCAST:  # interpreter: its bf16 dot is wrong; keep fp32
+                        acc = tl.dot(xj.to(tl.float32), w, acc)
+                    else:
+                        acc = tl.dot(xj, w.to(x_ptr.dtype.element_ty), acc)
+                else:
+                    xf = tl.load(x_ptr + rows0 + (kw * 8 + j)).to(tl.float32)
+                    t += xf[:, None] * f
+                    if j % 2 == 0:
+                        x_lo += xf
+                    else:
+                        x_hi += xf
+            if not USE_DOT:  # sum_j x_j (q_j - z) s = 16 s (t - 16 x_lo - x_hi) - z s (x_lo + x_hi)
+                acc2 += (t - (16.0 * x_lo + x_hi)[:, None]) * (s * 16.0) - (x_lo + x_hi)[:, None] * (z * s)
+    if USE_DOT:
+        out = acc
+    else:
+        out = tl.sum(acc2, axis=0)[None, :]
+    mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
+    c_ptrs = c_ptr + offs_m.to(tl.int64)[:, None] * stride_cm + offs_n[None, :] * stride_cn
+    if SPLIT_K == 1:
+        if HAS_BIAS:
+            out += tl.load(bias_ptr + cols).to(tl.float32)[None, :]
+        tl.store(c_ptrs, out.to(c_ptr.dtype.element_ty), mask=mask)
+    else:
+        # Split-K: write the partial sum to slice pid_k of the fp32 workspace, then count
+        # arrivals on this tile; the last program to arrive adds the slices in order,
+        # writes C and resets the counter (so no memset and no second kernel).
+        ws_tile = ws_ptr + offs_m.to(tl.int64)[:, None] * N + offs_n[None, :]
+        tl.store(ws_tile + pid_k.to(tl.int64) * M * N, out, mask=mask)
+        tl.debug_barrier()  # every thread's partial is written before the (release) count
+        arrived = tl.atomic_add(cnt_ptr + pid, 1, sem="acq_rel")
+        if arrived == SPLIT_K - 1:
+            tot = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            for sk in range(SPLIT_K):
+                tot += tl.load(ws_tile + sk * M * N, mask=mask, other=0.0, cache_modifier=".cg")
+            if HAS_BIAS:
+                tot += tl.load(bias_ptr + cols).to(tl.float32)[None, :]
+            tl.store(c_ptrs, tot.to(c_ptr.dtype.element_ty), mask=mask)
+            tl.atomic_xchg(cnt_ptr + pid, 0)
 
 
-_KEY = ["M_BUCKET", "N", "K", "GROUP", "SPLIT_K"]
-_w4a16_gemv = triton.autotune(configs=W4_INTERPRETER if device.interpreting() else W4_GEMV_GPU, key=_KEY,
-                              prune_configs_by={"early_config_prune": _w4_prune},
-                              reset_to_zero=["c_ptr"])(_w4a16_kernel)
-_w4a16_gemm = triton.autotune(configs=W4_INTERPRETER if device.interpreting() else W4_GEMM_GPU, key=_KEY,
-                              prune_configs_by={"early_config_prune": _w4_prune},
-                              reset_to_zero=["c_ptr"])(_w4a16_kernel)
-_TUNED: dict[tuple, triton.Config] = {}
+MAX_SPLIT = 32
 
 
-def default_split_k(M: int, N: int, K: int, dev: torch.device) -> int:
-    """Split K when the output tiles (about 32 x 64) are too few to fill the GPU (batch <= 64)."""
-    if M > 64 or device.interpreting():
+def default_split_k(M: int, N: int, K: int, dev: torch.device, cfg: W4Config | None = None) -> int:
+    """Split K (in powers of two) until the launch has about four programs per SM, as long
+    as every slice keeps at least two loop iterations. Batch > 64, or the interpreter: 1.
+
+    ``cfg`` gives the tile; None: the smallest listed GEMV/GEMM tile for this M.
+    """
+    if M > 64 or device.interpreting() or dev.type != "cuda":
         return 1
-    tiles = triton.cdiv(N, 64) * triton.cdiv(M, 32)
-    sms = _num_sms(dev)
+    if cfg is None:
+        cfg = (W4_GEMV_GPU if M <= GEMV_MAX_M else W4_GEMM_GPU)[0]
+    bm = triton.next_power_of_2(M) if cfg.bm == 0 else cfg.bm
+    tiles = triton.cdiv(M, bm) * triton.cdiv(N, cfg.bn)
+    target = 4 * _num_sms(dev)
     split = 1
-    while tiles * split < sms and K // (split * 2) >= 512:
+    while tiles * split < target and K // (split * 2) >= 2 * cfg.bk * cfg.sub and split < MAX_SPLIT:
         split *= 2
     return split
+
+
+_WS: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+_WS_OLD: list = []  # replaced workspaces stay alive: a captured CUDA graph may still point at them
+
+
+def _workspace(dev: torch.device, n_ws: int, n_cnt: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-device fp32 split-K workspace and int32 arrival counters (all zero between launches:
+    the last program of each tile resets its counter). One stream at a time."""
+    key = (dev.type, dev.index)
+    ws, cnt = _WS.get(key, (None, None))
+    if ws is None or ws.numel() < n_ws or cnt.numel() < n_cnt:
+        if ws is not None:
+            _WS_OLD.append((ws, cnt))
+        ws = torch.empty(max(n_ws, 1 << 20, 0 if ws is None else ws.numel()), dtype=torch.float32, device=dev)
+        cnt = torch.zeros(max(n_cnt, 1 << 14, 0 if cnt is None else cnt.numel()), dtype=torch.int32, device=dev)
+        _WS[key] = (ws, cnt)
+    return ws, cnt
+
+
+_TUNED: dict[tuple, tuple[W4Config, int]] = {}
+TUNE_LOG: dict[tuple, list[tuple[W4Config, int, float]]] = {}  # key -> (config, split, ms) as timed
+W4_AUTOTUNE = True  # False: take the first candidate (tests use this to keep GPU compile time small)
+
+
+def _candidates(M: int, N: int, K: int, group: int, dev, split_k: int | None) -> list[tuple[W4Config, int]]:
+    gemv = M <= GEMV_MAX_M
+    if device.interpreting():
+        configs = W4_GEMV_INTERPRETER if gemv else W4_GEMM_INTERPRETER
+    else:
+        configs = W4_GEMV_GPU if gemv else W4_GEMM_GPU
+    bm_cap = max(16, triton.next_power_of_2(M))
+    out = []
+    for c in configs:
+        if gemv:
+            c = c._replace(bm=triton.next_power_of_2(M))
+        elif c.bm > bm_cap:
+            continue
+        if split_k is not None:
+            splits = [split_k]
+        else:
+            s = default_split_k(M, N, K, dev, c)
+            splits = [s] if s == 1 else [s, s // 2]
+        out += [(c, s) for s in splits if (c, s) not in out]
+    return out
 
 
 def w4a16_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
                  group_size: int, bias: torch.Tensor | None = None, *, split_k: int | None = None) -> torch.Tensor:
     """W4A16 linear layer in Triton; same signature as :func:`w4a16_linear_ref` plus ``split_k``
-    (None: :func:`default_split_k`)."""
+    (None: chosen with the tile, see :func:`default_split_k`).
+
+    The first call for a new (batch bucket, N, K, group, dtype, split) times each candidate
+    tile (with its split) on the GPU and keeps the fastest. ``group_size`` not a multiple
+    of 8 (a word would straddle two groups) falls back to :func:`w4a16_linear_ref`.
+    """
     _check_w4a16(x, qweight, scales, zeros, group_size, bias)
     if x.dtype not in HALF_DTYPES:
         raise TypeError(f"x must be float16 or bfloat16 for the W4A16 kernel, got {x.dtype}")
     if split_k is not None and (not isinstance(split_k, int) or split_k < 1):
         raise ValueError(f"split_k must be None or a positive int, got {split_k!r}")
-    if device.use_reference("w4a16_linear", min_capability=(8, 0)):
+    if device.use_reference("w4a16_linear", min_capability=(8, 0)) or group_size % 8:
         return w4a16_linear_ref(x, qweight, scales, zeros, group_size, bias)
     for name, t in (("x", x), ("qweight", qweight), ("scales", scales), ("zeros", zeros)):
         check_device(name, t)
@@ -388,25 +537,42 @@ def w4a16_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, z
     lead = x.shape[:-1]
     M = math.prod(lead)
     x2 = x.reshape(M, K)
-    gemv = M <= GEMV_MAX_M
-    split = split_k or default_split_k(M, N, K, x.device)
-    if split > 1:
-        c = torch.zeros((M, N), dtype=torch.float32, device=x.device)
-    else:
-        c = torch.empty((M, N), dtype=x.dtype, device=x.device)
-    if M and N:
-        kernel = _w4a16_gemv if gemv else _w4a16_gemm
-        meta = dict(GROUP=group_size, SPLIT_K=split, HAS_BIAS=bias is not None,
-                    UPCAST=device.interpreting() and x.dtype == torch.bfloat16)
-        key = (gemv, triton.next_power_of_2(M), N, K, group_size, split, x.dtype, bias is not None)
-        args = (x2, qweight, scales, zeros, c, bias if bias is not None else c, M, N, K,
-                triton.next_power_of_2(M), x2.stride(0), x2.stride(1), c.stride(0), c.stride(1))
-        if key in _TUNED:  # skip the autotuner's per-call Python on known shapes
-            cfg = _TUNED[key]
-            grid = (triton.cdiv(M, cfg.kwargs["BLOCK_M"]) * triton.cdiv(N, cfg.kwargs["BLOCK_N"]), split)
-            _w4a16_kernel[grid](*args, **meta, **cfg.all_kwargs())
-        else:
-            grid = lambda m: (triton.cdiv(M, m["BLOCK_M"]) * triton.cdiv(N, m["BLOCK_N"]), split)  # noqa: E731
-            kernel[grid](*args, **meta)
-            _TUNED[key] = kernel.best_config
-    return c.to(x.dtype).reshape(*lead, N)
+    if x2.stride(1) != 1:  # the kernel reads rows of x as contiguous
+        x2 = x2.contiguous()
+    c = torch.empty((M, N), dtype=x.dtype, device=x.device)
+    if M == 0 or N == 0:
+        return c.reshape(*lead, N)
+    qweight, scales, zeros = qweight.contiguous(), scales.contiguous(), zeros.contiguous()
+    meta = dict(GROUP=group_size, HAS_BIAS=bias is not None, GROUP_M=8, EVEN_N=N % 16 == 0,
+                UPCAST=device.interpreting() and x.dtype == torch.bfloat16)
+    key = (triton.next_power_of_2(M), N, K, group_size, split_k, x.dtype, bias is not None, x.device)
+    cands = [_TUNED[key]] if key in _TUNED else _candidates(M, N, K, group_size, x.device, split_k)
+    max_split = max(s for _, s in cands)
+    ws, cnt = _workspace(x.device, max_split * M * N, M * triton.cdiv(N, 16) + 1)
+
+    def launch(cfg: W4Config, split: int):
+        bm = cfg.bm
+        grid = (triton.cdiv(M, bm) * triton.cdiv(N, cfg.bn), split)
+        _w4a16_kernel[grid](x2, qweight, scales, zeros, c, bias if bias is not None else c, ws, cnt,
+                            M, N, K, split, 0x78000, x2.stride(0), c.stride(0), c.stride(1),
+                            **meta, **cfg.meta())
+
+    if len(cands) > 1 and W4_AUTOTUNE and not torch.cuda.is_current_stream_capturing():
+        from triton.testing import do_bench
+
+        best, best_t, err = None, float("inf"), None
+        for cand in cands:
+            try:
+                t = do_bench(lambda: launch(*cand), warmup=5, rep=20, return_mode="median")
+            except Exception as e:  # a tile that does not fit (shared memory, registers) is skipped
+                err = e
+                continue
+            TUNE_LOG.setdefault(key, []).append((*cand, t))
+            if t < best_t:
+                best, best_t = cand, t
+        if best is None:
+            raise err
+        cands = [best]
+    _TUNED[key] = cands[0]
+    launch(*cands[0])
+    return c.reshape(*lead, N)
