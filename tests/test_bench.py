@@ -87,3 +87,17 @@ def test_plot_names_the_hardware():
 
 def test_results_dir_is_package_data():
     assert RESULTS_DIR.name == "results" and (RESULTS_DIR / "softmax.csv").exists()
+
+
+def test_require_compiled_skips_on_an_older_gpu(monkeypatch):
+    """On a GPU below the kernel's capability the provider is skipped, not timed as the reference."""
+    from llmnote import device
+    from llmnote.bench.harness import Skip, require_compiled
+
+    require_compiled("llmnote")  # here (CPU interpreter, or a capable GPU): no skip
+    monkeypatch.setattr(device, "on_gpu", lambda: True)
+    monkeypatch.setattr(device, "supports", lambda cap=device.MIN_CAPABILITY: cap <= (7, 5))
+    monkeypatch.setattr(device, "capability", lambda: (7, 5))
+    require_compiled("old", (7, 0))
+    with pytest.raises(Skip, match=r"fa3 needs compute capability \(9, 0\), this GPU has \(7, 5\)"):
+        require_compiled("fa3", (9, 0))

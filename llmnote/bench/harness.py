@@ -34,6 +34,16 @@ class Skip(Exception):
     """Raised by a provider factory that cannot run here (its reason is printed)."""
 
 
+def require_compiled(provider: str, min_capability: tuple[int, int] = device.MIN_CAPABILITY) -> None:
+    """Raise :class:`Skip` when this GPU cannot run ``provider``'s Triton kernels compiled.
+
+    On an older GPU llmnote's ops fall back to their PyTorch references, and a
+    timing would then carry the kernel's name without being the kernel's."""
+    if device.on_gpu() and not device.supports(min_capability):
+        raise Skip(f"{provider} needs compute capability {min_capability}, this GPU has "
+                   f"{device.capability()} (its reference would be timed instead)")
+
+
 def measure(fn: Callable[[], Any], *, warmup_ms: float = 25, rep_ms: float = 100) -> Timing:
     """Time ``fn()``: ``do_bench`` on a GPU, wall clock on the CPU."""
     if device.on_gpu():

@@ -58,7 +58,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from llmnote import device
 from llmnote.bench.ceilings import measure_ceilings
-from llmnote.bench.harness import Skip, sweep
+from llmnote.bench.harness import Skip, require_compiled, sweep
 from llmnote.bench.results import COLUMNS, environment
 from llmnote.bench.suites.common import compiled, dtype_name
 from llmnote.ops.attention import (
@@ -66,6 +66,7 @@ from llmnote.ops.attention import (
     flash_attention_fp8, flash_attention_fp8_quantized, flash_attention_fp8_ref,
     flash_attention_v1, flash_attention_v3, quantize_fp8_blocks, quantize_fp8_channels,
 )
+from llmnote.ops.attention.flash3 import HOPPER
 from llmnote.ops.attention.reference import fp8_p_rounding_bound
 from llmnote.testing import assert_close_lowp
 
@@ -174,6 +175,8 @@ def _attention_providers(setup: Setup, d: int, causal: bool, direction: str, dty
 
     def make(fn_of: Callable[[int], Callable], check: str | None = None, naive: bool = False):
         def factory(n):
+            if check and check.startswith("llmnote"):
+                require_compiled(check)
             b = setup.tokens // n
             if naive:
                 _naive_fits(b, h, n, direction)
@@ -255,6 +258,7 @@ def _decode_inputs(b: int, ctx: int, setup: Setup, dtype):
 def _decode_providers(setup: Setup, b: int, dtype) -> dict:
     def ours(num_splits=None, check=False):
         def factory(ctx):
+            require_compiled("llmnote decode")
             q, k, v, lens = _decode_inputs(b, ctx, setup, dtype)
             if check:
                 got = decode_attention(q, k, v, lens, num_splits=num_splits)
@@ -351,6 +355,7 @@ def _fa3_providers(setup: Setup, d: int, causal: bool, dtype) -> dict:
 
     def exact(fn, name):  # checked like the fwd part, then timed
         def factory(n):
+            require_compiled(name, HOPPER if name.startswith("fa3") else device.MIN_CAPABILITY)
             q, k, v = inputs(n)
             _check(fn, q, k, v, causal, "fwd", q, name)
             task = _task(fn, q, k, v, "fwd", None)
@@ -360,6 +365,7 @@ def _fa3_providers(setup: Setup, d: int, causal: bool, dtype) -> dict:
 
     def fp8(with_quant: bool):
         def factory(n):
+            require_compiled("fa3-fp8", HOPPER)
             q, k, v = inputs(n)
             sl = (slice(0, 1), slice(0, 2))
             got = flash_attention_fp8(q, k, v, causal=causal)[sl].float()
