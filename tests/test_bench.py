@@ -101,3 +101,21 @@ def test_require_compiled_skips_on_an_older_gpu(monkeypatch):
     require_compiled("old", (7, 0))
     with pytest.raises(Skip, match=r"fa3 needs compute capability \(9, 0\), this GPU has \(7, 5\)"):
         require_compiled("fa3", (9, 0))
+
+
+def test_sweep_skips_llmnote_providers_on_an_older_gpu(monkeypatch):
+    from llmnote import device
+    from llmnote.bench.harness import Timing, sweep
+
+    monkeypatch.setattr(device, "on_gpu", lambda: False)  # wall-clock timing, as here
+    monkeypatch.setattr(device, "supports", lambda cap=device.MIN_CAPABILITY: False)
+    providers = {"llmnote": lambda x: (lambda: None), "torch": lambda x: (lambda: None)}
+    metrics = {"rate": ("1/ms", lambda x, ms: 1 / ms)}
+    assert set(sweep("t", "n", [1], providers, metrics, rep_ms=1).provider) == {"llmnote", "torch"}
+    monkeypatch.setattr(device, "on_gpu", lambda: True)
+    monkeypatch.setattr(device, "capability", lambda: (7, 5))
+    monkeypatch.setattr("llmnote.bench.harness.measure", lambda fn, **kw: Timing(1.0, 1.0, 1.0))
+    df = sweep("t", "n", [1], providers, metrics)
+    assert set(df.provider) == {"torch"}  # llmnote's kernel is not timed as its reference
+    df = sweep("t", "n", [1], providers, metrics, triton_capability=None)
+    assert set(df.provider) == {"llmnote", "torch"}

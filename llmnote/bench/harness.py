@@ -105,12 +105,16 @@ def sweep(
     warmup_ms: float = 25,
     rep_ms: float = 100,
     progress: bool | None = None,
+    triton_capability: tuple[int, int] | None = device.MIN_CAPABILITY,
 ) -> pd.DataFrame:
     """Time every provider at every x and return the rows as a DataFrame.
 
     ``providers[name](x)`` sets up inputs for size ``x`` (and may check the
     result against a reference) and returns the zero-argument callable to time;
-    it raises :class:`Skip` when it cannot run here.
+    it raises :class:`Skip` when it cannot run here. Providers named
+    ``llmnote*`` are llmnote's Triton kernels: on a GPU below
+    ``triton_capability`` they are skipped (:func:`require_compiled`); pass
+    None for kernels that are not Triton's (the CUDA C suites).
     """
     env = environment()
     x_values = list(x_values)
@@ -124,6 +128,8 @@ def sweep(
             if name in skipped:
                 continue
             try:
+                if triton_capability is not None and name.startswith("llmnote"):
+                    require_compiled(name, triton_capability)
                 fn = factory(x)
             except Skip as why:
                 skipped[name] = str(why)

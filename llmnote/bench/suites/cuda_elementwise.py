@@ -69,6 +69,6 @@ def run(quick: bool = False) -> pd.DataFrame:
             BENCH, "N", sizes, _providers(dtype),
             {"bandwidth": ("GB/s", lambda n, ms, es=es: 2 * n * es / (ms * 1e-3) / 1e9)},
             extra=lambda n, dt=dtype, es=es: {"dtype": dtype_name(dt), "bytes": n * es},
-            progress=False,
+            progress=False, triton_capability=None,  # CUDA C, not Triton
         ))
     return pd.concat(frames, ignore_index=True)

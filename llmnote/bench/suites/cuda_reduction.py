@@ -79,7 +79,7 @@ def run(quick: bool = False) -> pd.DataFrame:
     sizes = [1 << s for s in ((22, 26, 28) if quick else range(20, 29, 2))]
     df = sweep(BENCH, "N", sizes, _providers(),
                {"bandwidth": ("GB/s", lambda n, ms: 4 * n / (ms * 1e-3) / 1e9)},
-               extra=_extra, progress=False)
+               extra=_extra, progress=False, triton_capability=None)  # CUDA C, not Triton
     if len(df) and cuda.available():
         step = df.provider.str.extract(r"step(\d)")[0].astype("Int64")
         df["step"] = step
