@@ -144,16 +144,25 @@ class BlockManager:
         return True
 
     def commit(self, table: list[int], token_ids: list[int], num_computed: int) -> None:
-        """Hash and register the full blocks among the first ``num_computed`` tokens."""
+        """Hash and register the full blocks among the first ``num_computed`` tokens.
+
+        The hashed blocks of a table are always a prefix of it (cache hits come
+        first, fresh blocks arrive unhashed, and blocks are hashed in order), so
+        the walk starts after the last hashed full block: O(new blocks) per
+        step rather than O(context)."""
         if not self.enable_prefix_caching:
             return
-        bs, parent = self.block_size, None
-        for i in range(min(num_computed // bs, len(table))):
+        bs = self.block_size
+        full = min(num_computed // bs, len(table))
+        start = full
+        while start > 0 and self.blocks[table[start - 1]].hash is None:
+            start -= 1
+        parent = self.blocks[table[start - 1]].hash if start else None
+        for i in range(start, full):
             blk = self.blocks[table[i]]
-            if blk.hash is None:
-                tokens = tuple(token_ids[i * bs:(i + 1) * bs])
-                blk.hash, blk.parent, blk.tokens = block_hash(parent, tokens), parent, tokens
-                self.cached.setdefault(blk.hash, blk.block_id)  # an equal block may be there first
+            tokens = tuple(token_ids[i * bs:(i + 1) * bs])
+            blk.hash, blk.parent, blk.tokens = block_hash(parent, tokens), parent, tokens
+            self.cached.setdefault(blk.hash, blk.block_id)  # an equal block may be there first
             parent = blk.hash
 
     def free_blocks(self, table: list[int]) -> None:
