@@ -53,6 +53,8 @@ def simulate(cfg: EngineConfig, num_blocks: int, requests: list[tuple[list[int],
                 sampled[seq.seq_id] = fake_token(seq)
         sched.postprocess(batch, sampled, frozenset(), float(steps))
         sched.blocks.check()
+        union = {b for s in sched.running for b in s.block_table}  # what live_slots counts
+        assert sched.live_slots()[1] == len(union) * bs
         assert steps < 100_000
     assert sched.blocks.num_free == num_blocks
     return seqs, sched, steps
