@@ -227,3 +227,33 @@ def test_flash_backend_matches_reference(model, dev):
     got = make(m, attention_backend="flash", max_num_batched_tokens=4).generate(
         prompts, p, use_tqdm=False)
     assert [o.token_ids for o in got] == want
+
+
+def test_fused_weights_are_views_of_the_models_parameters():
+    """The runner's fused q/k/v and gate/up matrices share memory with the model's own
+    parameters (no copy), keep the state dict and the model's logits unchanged, and a
+    layer that is not a plain nn.Linear (a quantized one) is left unfused."""
+    from torch import nn
+
+    torch.manual_seed(0)
+    m = Llama(get_preset("qwen3-tiny")).eval()
+    ids = torch.randint(0, 100, (1, 7))
+    with torch.no_grad():
+        want = m(ids)
+    state = {k: v.clone() for k, v in m.state_dict().items()}
+
+    class NotLinear(nn.Linear):
+        pass
+
+    odd = m.model.layers[1].mlp
+    odd.up_proj.__class__ = NotLinear
+    runner = make(m).runner
+    a = m.model.layers[0].self_attn
+    w, b = runner.fused_qkv[0]
+    assert b is None and w.shape[0] == a.q_proj.out_features + 2 * a.k_proj.out_features
+    assert a.q_proj.weight.data_ptr() == w.data_ptr()
+    assert a.v_proj.weight.data_ptr() == w[-a.v_proj.out_features:].data_ptr()
+    assert runner.fused_gate_up[0] is not None and runner.fused_gate_up[1] is None
+    with torch.no_grad():
+        assert torch.equal(m(ids), want)
+    assert all(torch.equal(v, state[k]) for k, v in m.state_dict().items())

@@ -35,3 +35,15 @@ def test_decode_latency_engine_rows_smoke():
     rows = engine_rows("qwen3-tiny", [1, 3], context=20, env=environment(), reps=2)
     assert [r["x_value"] for r in rows] == [1, 3]
     assert all(r["provider"] == "llmnote-engine" and r["p50"] > 0 for r in rows)
+
+
+def test_decode_latency_engine_rows_prefill_over_several_steps():
+    """Prompts that take several steps to prefill (budget 24 tokens, 4 x 21 prompt
+    tokens): the sequences prefilled first decode meanwhile, and must still be decoding
+    at the last timed step (this failed on the H100 at batch 64 before the fix)."""
+    from llmnote.bench.results import environment
+    from llmnote.bench.suites.decode_latency import engine_rows
+
+    rows = engine_rows("qwen3-tiny", [4], context=20, env=environment(), reps=6, budget=24)
+    assert [r["x_value"] for r in rows] == [4]
+    assert all(r["provider"] == "llmnote-engine" and r["p50"] > 0 for r in rows)

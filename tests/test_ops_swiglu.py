@@ -98,13 +98,65 @@ def test_empty(dev):
         (torch.ones(4), torch.ones(4, dtype=torch.float16), TypeError,
          "a and b must have the same dtype"),
         (torch.ones(4), torch.ones(5), ValueError, "a and b must have the same shape"),
-        (torch.ones(4, 6).t(), torch.ones(6, 4), ValueError,
-         r"a must be contiguous, got strides \(1, 6\)"),
+        # views are made on the test's device (moving a non-dense view makes it contiguous)
+        (lambda d: torch.ones(4, 6, device=d).t(), torch.ones(6, 4), ValueError,
+         r"a must be contiguous, or rows with a stride: .* got strides \(1, 6\)"),
+        (torch.ones(6, 4), lambda d: torch.ones(4, 12, device=d)[:, ::2].t(), ValueError,
+         r"b must be contiguous, or rows with a stride: .* got strides \(2, 12\)"),
+        (lambda d: torch.ones(3, 4, 5, device=d)[:, :2, :], torch.ones(3, 2, 5), ValueError,
+         r"a must be contiguous, or rows with a stride: .* got strides \(20, 5, 1\)"),
         (torch.ones(4), torch.ones(4, device="meta"), ValueError, "b must be on"),
     ],
 )
 def test_bad_input(a, b, exc, match, dev):
-    a, b = (t.to(dev) if isinstance(t, torch.Tensor) and t.device.type != "meta" else t
+    a, b = (t(dev) if callable(t) else
+            t.to(dev) if isinstance(t, torch.Tensor) and t.device.type != "meta" else t
             for t in (a, b))
     with pytest.raises(exc, match=match):
         swiglu(a, b)
+
+
+# Row-strided views, as the runner passes them: the halves of a fused gate/up output
+# (..., 2I), with a leading batch dimension or not; odd widths. With one row (a decode
+# step of one token) the halves are contiguous and take the flat path.
+STRIDED = [((1, 2 * 45), 45), ((2, 7), 1), ((5, 2 * 37), 37), ((1, 3, 2 * 129), 129),
+           ((2, 9, 2 * 300 + 6), 300)]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape, width", STRIDED, ids=str)
+def test_strided_rows(shape, width, dtype, dev, seed):
+    gu = (torch.randn(shape, device=dev) * 3).to(dtype)
+    a, b = gu[..., :width], gu[..., width: 2 * width]
+    assert a.is_contiguous() == (a.numel() == width)
+    y = swiglu(a, b)
+    assert y.is_contiguous() and y.shape == a.shape
+    assert torch.equal(y, swiglu(a.contiguous(), b.contiguous()))  # same math as the flat path
+    check_all(a, b, (torch.randn(a.shape, device=dev) * 3).to(dtype))
+
+
+def test_strided_gradient_reaches_the_fused_tensor(dev, seed):
+    """Backward through the slicing: d/d(gu) has both halves filled, the padding zero."""
+    gu = torch.randn(4, 2 * 33 + 5, device=dev, requires_grad=True)
+    swiglu(gu[:, :33], gu[:, 33:66]).square().sum().backward()
+    gu2 = gu.detach().clone().requires_grad_()
+    swiglu_ref(gu2[:, :33], gu2[:, 33:66]).square().sum().backward()
+    assert_close(gu.grad, gu2.grad, atol=1e-5, rtol=1e-5, name="d gu")
+    assert torch.equal(gu.grad[:, 66:], torch.zeros_like(gu.grad[:, 66:]))
+
+
+def test_one_strided_one_contiguous(dev, seed):
+    gu = torch.randn(6, 50, device=dev)
+    b = torch.randn(6, 25, device=dev)
+    assert_close(swiglu(gu[:, 25:], b), swiglu_ref(gu[:, 25:], b), atol=1e-6, rtol=1e-5)
+
+
+def test_strided_wrong_row_is_caught(dev, seed):
+    """A kernel reading b with a's row stride would be caught: it reads the wrong numbers."""
+    gu = torch.randn(5, 40, device=dev)
+    a, b = gu[:, :20], gu[:, 20:]
+    want = swiglu_ref(a, b)
+    assert_close(swiglu(a, b), want, atol=1e-6, rtol=1e-5)
+    wrong = swiglu_ref(a, gu.view(-1)[20:20 + 100].view(5, 20))  # rows of width 20, not 40
+    with pytest.raises(MismatchError, match="elements differ"):
+        assert_close(wrong, want, atol=1e-6, rtol=1e-5)

@@ -6,12 +6,20 @@ for keys and the same for values. Its size is fixed on the CPU and, on a GPU,
 the given fraction of the memory left free once the weights are loaded
 (minus room for the activations of the largest step).
 
-The forward pass is the one of :class:`llmnote.models.llama.Llama`, called
-submodule by submodule on a packed batch ``(1, tokens, hidden)``: the
-embedding, norms, projections, the model's RoPE and MLP ops are the model's
-own; only attention is replaced by attention over the paged cache
-(:mod:`llmnote.engine.attention`). Logits are computed only for the last token
-of each sequence that samples in this step.
+The forward pass is the one of :class:`llmnote.models.llama.Llama` on a packed
+batch ``(tokens, hidden)``, with the model's weights and ops (RMSNorm, RoPE,
+SwiGLU: its reference or llmnote's kernels), fused where a decode step of a
+small model is mostly kernel launches:
+
+* one GEMM for q, k and v and one for gate and up (the weights concatenated
+  once; the model's own parameters become views of them, see ``_fuse_weights``);
+* q/k-norm, RoPE and the write of the new keys and values into the paged cache
+  in one kernel (:mod:`llmnote.engine.qkv_kernel`);
+* each residual add fused with the norm after it (``ops.add_rmsnorm``).
+
+That is 10 kernels per layer instead of 19. Attention is replaced by attention
+over the paged cache (:mod:`llmnote.engine.attention`). Logits are computed
+only for the last token of each sequence that samples in this step.
 
 CUDA graphs (``EngineConfig.cuda_graphs``): a decode step of a small model is
 hundreds of short kernels, and launching them from Python costs more than
@@ -20,7 +28,8 @@ forward (embedding to logits) once per batch size in
 ``1, 2, 4, ..., max_num_seqs`` into a CUDA graph reading static input buffers
 (token ids, positions, slot mapping, block tables, context lengths), and a
 decode step copies its inputs into those buffers and replays the graph of the
-next captured size. Padded rows write their key and value into one scratch
+next captured size (the inputs go up in one copy from a pinned host buffer).
+Padded rows write their key and value into one scratch
 block beyond the block manager's blocks and attend to it alone. The captured
 forward contains no host synchronisation: attention is the split-KV paged
 decode (:func:`llmnote.engine.paged_kernel.paged_decode`, whatever the eager
@@ -32,14 +41,19 @@ host synchronisation per step is reading the sampled ids (one per sequence).
 
 from __future__ import annotations
 
+import numpy as np
 import torch
+import torch.nn.functional as F
+from torch import nn
 
 from llmnote import device
 from llmnote.engine.attention import BACKENDS, AttentionMetadata, write_kv
+from llmnote.engine.qkv_kernel import qk_norm_rope_write, qk_norm_rope_write_ref
 from llmnote.engine.config import EngineConfig
 from llmnote.engine.sampler import sample
 from llmnote.engine.scheduler import ScheduledBatch
 from llmnote.models.llama import Llama
+from llmnote.ops.rope import rope_ref
 
 
 def kv_bytes_per_block(model: Llama, block_size: int, dtype: torch.dtype) -> int:
@@ -77,6 +91,29 @@ def default_backend(on_gpu: bool, block_size: int, head_dim: int) -> str:
     return "paged" if pow2 and block_size >= 16 and head_dim >= 16 else "flash"
 
 
+def _fuse(linears: list[nn.Module]) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+    """Concatenate the weights (and biases) of ``linears`` along the output dimension and
+    make each module's parameters views of the result; None unless all are plain
+    ``nn.Linear`` of one dtype and device, all with a bias or all without."""
+    if any(type(m) is not nn.Linear for m in linears):
+        return None
+    ws = [m.weight for m in linears]
+    biases = [m.bias for m in linears]
+    if len({(w.dtype, w.device, w.shape[1]) for w in ws}) != 1 or len({b is None for b in biases}) != 1:
+        return None
+    with torch.no_grad():
+        w = torch.cat([x.detach() for x in ws])
+        b = None if biases[0] is None else torch.cat([x.detach() for x in biases])
+        start = 0
+        for m in linears:
+            n = m.weight.shape[0]
+            m.weight.data = w[start:start + n]
+            if b is not None:
+                m.bias.data = b[start:start + n]
+            start += n
+    return w, b
+
+
 GRAPH_BATCH_SIZES = tuple(2**i for i in range(16))  # captured: those < max_num_seqs, and it
 
 
@@ -107,8 +144,10 @@ class ModelRunner:
         self.backend = backend
         self.generators: dict[int, torch.Generator] = {}
         self.default_generator = torch.Generator(device=self.device).manual_seed(config.seed)
-        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}  # size -> graph, logits
         self.num_graph_steps = 0  # decode steps replayed from a graph
+        self._fuse_weights()
+        self.rope_table = self._rope_table()
         if self.use_graphs:
             self.capture()
 
@@ -136,41 +175,115 @@ class ModelRunner:
         return as_t(ids), as_t(pos), meta, last
 
     # ------------------------------------------------------------ forward
+    def _fuse_weights(self) -> None:
+        """One GEMM for q, k and v and one for gate and up, per layer (Qwen3-0.6B at batch 1:
+        three and two launches become one each). The fused matrix is made once by
+        concatenating the model's weights; the model's own ``q_proj.weight`` etc. then
+        become views of it, so no memory is added and the model stays usable (and its
+        state dict unchanged). Layers whose projections are not plain ``nn.Linear`` (a
+        quantized model) keep one GEMM per projection."""
+        self.fused_qkv: list[tuple[torch.Tensor, torch.Tensor | None] | None] = []
+        self.fused_gate_up: list[tuple[torch.Tensor, torch.Tensor | None] | None] = []
+        for layer in self.model.model.layers:
+            a, mlp = layer.self_attn, layer.mlp
+            self.fused_qkv.append(_fuse([a.q_proj, a.k_proj, a.v_proj]))
+            self.fused_gate_up.append(_fuse([mlp.gate_proj, mlp.up_proj]))
+
+    def _rope_table(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """cos and sin ``(max_model_len, head_dim / 2)`` fp32 for the fused q/k kernel, made
+        once on the device; None when the model's RoPE cannot be tabulated (dynamic
+        scaling depends on the longest position of a call) or is not llmnote's."""
+        from llmnote.ops.rope import rope as rope_kernel
+        from llmnote.ops.rope_scaling import as_rope_scaling, rope_cos_sin
+
+        a = self.model.model.layers[0].self_attn
+        theta, _, scaling = a.rope_args
+        sc = as_rope_scaling(scaling)
+        if a.ops.rope not in (rope_ref, rope_kernel) or (sc is not None and sc.rope_type == "dynamic"):
+            return None
+        pos = torch.arange(self.max_model_len, device=self.device)
+        return rope_cos_sin(pos, a.head_dim, theta, sc)
+
+    def _attention_input(self, i: int, hs: torch.Tensor, positions: torch.Tensor,
+                         slot_mapping: torch.Tensor, rope) -> torch.Tensor:
+        """Layer ``i``'s queries ``(T, H, D)`` from its normed input ``hs (T, hidden)``, after
+        writing this step's keys and values into the cache: one GEMM and one kernel
+        (q/k-norm, RoPE, cache write) where the weights are fused and RoPE tabulated."""
+        a = self.model.model.layers[i].self_attn
+        h_, hkv, d = a.n_heads, a.n_kv, a.head_dim
+        fused = self.fused_qkv[i]
+        if fused is not None and self.rope_table is not None:  # (capturable as it is)
+            qkv = F.linear(hs, *fused)  # (T, (H + 2 Hkv) D)
+            norms = (a.q_norm.weight, a.k_norm.weight, a.q_norm.eps) if a.qk_norm else (None, None, 1e-6)
+            # the kernel where the model runs llmnote's kernels, else the same ops one by one
+            fn = qk_norm_rope_write_ref if a.ops.rope is rope_ref else qk_norm_rope_write
+            return fn(qkv, positions, slot_mapping, *self.rope_table,
+                                      self.k_caches[i], self.v_caches[i], h_, hkv, *norms,
+                                      interleaved=a.rope_args[1])
+        t = hs.shape[0]
+        if fused is not None:
+            q, k, v = F.linear(hs, *fused).split([h_ * d, hkv * d, hkv * d], dim=-1)
+        else:
+            q, k, v = a.q_proj(hs), a.k_proj(hs), a.v_proj(hs)
+        q, k, v = q.view(1, t, h_, d), k.view(1, t, hkv, d), v.reshape(t, hkv, d)
+        if a.qk_norm:
+            q, k = a.q_norm(q), a.k_norm(k)
+        q, k = q.transpose(1, 2), k.transpose(1, 2)  # (1, heads, T, D)
+        (rope or a.ops.rope)(q, k, positions, *a.rope_args)  # in place
+        q, k = q[0].transpose(0, 1), k[0].transpose(0, 1)  # (T, heads, D)
+        write_kv(k, v, self.k_caches[i], self.v_caches[i], slot_mapping)
+        return q
+
+    def _mlp(self, i: int, hs: torch.Tensor) -> torch.Tensor:
+        mlp = self.model.model.layers[i].mlp
+        fused = self.fused_gate_up[i]
+        if fused is None:
+            return mlp(hs)
+        gu = F.linear(hs, *fused)  # (T, 2 I)
+        n = gu.shape[-1] // 2
+        return mlp.down_proj(mlp.ops.swiglu(gu[:, :n], gu[:, n:]))
+
     def _layers(self, ids: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
-                attend, rope=None) -> torch.Tensor:
-        """The decoder on packed tokens ``ids (T,)`` -> final hidden states ``(T, hidden)``
-        (before the last norm); ``attend(layer, q (T, H, D)) -> (T, H, D)`` reads the cache
-        after this step's keys and values are written; ``rope`` replaces the model's."""
+                attend, rope=None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The decoder on packed tokens ``ids (T,)`` -> ``(x, residual)``, each ``(T, hidden)``:
+        the last layer's MLP output and the residual stream before it, whose sum the final
+        norm takes; ``attend(layer, q (T, H, D)) -> (T, H, D)`` reads the cache after this
+        step's keys and values are written; ``rope`` replaces the model's. Each residual add
+        is fused with the norm after it (``ops.add_rmsnorm``)."""
         decoder = self.model.model
-        x = decoder.embed_tokens(ids)[None]  # (1, T, h)
+        ops = self.model.ops
+        x = decoder.embed_tokens(ids)  # (T, h)
         t = ids.shape[0]
+        residual = None
         for i, layer in enumerate(decoder.layers):
-            a = layer.self_attn
-            h_, hkv, d = a.n_heads, a.n_kv, a.head_dim
-            hs = layer.input_layernorm(x)
-            q = a.q_proj(hs).view(1, t, h_, d)  # (1, T, H, D)
-            k = a.k_proj(hs).view(1, t, hkv, d)
-            v = a.v_proj(hs).view(t, hkv, d)
-            if a.qk_norm:
-                q, k = a.q_norm(q), a.k_norm(k)
-            q, k = q.transpose(1, 2), k.transpose(1, 2)  # (1, heads, T, D)
-            (rope or a.ops.rope)(q, k, positions, *a.rope_args)  # in place
-            q, k = q[0].transpose(0, 1), k[0].transpose(0, 1)  # (T, heads, D)
-            write_kv(k, v, self.k_caches[i], self.v_caches[i], slot_mapping)
+            a, norm = layer.self_attn, layer.input_layernorm
+            if residual is None:
+                hs, residual = norm(x), x
+            else:
+                hs, residual = ops.add_rmsnorm(x, residual, norm.weight, norm.eps)
+            q = self._attention_input(i, hs, positions, slot_mapping, rope)
             o = attend(i, q)  # (T, H, D)
-            x = x + a.o_proj(o.reshape(1, t, h_ * d))
-            x = x + layer.mlp(layer.post_attention_layernorm(x))
-        return x[0]
+            x = a.o_proj(o.reshape(t, a.n_heads * a.head_dim))
+            norm = layer.post_attention_layernorm
+            hs, residual = ops.add_rmsnorm(x, residual, norm.weight, norm.eps)
+            x = self._mlp(i, hs)
+        return x, residual
+
+    def _final_norm(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        norm = self.model.model.norm
+        return self.model.ops.add_rmsnorm(x, residual, norm.weight, norm.eps)[0]
 
     @torch.no_grad()
     def forward(self, ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 logits_rows: list[int]) -> torch.Tensor:
         """ids, positions: (T,) -> logits (len(logits_rows), vocab) of the chosen rows (eager)."""
         scale = self.model.config.head_dim ** -0.5
-        x = self._layers(ids, positions, meta.slot_mapping, lambda i, q: self.attention(
+        x, res = self._layers(ids, positions, meta.slot_mapping, lambda i, q: self.attention(
             q, self.k_caches[i], self.v_caches[i], meta, scale))
-        rows = torch.tensor(logits_rows, dtype=torch.long, device=x.device)
-        return self.model.lm_head(self.model.model.norm(x[rows]))  # (S, vocab)
+        if len(logits_rows) < x.shape[0]:
+            rows = torch.tensor(logits_rows, dtype=torch.long).to(x.device, non_blocking=True)
+            x, res = x[rows], res[rows]
+        return self.model.lm_head(self._final_norm(x, res))  # (S, vocab)
 
     # ------------------------------------------------------------ CUDA graphs
     def _graph_rope(self):
@@ -205,25 +318,37 @@ class ModelRunner:
 
         scale = self.model.config.head_dim ** -0.5
         tables, ctx = self.g_tables[:b], self.g_ctx[:b]
-        x = self._layers(self.g_ids[:b], self.g_pos[:b], self.g_slots[:b], lambda i, q: paged_decode(
-            q, self.k_caches[i], self.v_caches[i], tables, ctx, scale, splits), self._rope)
-        return self.model.lm_head(self.model.model.norm(x))  # (b, vocab)
+        x, res = self._layers(self.g_ids[:b], self.g_pos[:b], self.g_slots[:b],
+                              lambda i, q: paged_decode(q, self.k_caches[i], self.v_caches[i],
+                                                        tables, ctx, scale, splits), self._rope)
+        return self.model.lm_head(self._final_norm(x, res))  # (b, vocab)
 
     @torch.no_grad()
     def capture(self) -> None:
         """Capture the decode forward for every batch size of :data:`GRAPH_BATCH_SIZES`
-        below ``max_num_seqs``, and ``max_num_seqs``; largest first, one memory pool."""
+        below ``max_num_seqs``, and ``max_num_seqs``; largest first, one memory pool.
+        (A second graph per size with a single attention split for short contexts was
+        tried: at batch 1 one split is slower from 256 tokens of context on, 8.6 vs 6.1 us
+        per call on the H100, and only at 128 tokens faster, so there is one graph.)
+
+        The inputs live in one int32 buffer on the device, ``[ids | positions | slots |
+        context lengths | block tables]`` (``n = max_num_seqs`` entries each, the tables
+        ``n x width``), filled from one pinned host buffer by one copy per step."""
         from llmnote.engine.paged_kernel import decode_splits
 
         n, bs = self.config.max_num_seqs, self.config.block_size
         width = -(-self.max_model_len // bs)
         scratch = self.num_blocks  # the extra block
         dev = self.device
-        self.g_ids = torch.zeros(n, dtype=torch.long, device=dev)
-        self.g_pos = torch.zeros(n, dtype=torch.long, device=dev)
-        self.g_slots = torch.full((n,), scratch * bs, dtype=torch.long, device=dev)
-        self.g_tables = torch.full((n, width), scratch, dtype=torch.int32, device=dev)
-        self.g_ctx = torch.ones(n, dtype=torch.int32, device=dev)
+        self.g_width = width
+        self.g_in = torch.zeros(n * (4 + width), dtype=torch.int32, device=dev)
+        self.h_in = torch.zeros_like(self.g_in, device="cpu").pin_memory()
+        self.h_np = self.h_in.numpy()
+        self.g_ids, self.g_pos, self.g_slots, self.g_ctx = self.g_in[:4 * n].view(4, n)
+        self.g_tables = self.g_in[4 * n:].view(n, width)
+        self.g_slots.fill_(scratch * bs)
+        self.g_tables.fill_(scratch)
+        self.g_ctx.fill_(1)
         self._rope = self._graph_rope()
         hkv = self.model.config.num_key_value_heads
         sizes = sorted({s for s in GRAPH_BATCH_SIZES if s < n} | {n}, reverse=True)
@@ -244,31 +369,28 @@ class ModelRunner:
         """Logits ``(len(batch), vocab)`` of a one-token-per-sequence step from a graph, or
         None when the step needs the eager path."""
         b = len(batch.items)
-        if not self.graphs or b > self.config.max_num_seqs or any(n != 1 for _, n in batch.items):
+        n = self.config.max_num_seqs
+        if not self.graphs or b > n or any(k != 1 for _, k in batch.items):
             return None
         size = min(s for s in self.graphs if s >= b)
-        bs, scratch = self.config.block_size, self.num_blocks
-        width = max(len(seq.block_table) for seq, _ in batch.items)
-        cols = [[], [], [], []]  # ids, positions, slots, context lengths
-        tables = []
-        for seq, _ in batch.items:
+        bs, scratch, width = self.config.block_size, self.num_blocks, self.g_width
+        h = self.h_np  # the pinned buffer: the previous step's copy is done (its ids were read)
+        cols, tables = h[:4 * n].reshape(4, n), h[4 * n:].reshape(n, width)
+        longest = 0
+        for r, (seq, _) in enumerate(batch.items):
             p = seq.num_computed
-            cols[0].append(seq.token_ids[p])
-            cols[1].append(p)
-            cols[2].append(seq.block_table[p // bs] * bs + p % bs)
-            cols[3].append(p + 1)
-            tables.append(seq.block_table + [scratch] * (width - len(seq.block_table)))
-        pad = size - b
-        for col, fill in zip(cols, (0, 0, scratch * bs, 1)):
-            col.extend([fill] * pad)
-        tables.extend([[scratch] * width] * pad)
-        host = torch.tensor(cols, dtype=torch.long)  # (4, size)
-        self.g_ids[:size].copy_(host[0], non_blocking=True)
-        self.g_pos[:size].copy_(host[1], non_blocking=True)
-        self.g_slots[:size].copy_(host[2], non_blocking=True)
-        self.g_ctx[:size].copy_(host[3].to(torch.int32), non_blocking=True)
-        self.g_tables[:size, :width].copy_(torch.tensor(tables, dtype=torch.int32),
-                                           non_blocking=True)
+            table = seq.block_table
+            cols[0, r], cols[1, r] = seq.token_ids[p], p
+            cols[2, r], cols[3, r] = table[p // bs] * bs + p % bs, p + 1
+            tables[r, :len(table)] = table
+            longest = max(longest, len(table))
+        if size > b:  # padded rows: the scratch block, one token of context
+            cols[:, b:size] = np.array([0, 0, scratch * bs, 1], dtype=np.int32)[:, None]
+            tables[b:size, :longest] = scratch
+        # columns past a row's own blocks are never read (its context length bounds them);
+        # the buffer's prefix up to the last used table row is all the step needs
+        m = 4 * n + size * width
+        self.g_in[:m].copy_(self.h_in[:m], non_blocking=True)
         g, out = self.graphs[size]
         g.replay()
         self.num_graph_steps += 1

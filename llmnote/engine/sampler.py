@@ -37,11 +37,11 @@ def filter_logits(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
 def sample(logits: torch.Tensor, params: list[SamplingParams],
            generators: list[torch.Generator]) -> torch.Tensor:
     """Next token ids ``(B,)`` int64 for logits ``(B, V)`` (any float dtype)."""
-    logits = logits.float()
-    greedy = logits.argmax(-1)
+    greedy = logits.argmax(-1)  # (on the logits' own dtype: the same maximum, no fp32 copy)
     rows = [i for i, p in enumerate(params) if not p.greedy]
     if not rows:
         return greedy
+    logits = logits.float()
     dev = logits.device
     sub = logits[rows]
     temp = torch.tensor([params[i].temperature for i in rows], device=dev)

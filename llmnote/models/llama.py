@@ -44,6 +44,14 @@ def rmsnorm_torch(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> t
     return weight * xf.to(x.dtype)
 
 
+def add_rmsnorm_torch(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                      eps: float = 1e-6) -> tuple[torch.Tensor, torch.Tensor]:
+    """``h = x + residual`` (rounded to ``x.dtype``), then ``(rmsnorm_torch(h), h)``: the
+    residual add that ends one sublayer and the norm that starts the next."""
+    h = x + residual
+    return rmsnorm_torch(h, weight, eps), h
+
+
 def swiglu_torch(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """``silu(a) * b``: the gate of a SwiGLU MLP (Shazeer, 2020)."""
     return F.silu(a) * b
@@ -75,13 +83,15 @@ def attention_torch(
 class LlamaOps:
     """The ops a model calls; any callables with these signatures will do.
 
-    rmsnorm(x, weight, eps) -> y over the last dim;  swiglu(a, b) -> silu(a) * b;
+    rmsnorm(x, weight, eps) -> y over the last dim;  add_rmsnorm(x, residual, weight,
+    eps) -> (rmsnorm(x + residual), x + residual);  swiglu(a, b) -> silu(a) * b;
     rope(q, k, positions, theta, interleaved, scaling) -> (q, k), in place (see
     :func:`llmnote.ops.rope.rope`); attention(q, k, v, causal, sm_scale) -> o as
     :func:`attention_torch`.
     """
 
     rmsnorm: Callable[..., torch.Tensor] = rmsnorm_torch
+    add_rmsnorm: Callable[..., tuple[torch.Tensor, torch.Tensor]] = add_rmsnorm_torch
     swiglu: Callable[..., torch.Tensor] = swiglu_torch
     rope: Callable[..., tuple[torch.Tensor, torch.Tensor]] = rope_ref
     attention: Callable[..., torch.Tensor] = attention_torch
@@ -107,6 +117,7 @@ def _find_op(name: str) -> Callable | None:
 def kernel_ops() -> LlamaOps:
     """llmnote's Triton kernels for each op that has one, PyTorch for the rest."""
     rmsnorm, swiglu, rope = _find_op("rmsnorm"), _find_op("swiglu"), _find_op("rope")
+    add_rmsnorm = getattr(importlib.import_module("llmnote.ops.rmsnorm"), "add_rmsnorm", None)
     flash = getattr(importlib.import_module("llmnote.ops"), "flash_attention", None)
     attention = attention_torch
     if flash is not None:
@@ -120,7 +131,8 @@ def kernel_ops() -> LlamaOps:
     used = [n for n, f in (("rmsnorm", rmsnorm), ("swiglu", swiglu), ("rope", rope),
                            ("flash_attention", flash)) if f is not None]
     return LlamaOps(
-        rmsnorm=rmsnorm or rmsnorm_torch, swiglu=swiglu or swiglu_torch, rope=rope or rope_ref,
+        rmsnorm=rmsnorm or rmsnorm_torch, add_rmsnorm=add_rmsnorm or add_rmsnorm_torch,
+        swiglu=swiglu or swiglu_torch, rope=rope or rope_ref,
         attention=attention, name="kernels: " + (", ".join(used) or "none"),
     )
 

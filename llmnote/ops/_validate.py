@@ -29,8 +29,10 @@ def check_tensor(
     min_ndim: int | None = None,
     last_dim_contiguous: bool = False,
     contiguous: bool = False,
+    backend_device: bool = True,
 ) -> torch.Tensor:
-    """Check one tensor argument of an op and return it."""
+    """Check one tensor argument of an op and return it. ``backend_device=False``: any
+    device (for a PyTorch reference, which runs wherever its inputs are)."""
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     if dtypes is not None:
@@ -46,7 +48,8 @@ def check_tensor(
         raise ValueError(
             f"{name} must have at least {min_ndim} dimension(s), got shape {tuple(t.shape)}"
         )
-    check_device(name, t)
+    if backend_device:
+        check_device(name, t)
     if contiguous and not t.is_contiguous():
         raise ValueError(
             f"{name} must be contiguous, got strides {t.stride()} for shape "

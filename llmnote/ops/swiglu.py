@@ -15,8 +15,14 @@ elements): forward reads ``a`` and ``b`` and writes ``y`` (3n); backward reads
 ``sigmoid(a)`` rather than storing it. PyTorch eager writes ``silu(a)`` to
 memory and reads it back (5n forward), and its autograd does more passes still.
 
-Element-wise over any shape; the inputs must be contiguous (the kernels index
-them as flat arrays). Math is fp32; outputs have the inputs' dtype.
+Element-wise over any shape. Contiguous inputs are indexed as flat arrays (one
+1-D kernel). Inputs that are rows with a stride, such as the two halves
+``gu[..., :I]`` and ``gu[..., I:]`` of a fused gate-and-up projection ``gu``
+(..., 2I), are accepted too: their last dimension must be contiguous and their
+leading dimensions must flatten to rows with one row stride (``view(-1, I)``
+must work); a 2-D kernel over (rows, column blocks) reads them in place. The
+output is always contiguous. Backward copies strided inputs to contiguous ones
+first. Math is fp32; outputs have the inputs' dtype.
 
 Source: N. Shazeer, "GLU Variants Improve Transformer" (2020),
 https://arxiv.org/abs/2002.05202.
@@ -60,6 +66,22 @@ def _swiglu_fwd_kernel(a_ptr, b_ptr, y_ptr, n_elements, BLOCK: tl.constexpr):
 
 
 @triton.jit
+def _swiglu_fwd_rows_kernel(a_ptr, b_ptr, y_ptr, n_rows, n_cols, stride_a, stride_b,
+                            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    # rows with a stride (views of a fused gate/up output): a tile of BLOCK_M rows x BLOCK_N columns
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)  # (BLOCK_M,)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)  # (BLOCK_N,)
+    mask = (rows[:, None] < n_rows) & (cols[None, :] < n_cols)
+    a = tl.load(a_ptr + rows[:, None] * stride_a + cols[None, :], mask=mask,
+                other=0.0).to(tl.float32)  # read n
+    b = tl.load(b_ptr + rows[:, None] * stride_b + cols[None, :], mask=mask,
+                other=0.0).to(tl.float32)  # read n
+    s = _sigmoid(a)
+    y = (a * s * b).to(y_ptr.dtype.element_ty)
+    tl.store(y_ptr + rows[:, None] * n_cols + cols[None, :], y, mask=mask)  # write n
+
+
+@triton.jit
 def _swiglu_bwd_kernel(dy_ptr, a_ptr, b_ptr, da_ptr, db_ptr, n_elements, BLOCK: tl.constexpr):
     pid = tl.program_id(0).to(tl.int64)
     offsets = pid * BLOCK + tl.arange(0, BLOCK)
@@ -79,20 +101,56 @@ def _block(n: int) -> int:
     return min(BLOCK, triton.next_power_of_2(max(n, 16)))
 
 
+def _as_rows(name: str, t: torch.Tensor) -> torch.Tensor:
+    """``t`` seen as (rows, columns) with stride 1 along columns, without a copy."""
+    n = t.shape[-1] if t.ndim else 1
+    try:
+        rows = t.view(-1, n)
+    except RuntimeError:
+        rows = None
+    if rows is None or (n > 1 and rows.stride(1) != 1):
+        raise ValueError(
+            f"{name} must be contiguous, or rows with a stride: stride 1 in the last dimension "
+            f"and leading dimensions that flatten to one row stride (like gu[..., :I]); got "
+            f"strides {t.stride()} for shape {tuple(t.shape)}; call .contiguous() first"
+        )
+    return rows
+
+
+def _rows_config(n_rows: int, n_cols: int) -> tuple[int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_warps) of the row kernel: tiles of up to ``BLOCK``
+    elements, at most 1024 columns wide, 256 elements per warp as in the flat kernel.
+    Not tuned on a GPU."""
+    block_n = min(1024, triton.next_power_of_2(max(n_cols, 16)))
+    block_m = min(max(1, BLOCK // block_n), triton.next_power_of_2(n_rows))
+    return block_m, block_n, max(1, min(NUM_WARPS, block_m * block_n // 256))
+
+
 class _SwiGLU(torch.autograd.Function):
     @staticmethod
     def forward(ctx, a, b):
-        y = torch.empty_like(a)
-        n = a.numel()
-        block = _block(n)
-        _swiglu_fwd_kernel[(triton.cdiv(n, block),)](a, b, y, n, BLOCK=block, num_warps=NUM_WARPS)
         ctx.save_for_backward(a, b)
+        if a.is_contiguous() and b.is_contiguous():  # the flat fast path
+            y = torch.empty_like(a)
+            n = a.numel()
+            block = _block(n)
+            _swiglu_fwd_kernel[(triton.cdiv(n, block),)](a, b, y, n, BLOCK=block,
+                                                         num_warps=NUM_WARPS)
+            return y
+        a2, b2 = _as_rows("a", a), _as_rows("b", b)
+        y = torch.empty(a.shape, dtype=a.dtype, device=a.device)  # contiguous
+        (m, n), (block_m, block_n, num_warps) = a2.shape, _rows_config(*a2.shape)
+        _swiglu_fwd_rows_kernel[(triton.cdiv(m, block_m), triton.cdiv(n, block_n))](
+            a2, b2, y, m, n, a2.stride(0), b2.stride(0), BLOCK_M=block_m, BLOCK_N=block_n,
+            num_warps=num_warps,
+        )
         return y
 
     @staticmethod
     def backward(ctx, dy):
         a, b = ctx.saved_tensors
         dy = dy.contiguous()  # autograd may hand an expanded or strided gradient
+        a, b = a.contiguous(), b.contiguous()  # row-strided views: copied (correctness first)
         da, db = torch.empty_like(a), torch.empty_like(b)
         n = a.numel()
         block = _block(n)
@@ -105,12 +163,17 @@ class _SwiGLU(torch.autograd.Function):
 def swiglu(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """``silu(a) * b`` element by element, in one pass; differentiable in ``a`` and ``b``.
 
-    ``a`` and ``b`` must be contiguous and have the same shape, dtype and
-    device; the output has that shape and dtype.
+    ``a`` and ``b`` must have the same shape, dtype and device, and be contiguous
+    or rows with a stride (stride 1 in the last dimension, leading dimensions that
+    flatten to one row stride: ``gu[..., :I]`` and ``gu[..., I:]`` of a fused
+    gate/up output). The output is contiguous, with that shape and dtype.
     """
-    check_tensor("a", a, contiguous=True)
-    check_tensor("b", b, contiguous=True)
+    check_tensor("a", a)
+    check_tensor("b", b)
     check_same(("a", "b"), a, b, what=("shape", "dtype", "device"))
+    for name, t in (("a", a), ("b", b)):
+        if not t.is_contiguous():
+            _as_rows(name, t)  # raises for a layout the kernels cannot read
     if device.use_reference("swiglu", min_capability=(7, 0)) or a.numel() == 0:
         return swiglu_ref(a, b)  # (an empty tensor has nothing to launch)
     return _SwiGLU.apply(a, b)

@@ -120,6 +120,13 @@ def time_decode_step(model, cfg, batch: int, context: int, warmup: int = 3, reps
     return Timing(float(p50), float(p20), float(p80))
 
 
+def prefill_steps(batch: int, context: int, budget: int) -> int:
+    """Steps the engine needs to prefill ``batch`` prompts of ``context`` tokens under a
+    token budget of ``budget`` per step (each step also decodes one token per sequence
+    already prefilled), rounded up generously."""
+    return -(-batch * (context + 1) // budget) + 1
+
+
 def time_engine_steps(llm, batch: int, context: int, vocab: int, warmup: int = 3,
                       reps: int = 20) -> Timing:
     """Median and 20/80% (ms) of ``LLM.step()`` with ``batch`` sequences decoding after
@@ -129,7 +136,11 @@ def time_engine_steps(llm, batch: int, context: int, vocab: int, warmup: int = 3
     from llmnote.engine import SamplingParams
 
     g = torch.Generator().manual_seed(batch)
-    sp = SamplingParams(temperature=0, max_tokens=warmup + reps + 2, ignore_eos=True)
+    # the prompts are prefilled over several steps (token budget), and the sequences
+    # prefilled first decode meanwhile: give every one enough tokens to last the timing
+    budget = llm.config.max_num_batched_tokens
+    sp = SamplingParams(temperature=0, max_tokens=warmup + reps + 2 + prefill_steps(batch, context, budget),
+                        ignore_eos=True)
     ids = [llm.add_request(torch.randint(0, vocab, (context,), generator=g).tolist(), sp)
            for _ in range(batch)]
     seqs = [llm.requests[i] for i in ids]
@@ -150,17 +161,19 @@ def time_engine_steps(llm, batch: int, context: int, vocab: int, warmup: int = 3
     return Timing(float(p50), float(p20), float(p80))
 
 
-def engine_rows(name: str, batches: list[int], context: int, env: dict, reps: int = 20
-                ) -> list[dict]:
-    """``llmnote-engine`` rows for one model shape (one engine, graphs for every batch)."""
+def engine_rows(name: str, batches: list[int], context: int, env: dict, reps: int = 20,
+                budget: int = 8192) -> list[dict]:
+    """``llmnote-engine`` rows for one model shape (one engine, graphs for every batch);
+    ``budget``: the engine's tokens per step (prompts longer than it take several steps)."""
     from llmnote.bench.suites.engine import random_model, use_kernels
     from llmnote.engine import LLM, EngineConfig
 
     model = random_model(name)
     ops = use_kernels(model)
-    bs, longest = 16, context + reps + 8
+    bs = 16
+    longest = context + reps + 8 + prefill_steps(max(batches), context, budget)
     cfg = EngineConfig(block_size=bs, max_model_len=longest, max_num_seqs=max(batches),
-                       max_num_batched_tokens=8192, enable_prefix_caching=False,
+                       max_num_batched_tokens=budget, enable_prefix_caching=False,
                        num_blocks=max(batches) * -(-longest // bs) + 8)
     llm = LLM(model, config=cfg)
     vocab = min(10000, model.config.vocab_size)
