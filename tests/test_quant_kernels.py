@@ -232,3 +232,46 @@ def test_w4a16_split_k_many_programs(seed, dev):
     lowp = _lowp_ref(x, qw, s, z, 128)
     for _ in range(5 if device.on_gpu() else 1):
         assert_close_lowp(K.w4a16_linear(x, qw, s, z, 128, split_k=split), ref32, lowp, atol=1e-3)
+
+
+# Every kernel variant and tile that w4a16_linear may choose, forced through ``config``: on a GPU
+# the listed candidates (the tuner may pick any of them), the per-slice dots and the W tile, on the
+# interpreter one small tile per code path (FMA: plain, pipelined loop, prefetch; tensor-core tiles
+# W^T (swap AB) and W, with one step of 32 or 64 codes; the per-slice dots of _w4a16_kernel).
+_C = K.W4Config
+W4_VARIANTS = (K.W4_GEMV_GPU + K.W4_GEMM_GPU + [_C(16, 64, 128, 2, 4, 3, True), _C(16, 64, 128, 1, 4, 3, True, 1)]
+               if device.on_gpu() else
+               [_C(1, 16, 32, 2, 4, 1, False), _C(1, 16, 32, 1, 4, 3, False), _C(1, 16, 64, 1, 4, 1, False, 0, True),
+                _C(16, 16, 64, 1, 4, 1, True, 2), _C(16, 16, 32, 1, 4, 1, True, 2),
+                _C(16, 16, 64, 1, 4, 1, True, 1), _C(16, 16, 128, 1, 4, 1, True)])
+
+
+@pytest.mark.parametrize("cfg", W4_VARIANTS, ids=lambda c: "-".join(map(str, c)))
+def test_w4a16_every_variant(seed, dev, cfg):
+    # (m, n, k, g, split): odd N (no wide loads), one group per step or a group per packed row,
+    # K no multiple of the step (m = 3), more slices than steps, batch 1 and batches of 3 and 33.
+    cases = [(1 if not cfg.dot else 33, 37, 384, 128, 2), (3, 48, 200, 8, 1), (1, 48, 256, 32, 8)]
+    for m, n, k, g, split in cases:
+        qw, s, z = _w4(n, k, g, torch.bfloat16, dev)
+        x = torch.randn(m, k, device=dev).bfloat16()
+        bias = torch.randn(n, device=dev).bfloat16()
+        out = K.w4a16_linear(x, qw, s, z, g, bias, split_k=split, config=cfg)
+        ref32 = K.w4a16_linear_ref(x.float(), qw, s.float(), z.float(), g, bias.float())
+        assert_close_lowp(out, ref32, _lowp_ref(x, qw, s, z, g) + bias, atol=1e-3,
+                          name=f"w4a16 {cfg} m={m} n={n} k={k} g={g} split={split}")
+
+
+@pytest.mark.skipif(not device.on_gpu(), reason="full-size check: minutes on the interpreter")
+@pytest.mark.parametrize("m", [1, 16, 64, 256])
+def test_w4a16_full_size_every_candidate(seed, dev, m):
+    """The Llama-3-8B q/o shape (K = N = 4096) with every candidate the tuner may pick for
+    this batch, at its default split and without split: the regime where a wrong candidate
+    once got past the small tests (batch 64; see the note above W4_GEMM_GPU)."""
+    qw, s, z = _w4(4096, 4096, 128, torch.bfloat16, dev)
+    x = torch.randn(m, 4096, device=dev).bfloat16()
+    ref32 = K.w4a16_linear_ref(x.float(), qw, s.float(), z.float(), 128)
+    lowp = _lowp_ref(x, qw, s, z, 128)
+    cands = K._candidates(m, 4096, 4096, 128, x.device, None)
+    for cfg, split in cands + [(c, 1) for c, _ in cands]:
+        out = K.w4a16_linear(x, qw, s, z, 128, split_k=split, config=cfg)
+        assert_close_lowp(out, ref32, lowp, atol=1e-3, name=f"w4a16 m={m} {cfg} split={split}")

@@ -16,12 +16,17 @@
   Each program loads every packed word of its tile once, decodes codes with a
   shift and a mask-and-OR into exact fp32 numbers (no int-to-float conversion),
   and dequantizes ``(q - z) * s`` in registers: the weight crosses memory as 4
-  bits per value. Batch 1 ("GEMV"): fp32 multiply-adds, no tensor cores;
-  larger batches: the dequantized slices feed ``tl.dot``. Up to batch 64,
-  split-K gives each program a slice of K; partial sums go to an fp32
-  workspace and the last program to finish a tile adds them and writes C (no
-  memset, no second kernel). The first call per shape times a few tiles (with
-  their split) and keeps the fastest (:data:`TUNE_LOG`).
+  bits per value. Batch 1 ("GEMV", :func:`_w4a16_kernel`): fp32 multiply-adds,
+  no tensor cores. Larger batches (:func:`_w4a16_tile_kernel`): the eight codes
+  of each word are stacked back into channel order with ``tl.join`` and a
+  reshape, and one ``tl.dot`` per step takes the whole dequantized tile; for
+  small batches the product is computed transposed (``W^T x^T``, "swap AB") so
+  that the weight, not the handful of tokens, fills the MMA's 64-row side; Triton
+  software-pipelines the loads (``num_stages``). Up to batch 16, split-K gives
+  each program a slice of K; partial sums go to an fp32 workspace and the last
+  program to finish a tile adds them and writes C (no memset, no second
+  kernel). The first call per shape times a few tiles (with their split) and
+  keeps the fastest (:data:`TUNE_LOG`).
 
 Rounding: the kernels round half away from zero (``floor(|v| + 0.5)``); the
 references do the same (``torch.round`` would round half to even).
@@ -288,22 +293,93 @@ class W4Config(NamedTuple):
     warps: int
     stages: int
     dot: bool
+    tile: int = 0  # 0: _w4a16_kernel; 1: _w4a16_tile_kernel, W tile as B; 2: ..., W^T tile as A (swap AB)
+    prefetch: bool = False  # FMA path: load step i + 1 before computing step i (register double buffer)
 
     def meta(self) -> dict:
-        return dict(BLOCK_M=self.bm, BLOCK_N=self.bn, BLOCK_K=self.bk, SUB=self.sub, USE_DOT=self.dot,
-                    num_warps=self.warps, num_stages=self.stages)
+        m = dict(BLOCK_M=self.bm, BLOCK_N=self.bn, BLOCK_K=self.bk, num_warps=self.warps, num_stages=self.stages)
+        if self.tile:
+            return dict(m, TRANS=self.tile == 2)
+        return dict(m, SUB=self.sub, USE_DOT=self.dot, PREFETCH=self.prefetch, LOOP_STAGES=self.stages)
 
 
-GEMV_MAX_M = 1  # batch 1: FMA reduction (no tensor cores); larger: tl.dot
-# GEMV (batch 1): few columns per program, many programs (split-K).
-W4_GEMV_GPU = [W4Config(0, bn, 128, sub, w, 1, False)
-               for bn, sub, w in ((32, 4, 4), (64, 2, 4), (64, 4, 4), (128, 2, 4), (256, 1, 8))]
-# GEMM (batch > 4): tensor-core tiles of 128 codes of K (8 dots of 16), 16 to 128 rows.
-W4_GEMM_GPU = [W4Config(*c, True) for c in ((16, 32, 128, 2, 4, 2), (16, 64, 128, 1, 4, 2), (16, 64, 128, 2, 4, 3),
-                                            (16, 128, 128, 1, 4, 2), (64, 64, 128, 1, 4, 3), (64, 128, 128, 1, 8, 3),
-                                            (128, 128, 128, 1, 8, 3))]
-W4_GEMV_INTERPRETER = [W4Config(0, 16, 32, 2, 4, 1, False)]
-W4_GEMM_INTERPRETER = [W4Config(16, 16, 128, 1, 4, 1, True)]
+GEMV_MAX_M = 1  # batch 1: FMA reduction (no tensor cores); larger: tensor-core tiles
+_G = W4Config
+# GEMV (batch 1): few columns per program, many programs (split-K); loop pipelined by Triton
+# (stages > 1) or by hand (prefetch).
+# (H100: the tensor-core tile took 1.5-1.9x their time at batch 1 with a prefetch instead of
+# num_stages, and with num_stages 1.2-1.35x their batch-1 time already at batch 16.)
+W4_GEMV_GPU = [_G(1, 64, 128, 2, 4, 1, False), _G(1, 32, 128, 4, 4, 1, False),
+               _G(1, 64, 128, 1, 4, 3, False), _G(1, 32, 128, 1, 4, 3, False), _G(1, 128, 128, 1, 4, 3, False),
+               _G(1, 64, 256, 1, 4, 3, False), _G(1, 64, 128, 2, 4, 3, False), _G(1, 32, 256, 1, 4, 4, False),
+               _G(1, 64, 128, 1, 4, 4, False), _G(1, 64, 512, 1, 4, 2, False),
+               _G(1, 32, 256, 1, 4, 1, False, 0, True), _G(1, 64, 256, 1, 4, 1, False, 0, True)]
+# GEMM (batch > 1): whole dequantized tiles on the tensor cores, software-pipelined (stages),
+# swap AB (tile 2: W^T x^T, the weight columns on the MMA's M side), 16 tokens per tile.
+# Not listed: the per-slice dots of _w4a16_kernel (USE_DOT; 1.6-2.6x slower than tile 2 at
+# batch 4 and 16 on the H100), and tiles of 32-128 tokens (tile 2) or the plain W tile
+# (tile 1): with those among the candidates the full-size check of the quant benchmark failed
+# at batch 64 (K = N = 4096, max error 0.23) although they pass the small-size tests (GPU and
+# interpreter); the cause was not found. Larger batches therefore run several 16-row tiles.
+W4_GEMM_GPU = [_G(16, 64, 128, 1, 4, 3, True, 2), _G(16, 128, 128, 1, 4, 3, True, 2),
+               _G(16, 64, 128, 1, 4, 4, True, 2), _G(16, 128, 128, 1, 8, 3, True, 2),
+               _G(16, 32, 128, 1, 4, 3, True, 2), _G(16, 64, 64, 1, 4, 4, True, 2)]
+W4_GEMV_INTERPRETER = [W4Config(1, 16, 32, 2, 4, 1, False)]
+W4_GEMM_INTERPRETER = [W4Config(16, 16, 64, 1, 4, 1, True, 2)]
+
+
+@triton.jit
+def _w4_step_load(qw_ptr, s_ptr, z_ptr, step, cols, N, K, BLOCK_K: tl.constexpr, GROUP: tl.constexpr,
+                  TRANS: tl.constexpr):
+    """Step ``step`` of K: packed words (BLOCK_K // 8, BLOCK_N), scales and zeros in fp32
+    ((1, BLOCK_N) when the step lies in one group, else one row per packed row), and the
+    packed-row indices. TRANS: everything transposed, words (BLOCK_N, BLOCK_K // 8).
+
+    Rows past K (the last step, or steps past the end of a split-K slice or of K) read
+    the last row instead, unmasked, and get scale and zero 0: their terms vanish.
+    """
+    BKW: tl.constexpr = BLOCK_K // 8
+    KW = K // 8
+    kw_ = step * BKW + tl.arange(0, BKW)
+    kw = tl.minimum(kw_, KW - 1)  # packed rows of this step
+    if TRANS:
+        words = tl.load(qw_ptr + kw.to(tl.int64)[None, :] * N + cols[:, None])  # (BN, BKW) int32, once
+    else:
+        words = tl.load(qw_ptr + kw.to(tl.int64)[:, None] * N + cols[None, :])  # (BKW, BN) int32, once
+    if GROUP % BLOCK_K == 0:  # the step lies in one group: one row of scales and zeros
+        g = tl.minimum((step * BLOCK_K) // GROUP, K // GROUP - 1)
+        ok = step < tl.cdiv(K, BLOCK_K)
+        s = tl.where(ok, tl.load(s_ptr + g * N + cols).to(tl.float32), 0.0)
+        z = tl.where(ok, tl.load(z_ptr + g * N + cols).to(tl.float32), 0.0)
+        if TRANS:
+            s, z = s[:, None], z[:, None]
+        else:
+            s, z = s[None, :], z[None, :]
+    else:  # GROUP is a multiple of 8: each packed row lies in one group
+        g = ((kw * 8) // GROUP).to(tl.int64)
+        if TRANS:
+            ok = (kw_ < KW)[None, :]
+            s = tl.load(s_ptr + g[None, :] * N + cols[:, None], mask=ok, other=0.0).to(tl.float32)
+            z = tl.load(z_ptr + g[None, :] * N + cols[:, None], mask=ok, other=0.0).to(tl.float32)
+        else:
+            ok = (kw_ < KW)[:, None]
+            s = tl.load(s_ptr + g[:, None] * N + cols[None, :], mask=ok, other=0.0).to(tl.float32)
+            z = tl.load(z_ptr + g[:, None] * N + cols[None, :], mask=ok, other=0.0).to(tl.float32)
+    return words, s, z, kw
+
+
+@triton.jit
+def _w4_decode_pair(words, P: tl.constexpr, mask_lo, mask_hi, w_lo, c_lo, w_hi, c_hi):
+    """Codes 2P and 2P + 1 of every word, dequantized in fp32: one shift moves bits
+    8P .. 8P + 7 to 15-22; masks give f = 1 + q / 256 and 1 + q / 16 exactly, and
+    (q - z) s = f w - c with w = 256 s, c = (256 + z) s (or 16 s, (16 + z) s)."""
+    if 8 * P <= 15:
+        sh = words << (15 - 8 * P)
+    else:
+        sh = words >> (8 * P - 15)
+    f_lo = ((sh & mask_lo) | 0x3F800000).to(tl.float32, bitcast=True)
+    f_hi = ((sh & mask_hi) | 0x3F800000).to(tl.float32, bitcast=True)
+    return f_lo * w_lo - c_lo, f_hi * w_hi - c_hi
 
 
 @triton.jit(do_not_specialize=["SPLIT_K", "NIBBLE"])
@@ -312,7 +388,7 @@ def _w4a16_kernel(
     stride_xm, stride_cm, stride_cn,
     GROUP: tl.constexpr, HAS_BIAS: tl.constexpr, UPCAST: tl.constexpr, USE_DOT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SUB: tl.constexpr,
-    GROUP_M: tl.constexpr, EVEN_N: tl.constexpr,
+    GROUP_M: tl.constexpr, EVEN_N: tl.constexpr, PREFETCH: tl.constexpr, LOOP_STAGES: tl.constexpr,
 ):
     """Program (pid, pid_k): tile (pid_m, pid_n) of C over the pid_k-th contiguous slice of K.
 
@@ -327,7 +403,11 @@ def _w4a16_kernel(
     registers: even codes take the exponent of 16.0 instead (f = 16 + q / 16), so that
     sum_j x_j f_j = 16 sum_even x + sum_odd x + sum_j x_j q_j / 16, and the affine part
     is corrected once per step. Larger batches feed each dequantized
-    (BLOCK_K // 8, BLOCK_N) slice to tl.dot.
+    (BLOCK_K // 8, BLOCK_N) slice to tl.dot. PREFETCH: the words, scales and zeros of
+    step i + 1 are loaded before step i is computed, so that a program keeps a step of
+    loads in flight while it decodes (a double buffer in registers). LOOP_STAGES > 1:
+    Triton software-pipelines the loop (``tl.range(num_stages=...)``: the kernel's
+    ``num_stages`` alone pipelines only loads that feed a ``tl.dot``).
     """
     BKW: tl.constexpr = BLOCK_K // 8  # packed rows per step
     # NIBBLE = 0x78000 (bits 15-18) comes in as an argument so that both masks stay in
@@ -350,7 +430,6 @@ def _w4a16_kernel(
         cols = tl.max_contiguous(tl.multiple_of(offs_n % N, BLOCK_N), BLOCK_N)
     else:
         cols = offs_n % N
-    KW = K // 8
     n_steps = tl.cdiv(K, BLOCK_K)
     iters = tl.cdiv(tl.cdiv(n_steps, SPLIT_K), SUB)
     step0 = pid_k * iters * SUB
@@ -361,24 +440,18 @@ def _w4a16_kernel(
     else:
         tl.static_assert(BLOCK_M == 1, "the FMA (GEMV) path takes one row")
         acc2 = tl.zeros((BKW, BLOCK_N), dtype=tl.float32)
-    for it in range(iters):
+    if PREFETCH:
+        words_n, s_n, z_n, kw_n = _w4_step_load(qw_ptr, s_ptr, z_ptr, step0, cols, N, K,
+                                                BLOCK_K, GROUP, False)
+    for it in tl.range(iters, num_stages=LOOP_STAGES):
         for sb in tl.static_range(SUB):
             step = step0 + it * SUB + sb
-            # Rows past K (the last step, or steps past the end of a split-K slice) read the
-            # last row instead, unmasked, and get scale and zero 0: their terms vanish.
-            kw_ = step * BKW + tl.arange(0, BKW)
-            kw = tl.minimum(kw_, KW - 1)  # packed rows of this step
-            words = tl.load(qw_ptr + kw.to(tl.int64)[:, None] * N + cols[None, :])  # (BKW, BN) int32, once
-            if GROUP % BLOCK_K == 0:  # the step lies in one group: one row of scales and zeros
-                g = tl.minimum((step * BLOCK_K) // GROUP, K // GROUP - 1)
-                ok = step < n_steps
-                s = tl.where(ok, tl.load(s_ptr + g * N + cols).to(tl.float32), 0.0)[None, :]
-                z = tl.where(ok, tl.load(z_ptr + g * N + cols).to(tl.float32), 0.0)[None, :]
-            else:  # GROUP is a multiple of 8: each packed row lies in one group
-                ok = (kw_ < KW)[:, None]
-                g = ((kw * 8) // GROUP).to(tl.int64)
-                s = tl.load(s_ptr + g[:, None] * N + cols[None, :], mask=ok, other=0.0).to(tl.float32)
-                z = tl.load(z_ptr + g[:, None] * N + cols[None, :], mask=ok, other=0.0).to(tl.float32)
+            if PREFETCH:
+                words, s, z, kw = words_n, s_n, z_n, kw_n
+                words_n, s_n, z_n, kw_n = _w4_step_load(qw_ptr, s_ptr, z_ptr, step + 1, cols, N, K,
+                                                        BLOCK_K, GROUP, False)
+            else:
+                words, s, z, kw = _w4_step_load(qw_ptr, s_ptr, z_ptr, step, cols, N, K, BLOCK_K, GROUP, False)
             if USE_DOT:
                 w_hi = s * 16.0  # odd j: f = 1 + q / 16,  (q - z) s = 16 s f - (16 + z) s
                 c_hi = (z + 16.0) * s
@@ -424,6 +497,19 @@ def _w4a16_kernel(
         out = acc
     else:
         out = tl.sum(acc2, axis=0)[None, :]
+    _w4_store_tile(out, offs_m, offs_n, cols, pid, pid_k, c_ptr, bias_ptr, ws_ptr, cnt_ptr, M, N, SPLIT_K,
+                   stride_cm, stride_cn, HAS_BIAS, BLOCK_M, BLOCK_N)
+
+
+@triton.jit
+def _w4_store_tile(out, offs_m, offs_n, cols, pid, pid_k, c_ptr, bias_ptr, ws_ptr, cnt_ptr, M, N, SPLIT_K,
+                   stride_cm, stride_cn, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Write a (BLOCK_M, BLOCK_N) fp32 tile of C (+ bias); with split-K, through the workspace.
+
+    Split-K: write the partial sum to slice pid_k of the fp32 workspace, then count
+    arrivals on this tile; the last program to arrive adds the slices in order,
+    writes C and resets the counter (so no memset and no second kernel).
+    """
     mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
     c_ptrs = c_ptr + offs_m.to(tl.int64)[:, None] * stride_cm + offs_n[None, :] * stride_cn
     if SPLIT_K == 1:
@@ -431,9 +517,6 @@ def _w4a16_kernel(
             out += tl.load(bias_ptr + cols).to(tl.float32)[None, :]
         tl.store(c_ptrs, out.to(c_ptr.dtype.element_ty), mask=mask)
     else:
-        # Split-K: write the partial sum to slice pid_k of the fp32 workspace, then count
-        # arrivals on this tile; the last program to arrive adds the slices in order,
-        # writes C and resets the counter (so no memset and no second kernel).
         ws_tile = ws_ptr + offs_m.to(tl.int64)[:, None] * N + offs_n[None, :]
         tl.store(ws_tile + pid_k.to(tl.int64) * M * N, out, mask=mask)
         tl.debug_barrier()  # every thread's partial is written before the (release) count
@@ -448,16 +531,98 @@ def _w4a16_kernel(
             tl.atomic_xchg(cnt_ptr + pid, 0)
 
 
+@triton.jit(do_not_specialize=["SPLIT_K", "NIBBLE"])
+def _w4a16_tile_kernel(
+    x_ptr, qw_ptr, s_ptr, z_ptr, c_ptr, bias_ptr, ws_ptr, cnt_ptr, M, N, K, SPLIT_K, NIBBLE,
+    stride_xm, stride_cm, stride_cn,
+    GROUP: tl.constexpr, HAS_BIAS: tl.constexpr, UPCAST: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr, EVEN_N: tl.constexpr, TRANS: tl.constexpr,
+):
+    """Tensor-core W4A16: program (pid, pid_k) adds x[:, K slice] @ W[K slice, tile] with one
+    ``tl.dot`` per step of BLOCK_K channels on a whole dequantized tile.
+
+    The packed words of a step are loaded once; :func:`_w4_decode_pair` dequantizes
+    the eight codes of every word (one shift per pair of codes, then one mask-and-OR
+    and one multiply-add per code), and ``tl.join`` stacks them on three new axes of
+    size 2 such that flattening (word row, j) gives channel k = 8 r + j. TRANS (swap
+    AB): the tile is W^T, (BLOCK_N, BLOCK_K), a plain reshape of the joined
+    (BLOCK_N, BLOCK_K // 8, 2, 2, 2) tensor; it is the left operand and x^T the right
+    one, so that the weight columns, not the few tokens, sit on the MMA's M side
+    (Hopper's wgmma takes 64 rows there). Otherwise the tile is W, (BLOCK_K,
+    BLOCK_N), after a permute. Loads are software-pipelined by Triton (num_stages).
+    """
+    mask_lo = NIBBLE
+    mask_hi = NIBBLE << 4
+    pid = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    num_pid_m = tl.cdiv(M, BLOCK_M)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    pid_m, pid_n = _tile_coords(pid, num_pid_m, num_pid_n, GROUP_M)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows = tl.where(offs_m < M, offs_m, 0)
+    if EVEN_N:
+        cols = tl.max_contiguous(tl.multiple_of(offs_n % N, BLOCK_N), BLOCK_N)
+    else:
+        cols = offs_n % N
+    n_steps = tl.cdiv(K, BLOCK_K)
+    per = tl.cdiv(n_steps, SPLIT_K)
+    lo = pid_k * per
+    hi = tl.minimum(lo + per, n_steps)
+    offs_k = tl.arange(0, BLOCK_K)
+    if UPCAST:  # interpreter: its bf16 dot is wrong; keep fp32
+        DT: tl.constexpr = tl.float32
+    else:
+        DT: tl.constexpr = x_ptr.dtype.element_ty
+    if TRANS:
+        x_tile = x_ptr + rows.to(tl.int64)[None, :] * stride_xm + offs_k[:, None]  # (BK, BM): x^T
+        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    else:
+        x_tile = x_ptr + rows.to(tl.int64)[:, None] * stride_xm + offs_k[None, :]  # (BM, BK)
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for step in range(lo, hi):  # software-pipelined by Triton (num_stages): loads run ahead
+        words, s, z, kw = _w4_step_load(qw_ptr, s_ptr, z_ptr, step, cols, N, K, BLOCK_K, GROUP, TRANS)
+        k0 = step * BLOCK_K
+        if TRANS:
+            xt = tl.load(x_tile + k0, mask=(k0 + offs_k < K)[:, None], other=0.0)
+        else:
+            xt = tl.load(x_tile + k0, mask=(k0 + offs_k < K)[None, :], other=0.0)
+        w_lo = s * 256.0
+        c_lo = (z + 256.0) * s
+        w_hi = s * 16.0
+        c_hi = (z + 16.0) * s
+        e0, o0 = _w4_decode_pair(words, 0, mask_lo, mask_hi, w_lo, c_lo, w_hi, c_hi)  # codes 0, 1
+        e1, o1 = _w4_decode_pair(words, 1, mask_lo, mask_hi, w_lo, c_lo, w_hi, c_hi)  # codes 2, 3
+        e2, o2 = _w4_decode_pair(words, 2, mask_lo, mask_hi, w_lo, c_lo, w_hi, c_hi)  # codes 4, 5
+        e3, o3 = _w4_decode_pair(words, 3, mask_lo, mask_hi, w_lo, c_lo, w_hi, c_hi)  # codes 6, 7
+        # w[..., a, b, c] = code 4a + 2b + c: (r, a, b, c) flattens to j = 8 r + 4a + 2b + c
+        w = tl.join(tl.join(tl.join(e0.to(DT), e2.to(DT)), tl.join(e1.to(DT), e3.to(DT))),
+                    tl.join(tl.join(o0.to(DT), o2.to(DT)), tl.join(o1.to(DT), o3.to(DT))))
+        if TRANS:
+            w = tl.reshape(w, (BLOCK_N, BLOCK_K))  # (BN, BKW, 2, 2, 2) -> W^T tile
+            acc = tl.dot(w, xt.to(DT), acc)
+        else:
+            w = tl.reshape(tl.permute(w, (0, 2, 3, 4, 1)), (BLOCK_K, BLOCK_N))  # (BKW, a, b, c, BN) -> W
+            acc = tl.dot(xt.to(DT), w, acc)
+    if TRANS:
+        acc = tl.trans(acc)
+    _w4_store_tile(acc, offs_m, offs_n, cols, pid, pid_k, c_ptr, bias_ptr, ws_ptr, cnt_ptr, M, N, SPLIT_K,
+                   stride_cm, stride_cn, HAS_BIAS, BLOCK_M, BLOCK_N)
+
+
 MAX_SPLIT = 32
+SPLIT_MAX_M = 16  # default_split_k splits K up to this batch (split_k=... still works above)
 
 
 def default_split_k(M: int, N: int, K: int, dev: torch.device, cfg: W4Config | None = None) -> int:
     """Split K (in powers of two) until the launch has about four programs per SM, as long
-    as every slice keeps at least two loop iterations. Batch > 64, or the interpreter: 1.
+    as every slice keeps at least two loop iterations. Batch > 16 (see the note above
+    :data:`W4_GEMM_GPU`), or the interpreter: 1.
 
     ``cfg`` gives the tile; None: the smallest listed GEMV/GEMM tile for this M.
     """
-    if M > 64 or device.interpreting() or dev.type != "cuda":
+    if M > SPLIT_MAX_M or device.interpreting() or dev.type != "cuda":
         return 1
     if cfg is None:
         cfg = (W4_GEMV_GPU if M <= GEMV_MAX_M else W4_GEMM_GPU)[0]
@@ -502,8 +667,8 @@ def _candidates(M: int, N: int, K: int, group: int, dev, split_k: int | None) ->
     bm_cap = max(16, triton.next_power_of_2(M))
     out = []
     for c in configs:
-        if gemv:
-            c = c._replace(bm=triton.next_power_of_2(M))
+        if not c.dot:
+            c = c._replace(bm=1)  # the FMA path: one row per program
         elif c.bm > bm_cap:
             continue
         if split_k is not None:
@@ -516,9 +681,11 @@ def _candidates(M: int, N: int, K: int, group: int, dev, split_k: int | None) ->
 
 
 def w4a16_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
-                 group_size: int, bias: torch.Tensor | None = None, *, split_k: int | None = None) -> torch.Tensor:
+                 group_size: int, bias: torch.Tensor | None = None, *, split_k: int | None = None,
+                 config: W4Config | None = None) -> torch.Tensor:
     """W4A16 linear layer in Triton; same signature as :func:`w4a16_linear_ref` plus ``split_k``
-    (None: chosen with the tile, see :func:`default_split_k`).
+    (None: chosen with the tile, see :func:`default_split_k`) and ``config`` (None: chosen
+    by timing; a :class:`W4Config` forces that kernel and tile, for tests and benchmarks).
 
     The first call for a new (batch bucket, N, K, group, dtype, split) times each candidate
     tile (with its split) on the GPU and keeps the fastest. ``group_size`` not a multiple
@@ -529,6 +696,8 @@ def w4a16_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, z
         raise TypeError(f"x must be float16 or bfloat16 for the W4A16 kernel, got {x.dtype}")
     if split_k is not None and (not isinstance(split_k, int) or split_k < 1):
         raise ValueError(f"split_k must be None or a positive int, got {split_k!r}")
+    if config is not None and not isinstance(config, W4Config):
+        raise TypeError(f"config must be None or a W4Config, got {type(config).__name__}")
     if device.use_reference("w4a16_linear", min_capability=(8, 0)) or group_size % 8:
         return w4a16_linear_ref(x, qweight, scales, zeros, group_size, bias)
     for name, t in (("x", x), ("qweight", qweight), ("scales", scales), ("zeros", zeros)):
@@ -546,18 +715,24 @@ def w4a16_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, z
     meta = dict(GROUP=group_size, HAS_BIAS=bias is not None, GROUP_M=8, EVEN_N=N % 16 == 0,
                 UPCAST=device.interpreting() and x.dtype == torch.bfloat16)
     key = (triton.next_power_of_2(M), N, K, group_size, split_k, x.dtype, bias is not None, x.device)
-    cands = [_TUNED[key]] if key in _TUNED else _candidates(M, N, K, group_size, x.device, split_k)
+    if config is not None:
+        config = config if config.dot else config._replace(bm=1)
+        cands = [(config, split_k or default_split_k(M, N, K, x.device, config))]
+    elif key in _TUNED:
+        cands = [_TUNED[key]]
+    else:
+        cands = _candidates(M, N, K, group_size, x.device, split_k)
     max_split = max(s for _, s in cands)
     ws, cnt = _workspace(x.device, max_split * M * N, M * triton.cdiv(N, 16) + 1)
 
     def launch(cfg: W4Config, split: int):
         bm = cfg.bm
         grid = (triton.cdiv(M, bm) * triton.cdiv(N, cfg.bn), split)
-        _w4a16_kernel[grid](x2, qweight, scales, zeros, c, bias if bias is not None else c, ws, cnt,
-                            M, N, K, split, 0x78000, x2.stride(0), c.stride(0), c.stride(1),
-                            **meta, **cfg.meta())
+        args = (x2, qweight, scales, zeros, c, bias if bias is not None else c, ws, cnt, M, N, K, split)
+        kernel = _w4a16_tile_kernel if cfg.tile else _w4a16_kernel
+        kernel[grid](*args, 0x78000, x2.stride(0), c.stride(0), c.stride(1), **meta, **cfg.meta())
 
-    if len(cands) > 1 and W4_AUTOTUNE and not torch.cuda.is_current_stream_capturing():
+    if len(cands) > 1 and W4_AUTOTUNE and x.is_cuda and not torch.cuda.is_current_stream_capturing():
         from triton.testing import do_bench
 
         best, best_t, err = None, float("inf"), None
@@ -573,6 +748,7 @@ def w4a16_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, z
         if best is None:
             raise err
         cands = [best]
-    _TUNED[key] = cands[0]
+    if config is None:
+        _TUNED[key] = cands[0]
     launch(*cands[0])
     return c.reshape(*lead, N)

@@ -16,8 +16,8 @@ ceilings (``bench = "ceiling"``: copy bandwidth, bf16 matmul rate):
 * ``quant-w4a16``, ``x_name = "M"`` (batch 1 ... 256) for each Llama-3-8B
   linear shape (K x N: 4096 x 4096 q/o, 4096 x 14336 gate/up, 14336 x 4096
   down): ``llmnote-w4a16`` (int4 g128 with zero points, bf16 activations; tile
-  and split-K chosen by timing candidates on the first call, split-K up to batch 64),
-  ``llmnote-w4a16-splitk1`` (batch <= 64: split-K off) and ``torch-bf16``
+  and split-K chosen by timing candidates on the first call, split-K up to batch 16),
+  ``llmnote-w4a16-splitk1`` (batch <= 16: split-K off) and ``torch-bf16``
   (``F.linear`` with the bf16 weight). Metrics: ``weight_bandwidth`` = packed
   int4 bytes (K N / 2; for bf16 its 2 K N bytes) / time, ``bandwidth`` = all
   bytes moved (weights, scales, zeros, x, y) / time. Targets: >= 3x torch-bf16 and
@@ -167,7 +167,7 @@ def _w4_rows(k: int, n: int, label: str, batches: list[int], dev, quick: bool) -
         act_bytes = (m * k + m * n) * 2
         providers = {"llmnote-w4a16": ([lambda t=t: K.w4a16_linear(x, *t, GROUP) for t in qs], True),
                      "torch-bf16": ([lambda b=b: F.linear(x, b) for b in bs], False)}
-        if m <= 64:  # where split-K may be chosen: also time it off
+        if m <= K.SPLIT_MAX_M:  # where split-K may be chosen: also time it off
             out1 = K.w4a16_linear(x, qw, s, z, GROUP, split_k=1)
             assert_close_lowp(out1, x.float() @ w_bf16.float().t(), F.linear(x, w_bf16), atol=1e-3)
             providers["llmnote-w4a16-splitk1"] = (
