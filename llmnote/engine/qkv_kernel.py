@@ -48,7 +48,7 @@ from llmnote.engine.attention import write_kv
 from llmnote.models.llama import rmsnorm_torch
 from llmnote.ops._validate import FLOAT_DTYPES, check_same
 from llmnote.ops._validate import check_tensor as _check_tensor
-from llmnote.ops.rope import _rotate
+from llmnote.ops.rope import _pair_offsets, _rotate
 
 __all__ = ["qk_norm_rope_write", "qk_norm_rope_write_ref"]
 
@@ -164,12 +164,7 @@ def _qkv_kernel(
     is_q = heads < NH
     f = tl.arange(0, BLOCK_F)  # pair index
     fmask = f < HALF
-    if INTERLEAVED:
-        da = 2 * f
-        db = 2 * f + 1
-    else:
-        da = f
-        db = f + HALF
+    da, db = _pair_offsets(f, HALF, INTERLEAVED)
     mask = hvalid[:, None] & fmask[None, :]  # (BLOCK_H, BLOCK_F)
     dt = q_ptr.dtype.element_ty
     row = qkv_ptr + tok * stride_t + heads[:, None] * D  # q and k heads: one rule

@@ -132,6 +132,19 @@ def rope_ref(
 
 
 @triton.jit
+def _pair_offsets(f, HALF, INTERLEAVED: tl.constexpr):
+    """Offsets within a head of the two members of pair ``f``: ``(2f, 2f + 1)`` when
+    interleaved (GPT-J), else ``(f, f + HALF)`` (GPT-NeoX / Llama's half split)."""
+    if INTERLEAVED:
+        da = 2 * f
+        db = 2 * f + 1
+    else:
+        da = f
+        db = f + HALF
+    return da, db
+
+
+@triton.jit
 def _rotate_heads(
     base_ptr, H, stride_h, stride_d, da, db, fmask, cos, sin, BLOCK_H: tl.constexpr,
 ):
@@ -174,12 +187,7 @@ def _rope_kernel(
     else:  # interpreter: numpy's cos and sin
         cos = tl.cos(angle) * attn_factor
         sin = tl.sin(angle) * attn_factor
-    if INTERLEAVED:
-        da = 2 * f
-        db = 2 * f + 1
-    else:
-        da = f
-        db = f + HALF
+    da, db = _pair_offsets(f, HALF, INTERLEAVED)
     # cos and sin are computed once and reused by every head of the token
     _rotate_heads(q_ptr + b * stride_qb + s * stride_qs, HQ, stride_qh, stride_qd,
                   da, db, fmask, cos, sin, BLOCK_HQ)
