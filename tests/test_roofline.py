@@ -83,3 +83,83 @@ def test_roofline_suite_runs_on_cpu():
     df = run(quick=True, sizes=[64], copy_bytes=[1 << 16], kinds=("fp32", "bf16"))
     assert set(df["provider"]) == {"copy", "matmul-fp32", "matmul-bf16"}
     assert torch.isfinite(torch.tensor(df["p50"].to_numpy())).all()
+
+
+def _csv_row(bench_file, **where):
+    df = llmnote.bench.load(bench_file)
+    for c, v in where.items():
+        df = df[df[c] == v]
+    assert len(df) == 1, (bench_file, where, len(df))
+    return df.iloc[0]
+
+
+def test_attention_and_quant_points_follow_definitions():
+    pts = kernel_points("H100")
+    new = pts[pts.kernel.str.startswith(("attention", "decode", "int8", "W8A8", "w4a16"))]
+    assert {"attention fwd (FA2)", "attention bwd causal (FA2)", "attention fwd (FA1)", "attention fwd (FA3)",
+            "attention fwd (FA3 fp8)", "decode attention", "int8 GEMM", "W8A8 linear",
+            "w4a16 linear M=1"} <= set(new.kernel)
+    # only llmnote's kernels: no SDPA, FlexAttention, naive or torch/cuBLAS providers
+    assert not new.provider.str.startswith(("sdpa", "flex", "torch")).any()
+    np.testing.assert_allclose(new["flops_per_s"], new["intensity"] * new["bytes_per_s"], rtol=1e-9)
+
+    def point(kernel, provider):
+        return pts[(pts.kernel == kernel) & (pts.provider == provider)].iloc[0]
+
+    # FA2 forward: 4 B H N^2 D FLOPs over Q, K, V read + O written (bf16)
+    p = point("attention fwd (FA2)", "llmnote")
+    b, h, n, d = (int(v.split("=")[1]) for v in p.detail.split()[:4])
+    assert p.intensity == pytest.approx(4 * b * h * n * n * d / (4 * b * h * n * d * 2))
+    row = _csv_row("attention", bench=p.detail.split("(")[1][:-1], provider="llmnote", metric="throughput",
+                   direction="fwd", causal=False, D=d, x_value=n)
+    assert p.flops_per_s == pytest.approx(row.p50 * 1e12)
+    # causal backward: 2.5 x half the forward FLOPs over 8 bf16 tensors + the fp32 logsumexp
+    p = point("attention bwd causal (FA2)", "llmnote")
+    b, h, n, d = (int(v.split("=")[1]) for v in p.detail.split()[:4])
+    assert p.intensity == pytest.approx(2.5 * 2 * b * h * n * n * d / (8 * b * h * n * d * 2 + 4 * b * h * n))
+    # decode: 4 B H ctx D FLOPs over the KV cache + q and o; bandwidth rescaled from the CSV's KV bytes
+    p = point("decode attention", "llmnote")
+    kv = dict(v.split("=") for v in p.detail.split())
+    b, h, hkv, d, ctx = (int(kv[c]) for c in ("B", "H", "H_kv", "D", "context"))
+    row = _csv_row("attention", bench="attention-decode", provider="llmnote", metric="bandwidth", B=b, x_value=ctx)
+    assert row.kv_bytes == pytest.approx(2 * b * hkv * ctx * d * 2, rel=1e-5)
+    assert p.intensity == pytest.approx(4 * b * h * ctx * d / (2 * b * hkv * ctx * d * 2 + 2 * b * h * d * 2))
+    assert p.flops_per_s == pytest.approx(4 * b * h * ctx * d / (2 * b * hkv * ctx * d * 2) * row.p50 * 1e9)
+    # int8 GEMM: 2 n^3 over int8 operands, fp32 scales and a bf16 output
+    p = point("int8 GEMM", "llmnote-int8")
+    n = int(p["size"])
+    assert p.intensity == pytest.approx(2 * n**3 / (2 * n * n + 8 * n + 2 * n * n)) and p.roof == "int8"
+    # W4A16: the suite's `bandwidth` bytes; the derived FLOP/s must equal its recorded `throughput`
+    p = point("w4a16 linear M=1", "llmnote-w4a16")
+    k, n = (int(v.split("=")[1]) for v in p.detail.split()[:2])
+    assert p.intensity == pytest.approx(2 * n * k / (k * n / 2 + 2 * (k / 128) * n * 2 + 2 * (k + n)))
+    row = _csv_row("quant", bench="quant-w4a16", provider="llmnote-w4a16", metric="throughput", M=1, K=k, N=n)
+    assert p.flops_per_s == pytest.approx(row.p50 * 1e12, rel=1e-4)
+
+
+def test_no_point_above_its_roof():
+    """Every point under min(peak of its dtype, bandwidth * I) within 5 % of measurement noise:
+    the measured copy bandwidth and the measured peaks, except int8, whose recorded ceiling
+    (torch._int_mm) is a library path, not the hardware's roof: the datasheet's there."""
+    pts = kernel_points("H100")
+    c = measured_ceilings("H100") | measured_ceilings("H100", llmnote.bench.load("roofline"))
+    peaks = {d: c[d] for d in ("fp32", "bf16", "fp8")} | {"int8": datasheet_roof("H100-SXM", ("int8",))[0]["int8"]}
+    assert set(pts.roof) <= set(peaks)
+    roof = [float(attainable(i, peaks[r], c["copy"])) for i, r in zip(pts.intensity, pts.roof)]
+    ratio = pts.flops_per_s / roof
+    assert (ratio <= 1.05).all(), pts.assign(ratio=ratio)[ratio > 1.05][["kernel", "provider", "ratio"]]
+
+
+def test_plot_roofline_marks_the_chosen_ridge():
+    import matplotlib.pyplot as plt
+
+    peaks, bw = {"bf16": 700e12, "int8": 1400e12}, 3e12
+    ax = plot_roofline(peaks, bw, ridge="bf16")
+    x = ax.lines[-1].get_xdata()[0]  # the vertical ridge line is drawn last
+    assert x == pytest.approx(700e12 / 3e12)
+    plt.close("all")
+    ax = plot_roofline(peaks, bw)  # default: the highest ceiling's ridge
+    assert ax.lines[-1].get_xdata()[0] == pytest.approx(1400e12 / 3e12)
+    plt.close("all")
+    with pytest.raises(ValueError, match="ridge must be one of the peaks"):
+        plot_roofline(peaks, bw, ridge="fp8")

@@ -85,7 +85,10 @@ def matmul_fn(kind: str, n: int) -> Callable[[], torch.Tensor]:
             return torch._scaled_mm(a, b, scale_a=one, scale_b=one, out_dtype=torch.bfloat16)
     elif kind == "int8":
         a = torch.randint(-8, 8, (n, n), device=dev, dtype=torch.int8)
-        b = torch.randint(-8, 8, (n, n), device=dev, dtype=torch.int8)
+        # column-major, as for fp8: cuBLAS's int8 tensor-core GEMMs want A x B^T ("TN");
+        # a row-major b takes a far slower path (roofline.csv's int8 rows of 2026-11-21
+        # were measured that way: several times below quant.csv's TN torch-int8 rows)
+        b = torch.randint(-8, 8, (n, n), device=dev, dtype=torch.int8).t()
 
         def fn():
             return torch._int_mm(a, b)
