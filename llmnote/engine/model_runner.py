@@ -344,6 +344,7 @@ class ModelRunner:
         self.g_in = torch.zeros(n * (4 + width), dtype=torch.int32, device=dev)
         self.h_in = torch.zeros_like(self.g_in, device="cpu").pin_memory()
         self.h_np = self.h_in.numpy()
+        self.copy_done = torch.cuda.Event()  # the last copy out of h_in
         self.g_ids, self.g_pos, self.g_slots, self.g_ctx = self.g_in[:4 * n].view(4, n)
         self.g_tables = self.g_in[4 * n:].view(n, width)
         self.g_slots.fill_(scratch * bs)
@@ -374,7 +375,10 @@ class ModelRunner:
             return None
         size = min(s for s in self.graphs if s >= b)
         bs, scratch, width = self.config.block_size, self.num_blocks, self.g_width
-        h = self.h_np  # the pinned buffer: the previous step's copy is done (its ids were read)
+        # the pinned buffer is rewritten only once the previous step's copy from it is done
+        # (usually long since: that step's sampled ids were read; not so when none sampled)
+        self.copy_done.synchronize()
+        h = self.h_np
         cols, tables = h[:4 * n].reshape(4, n), h[4 * n:].reshape(n, width)
         longest = 0
         for r, (seq, _) in enumerate(batch.items):
@@ -391,6 +395,7 @@ class ModelRunner:
         # the buffer's prefix up to the last used table row is all the step needs
         m = 4 * n + size * width
         self.g_in[:m].copy_(self.h_in[:m], non_blocking=True)
+        self.copy_done.record()
         g, out = self.graphs[size]
         g.replay()
         self.num_graph_steps += 1
