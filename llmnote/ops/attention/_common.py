@@ -29,6 +29,38 @@ LN2 = tl.constexpr(0.6931471805599453)  # log(x) = log2(x) * ln(2), inside kerne
 INTERPRETER_SMS = 4  # "SMs" assumed under the interpreter (decode's split heuristic)
 
 
+@triton.jit
+def online_softmax_update(s, m_i, l_i, acc, cols, offs_m, n_k, causal_shift, scale,
+                          MASK: tl.constexpr, CAUSAL: tl.constexpr):
+    """One key tile of FlashAttention-2's online softmax, in base 2.
+
+    ``s`` (BM, BN): this tile's raw scores ``q k^T``; ``scale``: ``log2(e) / sqrt(d)``
+    (times an FP8 tile's scale); ``m_i``, ``l_i`` (BM,): the running max and sum;
+    ``acc`` (BM, D): the running ``P V``. Returns ``(p, m_new, l_i, acc)``: the tile's
+    unnormalised probabilities, the new max, the sum and ``acc`` rescaled to the new
+    max (the caller adds ``p @ v``). ``MASK``: drop the columns ``cols >= n_k`` and, with
+    ``CAUSAL``, the keys after ``row + causal_shift`` (only the diagonal and edge tiles
+    need it; the others scale and subtract the max in one FMA per score).
+    """
+    if MASK:
+        keep = cols[None, :] < n_k
+        if CAUSAL:
+            keep = keep & (cols[None, :] <= offs_m[:, None] + causal_shift)
+        s = tl.where(keep, s * scale, -float("inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_sub = tl.where(m_new == -float("inf"), 0.0, m_new)  # a row with no key yet
+        s = s - m_sub[:, None]
+    else:
+        m_new = tl.maximum(m_i, tl.max(s, 1) * scale)
+        m_sub = m_new
+        s = s * scale - m_sub[:, None]  # one FMA per score
+    p = tl.math.exp2(s)  # (BM, BN)
+    alpha = tl.math.exp2(m_i - m_sub)  # rescales what was accumulated: (BM,)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None]
+    return p, m_new, l_i, acc
+
+
 POISON = False  # set by the tests: new outputs start as NaN, so an unwritten element shows
 
 

@@ -50,7 +50,7 @@ import triton.language as tl
 from llmnote import device
 from llmnote.ops.attention._common import (
     LN2, LOG2E, check_cu_seqlens, check_flag, check_grid_y, check_qkv, check_sm_scale,
-    dot_precision, poisoned, smem_limit, upcast,
+    dot_precision, online_softmax_update, poisoned, smem_limit, upcast,
 )
 from llmnote.ops.attention.reference import flash_attention_ref, flash_attention_varlen_ref
 
@@ -154,22 +154,8 @@ def _fwd_inner(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_vn, offs_m, o
         if UPCAST:
             k = k.to(tl.float32)
         qk = tl.dot(q, tl.trans(k), input_precision=PRECISION)  # (BM, BN) fp32
-        if MASK:
-            keep = cols[None, :] < N_K
-            if CAUSAL:
-                keep = keep & (cols[None, :] <= offs_m[:, None] + causal_shift)
-            qk = tl.where(keep, qk * qk_scale, -float("inf"))
-            m_new = tl.maximum(m_i, tl.max(qk, 1))
-            m_sub = tl.where(m_new == -float("inf"), 0.0, m_new)  # a row with no key yet
-            qk = qk - m_sub[:, None]
-        else:
-            m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
-            m_sub = m_new
-            qk = qk * qk_scale - m_sub[:, None]  # one FMA per score
-        p = tl.math.exp2(qk)  # (BM, BN)
-        alpha = tl.math.exp2(m_i - m_sub)  # rescales what was accumulated: (BM,)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None]
+        p, m_new, l_i, acc = online_softmax_update(qk, m_i, l_i, acc, cols, offs_m, N_K,
+                                                   causal_shift, qk_scale, MASK, CAUSAL)
         v = tl.load(v_base + cols[:, None] * stride_vn + offs_d[None, :],
                     mask=cols[:, None] < N_K, other=0.0)  # read BN x D
         if UPCAST:

@@ -57,7 +57,8 @@ import triton.language as tl
 
 from llmnote import device
 from llmnote.ops.attention._common import (
-    LOG2E, check_flag, check_grid_y, check_qkv, check_sm_scale, poisoned, upcast,
+    LOG2E, check_flag, check_grid_y, check_qkv, check_sm_scale, online_softmax_update, poisoned,
+    upcast,
 )
 from llmnote.ops.attention.flash2 import _diag_bounds
 from llmnote.ops.attention.reference import (
@@ -157,23 +158,9 @@ def _fa3_inner(acc, l_i, m_i, q, desc_k, desc_v, KS, ks_base, off_b, off_hk, off
             scale = qk_scale * tl.load(KS + ks_base + start_n // QBLOCK)
         else:
             scale = qk_scale
-        if MASK:
-            cols = start_n + offs_n
-            keep = cols[None, :] < n_k  # TMA filled rows past n_k with zeros: mask them
-            if CAUSAL:
-                keep = keep & (cols[None, :] <= offs_m[:, None] + causal_shift)
-            s = tl.where(keep, s * scale, -float("inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            m_sub = tl.where(m_new == -float("inf"), 0.0, m_new)  # a row with no key yet
-            s = s - m_sub[:, None]
-        else:
-            m_new = tl.maximum(m_i, tl.max(s, 1) * scale)
-            m_sub = m_new
-            s = s * scale - m_sub[:, None]
-        p = tl.math.exp2(s)
-        alpha = tl.math.exp2(m_i - m_sub)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None]
+        # (MASK: TMA filled the rows past n_k with zeros; the update masks them)
+        p, m_new, l_i, acc = online_softmax_update(s, m_i, l_i, acc, start_n + offs_n, offs_m, n_k,
+                                                   causal_shift, scale, MASK, CAUSAL)
         if FP8:  # V^T tile (D, BN): K-major for the FP8 wgmma
             vt = desc_v.load([off_b, off_hk, 0, start_n]).reshape(HEAD_DIM, BLOCK_N)
             if UPCAST:
