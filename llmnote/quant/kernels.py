@@ -382,6 +382,26 @@ def _w4_decode_pair(words, P: tl.constexpr, mask_lo, mask_hi, w_lo, c_lo, w_hi, 
     return f_lo * w_lo - c_lo, f_hi * w_hi - c_hi
 
 
+@triton.jit
+def _w4_tile(pid, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr,
+             EVEN_N: tl.constexpr):
+    """Program ``pid``'s output tile in grouped order: ``(pid_m, offs_m, offs_n, rows,
+    cols)``. Out-of-range rows read row 0 (the store drops them). Columns wrap around
+    (as in Triton's matmul tutorial), so loads stay in bounds; only when N is a multiple
+    of 16 (EVEN_N) are they declared contiguous, hence vectorized: with another N a row
+    of qweight, scales or zeros starts at an odd address and wide loads would fault
+    ("misaligned address", seen on the H100 with N = 37)."""
+    pid_m, pid_n = _tile_coords(pid, tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP_M)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows = tl.where(offs_m < M, offs_m, 0)
+    if EVEN_N:
+        cols = tl.max_contiguous(tl.multiple_of(offs_n % N, BLOCK_N), BLOCK_N)
+    else:
+        cols = offs_n % N
+    return pid_m, offs_m, offs_n, rows, cols
+
+
 @triton.jit(do_not_specialize=["SPLIT_K", "NIBBLE"])
 def _w4a16_kernel(
     x_ptr, qw_ptr, s_ptr, z_ptr, c_ptr, bias_ptr, ws_ptr, cnt_ptr, M, N, K, SPLIT_K, NIBBLE,
@@ -416,20 +436,7 @@ def _w4a16_kernel(
     mask_hi = NIBBLE << 4
     pid = tl.program_id(0)
     pid_k = tl.program_id(1)
-    num_pid_m = tl.cdiv(M, BLOCK_M)
-    num_pid_n = tl.cdiv(N, BLOCK_N)
-    pid_m, pid_n = _tile_coords(pid, num_pid_m, num_pid_n, GROUP_M)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    rows = tl.where(offs_m < M, offs_m, 0)  # out-of-range rows read row 0; the store drops them
-    # Columns wrap around (as in Triton's matmul tutorial): loads stay in bounds. Only when
-    # N is a multiple of 16 are they declared contiguous (so vectorized): with another N a
-    # row of qweight, scales or zeros starts at an odd address and wide loads would fault
-    # ("misaligned address", seen on the H100 with N = 37).
-    if EVEN_N:
-        cols = tl.max_contiguous(tl.multiple_of(offs_n % N, BLOCK_N), BLOCK_N)
-    else:
-        cols = offs_n % N
+    pid_m, offs_m, offs_n, rows, cols = _w4_tile(pid, M, N, BLOCK_M, BLOCK_N, GROUP_M, EVEN_N)
     n_steps = tl.cdiv(K, BLOCK_K)
     iters = tl.cdiv(tl.cdiv(n_steps, SPLIT_K), SUB)
     step0 = pid_k * iters * SUB
@@ -556,16 +563,7 @@ def _w4a16_tile_kernel(
     mask_hi = NIBBLE << 4
     pid = tl.program_id(0)
     pid_k = tl.program_id(1)
-    num_pid_m = tl.cdiv(M, BLOCK_M)
-    num_pid_n = tl.cdiv(N, BLOCK_N)
-    pid_m, pid_n = _tile_coords(pid, num_pid_m, num_pid_n, GROUP_M)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    rows = tl.where(offs_m < M, offs_m, 0)
-    if EVEN_N:
-        cols = tl.max_contiguous(tl.multiple_of(offs_n % N, BLOCK_N), BLOCK_N)
-    else:
-        cols = offs_n % N
+    pid_m, offs_m, offs_n, rows, cols = _w4_tile(pid, M, N, BLOCK_M, BLOCK_N, GROUP_M, EVEN_N)
     n_steps = tl.cdiv(K, BLOCK_K)
     per = tl.cdiv(n_steps, SPLIT_K)
     lo = pid_k * per
