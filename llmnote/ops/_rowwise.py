@@ -52,6 +52,7 @@ from dataclasses import dataclass
 
 import torch
 import triton
+import triton.language as tl
 
 from llmnote import device
 from llmnote.ops._validate import check_same, check_tensor
@@ -181,6 +182,24 @@ def bwd_config(n: int, element_size: int, tensors: int = 2, arrays: int = 3) -> 
     elif num_warps == 32 and cfg.per_thread <= 8 and 3 * tile_bytes <= SMEM_FOR_STAGES:
         cfg = RowConfig(block_m, block_n, num_warps, 3)
     return cfg
+
+
+@triton.jit
+def load_chunk(x_ptr, dy_ptr, w_ptr, rows, row_ok, c0, N, stride_xm, stride_xn, stride_dym,
+               stride_dyn, stride_wn, DX_CHUNK: tl.constexpr):
+    """Columns ``[c0, c0 + DX_CHUNK)`` for a norm backward's second pass over long rows:
+    ``(x, g = dy * w, columns, mask)``, ``x`` and ``g`` in fp32. The loads hit the caches
+    (the first pass read these rows a moment ago); ``evict_first`` keeps them from
+    pushing out the tiles still to come."""
+    ccols = c0 + tl.arange(0, DX_CHUNK)
+    cmask = row_ok & (ccols[None, :] < N)
+    xc = tl.load(x_ptr + rows[:, None] * stride_xm + ccols[None, :] * stride_xn,
+                 mask=cmask, other=0.0, eviction_policy="evict_first")
+    dyc = tl.load(dy_ptr + rows[:, None] * stride_dym + ccols[None, :] * stride_dyn,
+                  mask=cmask, other=0.0, eviction_policy="evict_first")
+    wc = tl.load(w_ptr + ccols * stride_wn, mask=ccols < N, other=0.0)
+    gc = dyc.to(tl.float32) * wc.to(tl.float32)[None, :]
+    return xc.to(tl.float32), gc, ccols, cmask
 
 
 def launch_forward(kernel, m: int, args: tuple, constexprs: dict, cfg: RowConfig,

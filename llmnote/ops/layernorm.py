@@ -38,7 +38,7 @@ import triton.language as tl
 from llmnote import device
 from llmnote.ops._rowwise import (
     MAX_N, SMEM_FOR_STAGES, RowConfig, as_rows, bwd_config, cdiv, check_eps, check_param,
-    check_row_length, fwd_config, launch_forward, resident_programs,
+    check_row_length, fwd_config, launch_forward, load_chunk, resident_programs,
 )
 from llmnote.ops._validate import check_tensor
 
@@ -122,15 +122,10 @@ def _layernorm_bwd_kernel(
         else:  # long rows: xh and g are not kept; a second pass re-reads the row from
             # the caches (L1/L2: it was loaded a moment ago), DX_CHUNK columns at a time
             for c0 in tl.range(0, N, DX_CHUNK):
-                ccols = c0 + tl.arange(0, DX_CHUNK)
-                cmask = row_ok & (ccols[None, :] < N)
-                xc = tl.load(x_ptr + rows[:, None] * stride_xm + ccols[None, :] * stride_xn,
-                             mask=cmask, other=0.0, eviction_policy="evict_first")
-                dyc = tl.load(dy_ptr + rows[:, None] * stride_dym + ccols[None, :] * stride_dyn,
-                              mask=cmask, other=0.0, eviction_policy="evict_first")
-                wc = tl.load(w_ptr + ccols * stride_wn, mask=ccols < N, other=0.0)
-                xhc = (xc.to(tl.float32) - mean[:, None]) * rstd[:, None]
-                gc = dyc.to(tl.float32) * wc.to(tl.float32)[None, :]
+                xc, gc, ccols, cmask = load_chunk(x_ptr, dy_ptr, w_ptr, rows, row_ok, c0, N,
+                                                  stride_xm, stride_xn, stride_dym, stride_dyn,
+                                                  stride_wn, DX_CHUNK)
+                xhc = (xc - mean[:, None]) * rstd[:, None]
                 dxc = (gc - xhc * c1[:, None] - c2[:, None]) * rstd[:, None]
                 tl.store(dx_ptr + rows[:, None] * stride_dxm + ccols[None, :],
                          dxc.to(dx_ptr.dtype.element_ty), mask=cmask)  # write MN

@@ -47,7 +47,7 @@ import triton.language as tl
 from llmnote import device
 from llmnote.ops._rowwise import (
     MAX_N, RowConfig, as_rows, bwd_config, cdiv, check_eps, check_param, check_row_length,
-    fwd_config, launch_forward, resident_programs,
+    fwd_config, launch_forward, load_chunk, resident_programs,
 )
 from llmnote.ops._validate import check_same, check_tensor
 
@@ -140,15 +140,10 @@ def _rmsnorm_bwd_kernel(
                      dx.to(dx_ptr.dtype.element_ty), mask=mask)  # write MN
         else:  # long rows: a second pass re-reads x and dy from the caches (see _rowwise)
             for c0 in tl.range(0, N, DX_CHUNK):
-                ccols = c0 + tl.arange(0, DX_CHUNK)
-                cmask = row_ok & (ccols[None, :] < N)
-                xc = tl.load(x_ptr + rows[:, None] * stride_xm + ccols[None, :] * stride_xn,
-                             mask=cmask, other=0.0, eviction_policy="evict_first")
-                dyc = tl.load(dy_ptr + rows[:, None] * stride_dym + ccols[None, :] * stride_dyn,
-                              mask=cmask, other=0.0, eviction_policy="evict_first")
-                wc = tl.load(w_ptr + ccols * stride_wn, mask=ccols < N, other=0.0)
-                gc = dyc.to(tl.float32) * wc.to(tl.float32)[None, :]
-                dxc = (gc - xc.to(tl.float32) * rstd[:, None] * c[:, None]) * rstd[:, None]
+                xc, gc, ccols, cmask = load_chunk(x_ptr, dy_ptr, w_ptr, rows, row_ok, c0, N,
+                                                  stride_xm, stride_xn, stride_dym, stride_dyn,
+                                                  stride_wn, DX_CHUNK)
+                dxc = (gc - xc * rstd[:, None] * c[:, None]) * rstd[:, None]
                 if HAS_DH:
                     dxc += tl.load(dh_ptr + rows[:, None] * stride_dhm
                                    + ccols[None, :] * stride_dhn,
