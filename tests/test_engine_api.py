@@ -153,6 +153,39 @@ def test_stop_tokens_and_eos(model):
     assert out.token_ids == full
 
 
+@pytest.mark.parametrize("steps", [3, 8])
+def test_multi_step_decoding_changes_no_token(model, steps):
+    """``decode_steps > 1`` runs several decode steps per host synchronisation; a request
+    sees the same tokens, stop reasons and stream as with one step at a time: greedy,
+    seeded sampling with top-k/top-p, a stop token met inside a run, max_tokens reached
+    inside a run, and blocks for the extra steps reserved and all given back."""
+    full = make(model).generate([[11, 12, 13]], GREEDY, use_tqdm=False)[0].token_ids
+    prompts = [[11, 12, 13], [3, 1, 4, 1, 5, 9, 2, 6], [2, 7], [5] * 9]
+    params = [SamplingParams(temperature=0, max_tokens=12, stop_token_ids=[full[4]]),
+              SamplingParams(temperature=0.9, top_k=30, top_p=0.9, max_tokens=10, seed=3,
+                             ignore_eos=True),
+              SamplingParams(temperature=0, max_tokens=5, ignore_eos=True),
+              SamplingParams(temperature=1.0, max_tokens=11, seed=8, ignore_eos=True)]
+
+    def run(k):
+        llm = make(model, decode_steps=k)
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        events = [(e.index, e.token_id, e.finished, e.finish_reason)
+                  for e in make(model, decode_steps=k).stream(prompts, params)]
+        assert llm.scheduler.blocks.num_free == llm.runner.num_blocks
+        llm.scheduler.blocks.check()
+        return llm, [(o.token_ids, o.finish_reason) for o in outs], events
+
+    one, want, want_events = run(1)
+    many, got, got_events = run(steps)
+    assert got == want and sorted(got_events) == sorted(want_events)
+    assert want[0][1] == "stop" and len(want[0][0]) == 5  # stopped inside a run
+    assert one.runner.num_decode_runs == 0 and many.runner.num_decode_runs > 0
+    assert len(many.step_log) == len(one.step_log)  # one log entry per decode step still
+    per_step = [len(s["seq_ids"]) for s in many.step_log]
+    assert per_step == [len(s["seq_ids"]) for s in one.step_log]
+
+
 def test_load_by_name_and_folder():
     from llmnote.models.shakespeare import CHECKPOINT_DIR, has_checkpoint
 

@@ -31,6 +31,9 @@ MODES = {
                           max_num_batched_tokens=13),
     "preempt": dict(enable_prefix_caching=True, enable_chunked_prefill=True,
                     max_num_batched_tokens=24, num_blocks=10),
+    # up to 4 decode steps per scheduler step, the tokens read once per run (see EngineConfig)
+    "multi-step": dict(enable_prefix_caching=True, enable_chunked_prefill=True,
+                       max_num_batched_tokens=13, decode_steps=4),
 }
 
 
@@ -113,7 +116,9 @@ def test_greedy_tokens_match_hf(case, hf_tokens, mode):
         assert sum(o.num_cached_prompt_tokens for o in outs) > 0 or mode == "preempt"
     if mode == "preempt":
         assert llm.scheduler.num_preemptions > 0
+    assert (llm.runner.num_decode_runs > 0) == (mode == "multi-step")
     assert llm.scheduler.blocks.num_free == llm.runner.num_blocks  # nothing leaked
+    llm.scheduler.blocks.check()
 
 
 GPU_MODES = ("plain", "chunked+cache", "preempt")
@@ -137,8 +142,9 @@ def test_greedy_tokens_match_hf_on_gpu(case, hf_tokens, mode, graphs, backend):
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
     outs = llm.generate(case[2], params, use_tqdm=False)
     assert [o.token_ids for o in outs] == hf_tokens
-    if graphs:
+    if graphs:  # graph decode steps, several per run once every request is admitted
         assert llm.runner.num_graph_steps > 0
+        assert llm.runner.num_decode_runs > 0 or mode == "preempt"
     if mode == "preempt":
         assert llm.scheduler.num_preemptions > 0
     assert llm.scheduler.blocks.num_free == llm.runner.num_blocks

@@ -242,6 +242,7 @@ _C = K.W4Config
 W4_VARIANTS = (K.W4_GEMV_GPU + K.W4_GEMM_GPU + [_C(16, 64, 128, 2, 4, 3, True), _C(16, 64, 128, 1, 4, 3, True, 1)]
                if device.on_gpu() else
                [_C(1, 16, 32, 2, 4, 1, False), _C(1, 16, 32, 1, 4, 3, False), _C(1, 16, 64, 1, 4, 1, False, 0, True),
+                _C(1, 16, 64, 1, 4, 1, False, 3), _C(1, 16, 256, 1, 4, 2, False, 3, True),
                 _C(16, 16, 64, 1, 4, 1, True, 2), _C(16, 16, 32, 1, 4, 1, True, 2),
                 _C(16, 16, 64, 1, 4, 1, True, 1), _C(16, 16, 128, 1, 4, 1, True)])
 

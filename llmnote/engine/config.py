@@ -18,6 +18,16 @@ Graphs are captured for the batch sizes 1, 2, 4, 8, 16, 32, ... below
 ``max_num_seqs`` and ``max_num_seqs`` itself; a decode step of ``B``
 sequences replays the smallest graph of at least ``B`` (padded rows write to a
 scratch block nobody reads).
+
+Multi-step decoding (``decode_steps``): when every running sequence is
+decoding and none waits, the engine may run up to ``decode_steps`` decode
+steps back to back, each step's sampled tokens fed to the next on the device,
+and read the tokens on the host once at the end (vLLM's multi-step
+scheduling). The host's work between steps (scheduling, filling the inputs,
+reading the tokens) then overlaps the GPU's instead of leaving it idle; a
+sequence that stops inside the run drops the tokens computed after its stop.
+``None`` (the default): 8 with CUDA graphs, 1 (off) without; an int forces it
+(1: off).
 """
 
 from __future__ import annotations
@@ -42,11 +52,12 @@ class EngineConfig:
     # model_runner.default_backend (paged on a GPU where its shapes allow, else flash)
     seed: int = 0  # the generator of requests that carry no seed of their own
     cuda_graphs: bool | None = None  # None: on when the model is on a CUDA GPU
+    decode_steps: int | None = None  # None: 8 with CUDA graphs, else 1
 
     def __post_init__(self) -> None:
         for name in ("block_size", "cpu_num_blocks", "max_num_batched_tokens", "max_num_seqs"):
             check_int(name, getattr(self, name), min_value=1)
-        for name in ("num_blocks", "max_model_len"):
+        for name in ("num_blocks", "max_model_len", "decode_steps"):
             if getattr(self, name) is not None:
                 check_int(name, getattr(self, name), min_value=1)
         if not 0.0 < self.gpu_memory_utilization <= 1.0:

@@ -28,7 +28,7 @@ import torch
 from llmnote.engine.config import EngineConfig
 from llmnote.engine.model_runner import ModelRunner
 from llmnote.engine.sampling_params import SamplingParams
-from llmnote.engine.scheduler import Scheduler
+from llmnote.engine.scheduler import ScheduledBatch, Scheduler
 from llmnote.engine.sequence import Sequence
 from llmnote.models.llama import Llama
 from llmnote.models.presets import PRESETS
@@ -176,14 +176,34 @@ class LLM:
 
     # ------------------------------------------------------------ stepping
     def step(self) -> list[Sequence]:
-        """Run one scheduler step; returns the sequences that got a new token."""
+        """Run one scheduler step; returns the sequences that got new tokens (several each
+        when the step ran several decode steps back to back, see
+        :meth:`Scheduler.decode_steps`)."""
         batch = self.scheduler.schedule()
         if not batch.items:
             if self.scheduler.has_work():  # cannot happen: admission guarantees progress
                 raise RuntimeError("the scheduler found nothing to run with requests pending")
             return []
-        chunks = batch.chunks()  # (id, new tokens, "decode" | "prefill") per sequence
-        sampled = self.runner.run(batch)
+        steps = self.scheduler.decode_steps(batch, self.runner.decode_steps)
+        if steps == 1:
+            chunks = batch.chunks()  # (id, new tokens, "decode" | "prefill") per sequence
+            got = self._finish_step(batch, chunks, self.runner.run(batch))
+        else:
+            got, blocks = [], self.scheduler.blocks
+            for t, sampled in enumerate(self.runner.run_steps(batch, steps)):
+                # what a scheduled step does for its sequences: their computed blocks are
+                # registered for the prefix cache (step 0's were, by schedule())
+                batch = ScheduledBatch([(s, 1) for s, _ in batch.items if not s.is_finished])
+                if not batch.items:
+                    break  # every sequence stopped: later tokens are dropped
+                for s, _ in batch.items if t else ():
+                    blocks.commit(s.block_table, s.token_ids, s.num_computed + 1)
+                got += self._finish_step(batch, batch.chunks(), sampled)
+        return list(dict.fromkeys(got))
+
+    def _finish_step(self, batch: ScheduledBatch, chunks: list, sampled: dict[int, int]
+                     ) -> list[Sequence]:
+        """Append the sampled tokens, finish what stops, log the step."""
         got = self.scheduler.postprocess(batch, sampled, self.eos_token_ids, time.perf_counter())
         live, held = self.scheduler.live_slots()  # after the step: its keys are written
         self.step_log.append(dict(tokens=batch.num_tokens, seqs=len(batch), live_slots=live,
@@ -228,9 +248,14 @@ class LLM:
         """Yield each token of these requests as soon as it is sampled."""
         seqs = self._add_all(prompts, params)
         index = {s.seq_id: i for i, s in enumerate(seqs)}
+        sent = dict.fromkeys(index, 0)  # output tokens yielded per request
         while any(not s.is_finished for s in seqs):
             for s in self.step():
-                if s.seq_id in index:
-                    tok = s.token_ids[-1]
-                    yield StreamEvent(index[s.seq_id], s.seq_id, tok, self._decode([tok]),
-                                      s.is_finished, s.finish_reason)
+                if s.seq_id not in index:
+                    continue
+                out = s.output_ids
+                for j in range(sent[s.seq_id], len(out)):
+                    last = s.is_finished and j == len(out) - 1
+                    yield StreamEvent(index[s.seq_id], s.seq_id, out[j], self._decode([out[j]]),
+                                      last, s.finish_reason if last else None)
+                sent[s.seq_id] = len(out)

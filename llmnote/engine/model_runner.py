@@ -37,6 +37,13 @@ backend), whose chunks are sized on the device from each sequence's length,
 and RoPE reads cos/sin from a table made once on the device. Steps with
 prefill chunks run eagerly. Sampling runs on the GPU after the graph; the one
 host synchronisation per step is reading the sampled ids (one per sequence).
+
+Multi-step decoding (:meth:`ModelRunner.run_steps`, ``EngineConfig.decode_steps``):
+when the scheduler grants several decode steps in a row, the inputs of all of
+them go up in the same one copy, each step's sampled ids are copied on the
+device into the next step's token ids, and the host reads the ids of all the
+steps at the end. The host then queues the steps while the GPU runs them, and
+the GPU does not wait on the host between them.
 """
 
 from __future__ import annotations
@@ -50,7 +57,7 @@ from llmnote import device
 from llmnote.engine.attention import BACKENDS, AttentionMetadata, write_kv
 from llmnote.engine.qkv_kernel import qk_norm_rope_write, qk_norm_rope_write_ref
 from llmnote.engine.config import EngineConfig
-from llmnote.engine.sampler import sample
+from llmnote.engine.sampler import sample, sampling_tensors
 from llmnote.engine.scheduler import ScheduledBatch
 from llmnote.models.llama import Llama
 from llmnote.ops.rope import rope_ref
@@ -130,6 +137,8 @@ class ModelRunner:
                              f"{self.device}; pass cuda_graphs=None (graphs where possible) or "
                              "False")
         self.use_graphs = is_cuda and config.cuda_graphs is not False
+        # multi-step decoding: the most decode steps one call of run_steps may take
+        self.decode_steps = config.decode_steps or (8 if self.use_graphs else 1)
         self.num_blocks = choose_num_blocks(model, config, self.dtype, self.device)
         # with graphs, one more block: the scratch block that padded rows write to
         shape = (self.num_blocks + self.use_graphs, config.block_size, c.num_key_value_heads,
@@ -146,6 +155,7 @@ class ModelRunner:
         self.default_generator = torch.Generator(device=self.device).manual_seed(config.seed)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}  # size -> graph, logits
         self.num_graph_steps = 0  # decode steps replayed from a graph
+        self.num_decode_runs = 0  # multi-step decode runs (run_steps calls)
         self._fuse_weights()
         self.rope_table = self._rope_table()
         if self.use_graphs:
@@ -332,8 +342,9 @@ class ModelRunner:
         per call on the H100, and only at 128 tokens faster, so there is one graph.)
 
         The inputs live in one int32 buffer on the device, ``[ids | positions | slots |
-        context lengths | block tables]`` (``n = max_num_seqs`` entries each, the tables
-        ``n x width``), filled from one pinned host buffer by one copy per step."""
+        context lengths]`` (``n = max_num_seqs`` entries each) once per decode step of a
+        multi-step run (``decode_steps`` times; the graph reads the first), then the block
+        tables (``n x width``), filled from one pinned host buffer by one copy per run."""
         from llmnote.engine.paged_kernel import decode_splits
 
         n, bs = self.config.max_num_seqs, self.config.block_size
@@ -341,12 +352,13 @@ class ModelRunner:
         scratch = self.num_blocks  # the extra block
         dev = self.device
         self.g_width = width
-        self.g_in = torch.zeros(n * (4 + width), dtype=torch.int32, device=dev)
+        self.g_cols = 4 * n * self.decode_steps  # the columns of every step, then the tables
+        self.g_in = torch.zeros(self.g_cols + n * width, dtype=torch.int32, device=dev)
         self.h_in = torch.zeros_like(self.g_in, device="cpu").pin_memory()
         self.h_np = self.h_in.numpy()
         self.copy_done = torch.cuda.Event()  # the last copy out of h_in
         self.g_ids, self.g_pos, self.g_slots, self.g_ctx = self.g_in[:4 * n].view(4, n)
-        self.g_tables = self.g_in[4 * n:].view(n, width)
+        self.g_tables = self.g_in[self.g_cols:].view(n, width)
         self.g_slots.fill_(scratch * bs)
         self.g_tables.fill_(scratch)
         self.g_ctx.fill_(1)
@@ -366,40 +378,112 @@ class ModelRunner:
             self.graphs[b] = (g, out)
         torch.cuda.synchronize(dev)
 
-    def _replay(self, batch: ScheduledBatch) -> torch.Tensor | None:
-        """Logits ``(len(batch), vocab)`` of a one-token-per-sequence step from a graph, or
-        None when the step needs the eager path."""
+    def _graph_size(self, batch: ScheduledBatch) -> int | None:
+        """The captured batch size a one-token-per-sequence step replays, or None when
+        the step needs the eager path."""
         b = len(batch.items)
-        n = self.config.max_num_seqs
-        if not self.graphs or b > n or any(k != 1 for _, k in batch.items):
+        if not self.graphs or b > self.config.max_num_seqs or any(k != 1 for _, k in batch.items):
             return None
-        size = min(s for s in self.graphs if s >= b)
-        bs, scratch, width = self.config.block_size, self.num_blocks, self.g_width
-        # the pinned buffer is rewritten only once the previous step's copy from it is done
+        return min(s for s in self.graphs if s >= b)
+
+    def _stage(self, batch: ScheduledBatch, size: int, steps: int) -> None:
+        """Copy the inputs of ``steps`` decode steps of ``batch`` to the graph's buffer: the
+        columns of step ``t`` (ids, positions, slots, context lengths) at ``t * 4n``, the
+        block tables after them; step ``t > 0``'s ids are filled on the device (the tokens
+        of step ``t - 1``). One copy from the pinned buffer."""
+        n, bs, scratch, width = self.config.max_num_seqs, self.config.block_size, self.num_blocks, self.g_width
+        # the pinned buffer is rewritten only once the previous copy from it is done
         # (usually long since: that step's sampled ids were read; not so when none sampled)
         self.copy_done.synchronize()
         h = self.h_np
-        cols, tables = h[:4 * n].reshape(4, n), h[4 * n:].reshape(n, width)
+        cols, tables = h[:self.g_cols].reshape(-1, 4, n), h[self.g_cols:].reshape(n, width)
+        b = len(batch.items)
         longest = 0
         for r, (seq, _) in enumerate(batch.items):
             p = seq.num_computed
             table = seq.block_table
-            cols[0, r], cols[1, r] = seq.token_ids[p], p
-            cols[2, r], cols[3, r] = table[p // bs] * bs + p % bs, p + 1
+            for t in range(steps):
+                q = p + t
+                cols[t, 0, r], cols[t, 1, r] = (seq.token_ids[q] if t == 0 else 0), q
+                cols[t, 2, r], cols[t, 3, r] = table[q // bs] * bs + q % bs, q + 1
             tables[r, :len(table)] = table
             longest = max(longest, len(table))
         if size > b:  # padded rows: the scratch block, one token of context
-            cols[:, b:size] = np.array([0, 0, scratch * bs, 1], dtype=np.int32)[:, None]
+            cols[:steps, :, b:size] = np.array([0, 0, scratch * bs, 1], dtype=np.int32)[:, None]
             tables[b:size, :longest] = scratch
         # columns past a row's own blocks are never read (its context length bounds them);
-        # the buffer's prefix up to the last used table row is all the step needs
-        m = 4 * n + size * width
+        # the tables up to the last used row are all the step needs
+        m = 4 * n * steps
         self.g_in[:m].copy_(self.h_in[:m], non_blocking=True)
+        t0 = self.g_cols
+        self.g_in[t0:t0 + size * width].copy_(self.h_in[t0:t0 + size * width], non_blocking=True)
         self.copy_done.record()
+
+    def _replay(self, batch: ScheduledBatch) -> torch.Tensor | None:
+        """Logits ``(len(batch), vocab)`` of a one-token-per-sequence step from a graph, or
+        None when the step needs the eager path."""
+        size = self._graph_size(batch)
+        if size is None:
+            return None
+        self._stage(batch, size, 1)
         g, out = self.graphs[size]
         g.replay()
         self.num_graph_steps += 1
-        return out[:b]
+        return out[:len(batch.items)]
+
+    def run_steps(self, batch: ScheduledBatch, steps: int) -> list[dict[int, int]]:
+        """Run ``steps`` decode steps of a decode-only ``batch`` back to back (multi-step
+        decoding): each step's sampled tokens are the next step's input on the device,
+        and the host reads them once, at the end. The blocks for every step must be
+        reserved (:meth:`Scheduler.decode_steps`). Returns ``seq_id -> token`` per step;
+        the caller drops what follows a sequence's stop."""
+        b = len(batch.items)
+        seqs = [seq for seq, _ in batch.items]
+        gens = [self.generator(s.seq_id, s.params.seed) for s in seqs]
+        params = [s.params for s in seqs]
+        prepared = sampling_tensors(params, gens, self.device)
+        size = self._graph_size(batch)
+        tokens = []
+        if size is not None:
+            self._stage(batch, size, steps)
+            g, out = self.graphs[size]
+            n = self.config.max_num_seqs
+            for t in range(steps):
+                if t:  # this step's columns to the graph's, its ids from the last step
+                    self.g_in[:4 * n].copy_(self.g_in[4 * n * t:4 * n * (t + 1)])
+                    self.g_ids[:b].copy_(tokens[-1])
+                g.replay()
+                self.num_graph_steps += 1
+                tokens.append(sample(out[:b], params, gens, prepared))
+        else:  # eager: the same steps through the model runner's forward
+            ids = None
+            for t in range(steps):
+                ids, pos, meta = self._decode_inputs(batch, t, ids)
+                with torch.no_grad():
+                    logits = self.forward(ids, pos, meta, list(range(b)))
+                ids = sample(logits, params, gens, prepared)
+                tokens.append(ids)
+        rows = torch.stack(tokens).tolist()  # the run's one synchronisation
+        self.num_decode_runs += 1
+        return [{s.seq_id: tok for s, tok in zip(seqs, row)} for row in rows]
+
+    def _decode_inputs(self, batch: ScheduledBatch, t: int, ids: torch.Tensor | None
+                       ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        """Eager inputs of step ``t`` of a multi-step decode run: positions and slots follow
+        from each sequence's progress; the ids are the previous step's tokens (``ids``) or,
+        at ``t = 0``, each sequence's last token."""
+        bs = self.config.block_size
+        pos = [seq.num_computed + t for seq, _ in batch.items]
+        slots = [seq.block_table[p // bs] * bs + p % bs for (seq, _), p in zip(batch.items, pos)]
+
+        def as_t(xs: list[int]) -> torch.Tensor:
+            return torch.tensor(xs, dtype=torch.long).to(self.device, non_blocking=True)
+
+        if ids is None:
+            ids = as_t([seq.token_ids[p] for (seq, _), p in zip(batch.items, pos)])
+        meta = AttentionMetadata(as_t(slots), list(range(len(pos) + 1)), [p + 1 for p in pos],
+                                 [seq.block_table for seq, _ in batch.items], bs)
+        return ids, as_t(pos), meta
 
     # ------------------------------------------------------------ sampling
     def generator(self, seq_id: int, seed: int | None) -> torch.Generator:

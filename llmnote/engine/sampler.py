@@ -11,6 +11,8 @@ the same tokens whatever it is batched with.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from llmnote.engine.sampling_params import SamplingParams
@@ -34,33 +36,61 @@ def filter_logits(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
     return torch.empty_like(logits).scatter_(-1, order, sorted_l)
 
 
-def sample(logits: torch.Tensor, params: list[SamplingParams],
-           generators: list[torch.Generator]) -> torch.Tensor:
-    """Next token ids ``(B,)`` int64 for logits ``(B, V)`` (any float dtype)."""
-    greedy = logits.argmax(-1)  # (on the logits' own dtype: the same maximum, no fp32 copy)
+@dataclass
+class SamplingTensors:
+    """What :func:`sample` needs besides the logits, built once for a batch (see
+    :func:`sampling_tensors`) so that sampling several steps of the same batch copies nothing
+    from the host: the rows that do not take the argmax, their temperatures, top-k
+    and top-p on the device, and which rows draw from which generator."""
+
+    rows: torch.Tensor  # (R,) int64: the non-greedy rows of the batch
+    temperature: torch.Tensor  # (R,) fp32
+    top_k: torch.Tensor  # (R,) int64
+    top_p: torch.Tensor  # (R,) fp32
+    filtered: bool  # some row has a top-k or top-p to apply (the sort is costly)
+    draws: list[tuple[torch.Generator, torch.Tensor | int]]  # generator, its rows of the R
+
+
+def sampling_tensors(params: list[SamplingParams], generators: list[torch.Generator],
+            device: torch.device | str) -> SamplingTensors | None:
+    """The :class:`SamplingTensors` of a batch; None when every row is greedy."""
     rows = [i for i, p in enumerate(params) if not p.greedy]
     if not rows:
-        return greedy
-    logits = logits.float()
-    dev = logits.device
-    sub = logits[rows]
-    temp = torch.tensor([params[i].temperature for i in rows], device=dev)
-    top_k = torch.tensor([params[i].top_k for i in rows], device=dev)
-    top_p = torch.tensor([params[i].top_p for i in rows], device=dev)
-    scaled = sub / temp[:, None]
-    if any(params[i].top_k > 0 or params[i].top_p < 1 for i in rows):  # the sort is costly
-        scaled = filter_logits(scaled, top_k, top_p)
-    probs = scaled.softmax(-1)
-    noise = torch.empty_like(probs)
-    by_gen: dict[int, list[int]] = {}  # generator -> rows of ``sub`` it draws for
+        return None
+    by_gen: dict[int, list[int]] = {}  # generator -> rows of the R it draws for
     for j, i in enumerate(rows):
         by_gen.setdefault(id(generators[i]), []).append(j)
-    for js in by_gen.values():  # one draw per generator: unseeded requests share one
-        g = generators[rows[js[0]]]
-        if len(js) == 1:
-            noise[js[0]].exponential_(generator=g)
+    # one draw per generator: unseeded requests share one
+    draws = [(generators[rows[js[0]]], js[0] if len(js) == 1 else
+              torch.tensor(js, device=device)) for js in by_gen.values()]
+    return SamplingTensors(
+        torch.tensor(rows, device=device),
+        torch.tensor([params[i].temperature for i in rows], device=device),
+        torch.tensor([params[i].top_k for i in rows], device=device),
+        torch.tensor([params[i].top_p for i in rows], device=device),
+        any(params[i].top_k > 0 or params[i].top_p < 1 for i in rows), draws)
+
+
+def sample(logits: torch.Tensor, params: list[SamplingParams],
+           generators: list[torch.Generator], prepared: SamplingTensors | None = None
+           ) -> torch.Tensor:
+    """Next token ids ``(B,)`` int64 for logits ``(B, V)`` (any float dtype). ``prepared``:
+    :func:`sampling_tensors` of the same ``params`` and ``generators``, made once for several
+    steps; made here when not given."""
+    greedy = logits.argmax(-1)  # (on the logits' own dtype: the same maximum, no fp32 copy)
+    st = prepared if prepared is not None else sampling_tensors(params, generators, logits.device)
+    if st is None:
+        return greedy
+    sub = logits.float()[st.rows]
+    scaled = sub / st.temperature[:, None]
+    if st.filtered:
+        scaled = filter_logits(scaled, st.top_k, st.top_p)
+    probs = scaled.softmax(-1)
+    noise = torch.empty_like(probs)
+    for g, js in st.draws:
+        if isinstance(js, int):
+            noise[js].exponential_(generator=g)
         else:
-            idx = torch.tensor(js, device=dev)
-            noise[idx] = torch.empty((len(js), sub.shape[-1]), device=dev).exponential_(generator=g)
-    greedy[rows] = (probs / noise).argmax(-1)
+            noise[js] = torch.empty((len(js), sub.shape[-1]), device=sub.device).exponential_(generator=g)
+    greedy[st.rows] = (probs / noise).argmax(-1)
     return greedy

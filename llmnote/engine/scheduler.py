@@ -123,6 +123,29 @@ class Scheduler:
             budget -= n
         return ScheduledBatch(items, preempted)
 
+    def decode_steps(self, batch: ScheduledBatch, most: int) -> int:
+        """How many decode steps ``batch`` may run back to back (multi-step decoding,
+        see :class:`EngineConfig`): up to ``most`` when every running sequence is in
+        the batch and decoding, none waits, and the blocks for those tokens are free
+        (reserved here); never past a sequence's ``max_tokens`` or ``max_model_len``;
+        else 1."""
+        if most <= 1 or self.waiting or batch.num_preempted or len(batch) != len(self.running):
+            return 1
+        k = most
+        for seq, n in batch.items:
+            if n != 1 or seq.num_computed != len(seq) - 1 or seq.num_computed < seq.num_prompt_tokens:
+                return 1  # a prefill chunk (or a recompute after preemption)
+            k = min(k, seq.params.max_tokens - seq.num_output_tokens, self.max_model_len - len(seq))
+        if k <= 1:
+            return 1
+        need = sum(max(self.blocks.blocks_for(s.num_computed + k) - len(s.block_table), 0)
+                   for s, _ in batch.items)
+        if need > self.blocks.num_free:
+            return 1
+        for seq, _ in batch.items:
+            self.blocks.append_slots(seq.block_table, seq.num_computed + k)
+        return k
+
     def finish(self, seq: Sequence, reason: str) -> None:
         seq.status, seq.finish_reason = Status.FINISHED, reason
         self.running.remove(seq)

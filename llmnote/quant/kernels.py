@@ -293,11 +293,14 @@ class W4Config(NamedTuple):
     warps: int
     stages: int
     dot: bool
-    tile: int = 0  # 0: _w4a16_kernel; 1: _w4a16_tile_kernel, W tile as B; 2: ..., W^T tile as A (swap AB)
+    tile: int = 0  # 0: _w4a16_kernel; 1: _w4a16_tile_kernel, W tile as B; 2: ..., W^T tile as A (swap AB);
+    #                3: _w4a16_gemv_kernel (batch 1, steps of several groups; power-of-two group sizes)
     prefetch: bool = False  # FMA path: load step i + 1 before computing step i (register double buffer)
 
     def meta(self) -> dict:
         m = dict(BLOCK_M=self.bm, BLOCK_N=self.bn, BLOCK_K=self.bk, num_warps=self.warps, num_stages=self.stages)
+        if self.tile == 3:
+            return dict(m, PREFETCH=self.prefetch, LOOP_STAGES=self.stages)
         if self.tile:
             return dict(m, TRANS=self.tile == 2)
         return dict(m, SUB=self.sub, USE_DOT=self.dot, PREFETCH=self.prefetch, LOOP_STAGES=self.stages)
@@ -309,11 +312,13 @@ _G = W4Config
 # (stages > 1) or by hand (prefetch).
 # (H100: the tensor-core tile took 1.5-1.9x their time at batch 1 with a prefetch instead of
 # num_stages, and with num_stages 1.2-1.35x their batch-1 time already at batch 16.)
-W4_GEMV_GPU = [_G(1, 64, 128, 2, 4, 1, False), _G(1, 32, 128, 4, 4, 1, False),
-               _G(1, 64, 128, 1, 4, 3, False), _G(1, 32, 128, 1, 4, 3, False), _G(1, 128, 128, 1, 4, 3, False),
-               _G(1, 64, 256, 1, 4, 3, False), _G(1, 64, 128, 2, 4, 3, False), _G(1, 32, 256, 1, 4, 4, False),
-               _G(1, 64, 128, 1, 4, 4, False), _G(1, 64, 512, 1, 4, 2, False),
-               _G(1, 32, 256, 1, 4, 1, False, 0, True), _G(1, 64, 256, 1, 4, 1, False, 0, True)]
+W4_GEMV_GPU = [_G(1, 32, 512, 1, 4, 2, False, 3), _G(1, 32, 512, 1, 4, 1, False, 3, True),
+               _G(1, 64, 256, 1, 4, 2, False, 3), _G(1, 64, 256, 1, 4, 1, False, 3, True),
+               _G(1, 16, 1024, 1, 4, 2, False, 3), _G(1, 16, 512, 1, 4, 1, False, 3, True),
+               _G(1, 32, 1024, 1, 8, 2, False, 3), _G(1, 64, 512, 1, 8, 2, False, 3),
+               _G(1, 64, 128, 2, 4, 1, False), _G(1, 32, 128, 4, 4, 1, False),
+               _G(1, 64, 256, 1, 4, 3, False), _G(1, 64, 512, 1, 4, 2, False),
+               _G(1, 32, 256, 1, 4, 1, False, 0, True)]
 # GEMM (batch > 1): whole dequantized tiles on the tensor cores, software-pipelined (stages),
 # swap AB (tile 2: W^T x^T, the weight columns on the MMA's M side), 16 tokens per tile.
 # Not listed: the per-slice dots of _w4a16_kernel (USE_DOT; 1.6-2.6x slower than tile 2 at
@@ -323,8 +328,10 @@ W4_GEMV_GPU = [_G(1, 64, 128, 2, 4, 1, False), _G(1, 32, 128, 4, 4, 1, False),
 # interpreter); the cause was not found. Larger batches therefore run several 16-row tiles.
 W4_GEMM_GPU = [_G(16, 64, 128, 1, 4, 3, True, 2), _G(16, 128, 128, 1, 4, 3, True, 2),
                _G(16, 64, 128, 1, 4, 4, True, 2), _G(16, 128, 128, 1, 8, 3, True, 2),
-               _G(16, 32, 128, 1, 4, 3, True, 2), _G(16, 64, 64, 1, 4, 4, True, 2)]
-W4_GEMV_INTERPRETER = [W4Config(1, 16, 32, 2, 4, 1, False)]
+               _G(16, 32, 128, 1, 4, 3, True, 2), _G(16, 64, 64, 1, 4, 4, True, 2),
+               _G(16, 128, 128, 1, 4, 4, True, 2), _G(16, 256, 128, 1, 8, 3, True, 2),
+               _G(16, 64, 128, 1, 4, 5, True, 2)]
+W4_GEMV_INTERPRETER = [W4Config(1, 16, 64, 1, 4, 1, False, 3), W4Config(1, 16, 32, 2, 4, 1, False)]
 W4_GEMM_INTERPRETER = [W4Config(16, 16, 64, 1, 4, 1, True, 2)]
 
 
@@ -508,6 +515,98 @@ def _w4a16_kernel(
                    stride_cm, stride_cn, HAS_BIAS, BLOCK_M, BLOCK_N)
 
 
+@triton.jit(do_not_specialize=["SPLIT_K", "NIBBLE"])
+def _w4a16_gemv_kernel(
+    x_ptr, qw_ptr, s_ptr, z_ptr, c_ptr, bias_ptr, ws_ptr, cnt_ptr, M, N, K, SPLIT_K, NIBBLE,
+    stride_xm, stride_cm, stride_cn,
+    GROUP: tl.constexpr, HAS_BIAS: tl.constexpr, UPCAST: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr, EVEN_N: tl.constexpr, PREFETCH: tl.constexpr, LOOP_STAGES: tl.constexpr,
+):
+    """Batch-1 W4A16 with long steps: program (pid, pid_k) reduces row pid_m of x against
+    BLOCK_N columns of W over the pid_k-th slice of K, BLOCK_K channels per step.
+
+    A step may span several quantization groups: its packed words are loaded as one
+    (NG, GW, BLOCK_N) tile, NG blocks of GW packed rows that each lie in one group,
+    with one (NG, BLOCK_N) row of scales and zeros per step (so long steps, hence many
+    bytes in flight per program, cost no per-row scale loads). Decoding and the fp32
+    multiply-adds are those of :func:`_w4a16_kernel`'s FMA path (f = 16 + q / 16 for
+    even codes, 1 + q / 16 for odd ones), but the affine correction is applied per
+    packed word, so the (NG, GW, BLOCK_N) accumulator is reduced once, after the loop.
+    PREFETCH: the next step's words, scales and zeros are loaded before this step is
+    decoded (a register double buffer); LOOP_STAGES > 1: Triton pipelines the loop.
+    """
+    GW: tl.constexpr = (GROUP if GROUP < BLOCK_K else BLOCK_K) // 8  # packed rows per block
+    NG: tl.constexpr = BLOCK_K // (GW * 8)  # blocks per step
+    KW = K // 8
+    mask_lo = NIBBLE
+    mask_hi = NIBBLE << 4
+    pid = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    pid_m, offs_m, offs_n, rows, cols = _w4_tile(pid, M, N, BLOCK_M, BLOCK_N, GROUP_M, EVEN_N)
+    n_steps = tl.cdiv(K, BLOCK_K)
+    per = tl.cdiv(n_steps, SPLIT_K)
+    lo = pid_k * per
+    hi = tl.minimum(lo + per, n_steps)
+    blk = tl.arange(0, NG)
+    r = tl.arange(0, GW)
+    x_row = x_ptr + pid_m.to(tl.int64) * stride_xm
+    acc = tl.zeros((NG, GW, BLOCK_N), dtype=tl.float32)
+    if PREFETCH:
+        words_n, s_n, z_n, kw_n = _w4_gemv_load(qw_ptr, s_ptr, z_ptr, lo, hi, cols, N, KW, GROUP, BLOCK_K, NG, GW)
+    for step in tl.range(lo, hi, num_stages=LOOP_STAGES):
+        if PREFETCH:
+            words, s, z, kw = words_n, s_n, z_n, kw_n
+            words_n, s_n, z_n, kw_n = _w4_gemv_load(qw_ptr, s_ptr, z_ptr, step + 1, hi, cols, N, KW, GROUP,
+                                                    BLOCK_K, NG, GW)
+        else:
+            words, s, z, kw = _w4_gemv_load(qw_ptr, s_ptr, z_ptr, step, hi, cols, N, KW, GROUP, BLOCK_K, NG, GW)
+        t = tl.zeros((NG, GW, BLOCK_N), dtype=tl.float32)  # sum_j x_j f_j per word
+        x_lo = tl.zeros((NG, GW), dtype=tl.float32)  # sum of x_j over even j, per word
+        x_hi = tl.zeros((NG, GW), dtype=tl.float32)  # ... over odd j
+        for j in tl.static_range(8):
+            if j % 2 == 0:
+                if j <= 2:
+                    sh = words << (15 - 4 * j)
+                else:
+                    sh = words >> (4 * j - 15)
+                f = ((sh & mask_lo) | 0x41800000).to(tl.float32, bitcast=True)  # 16 + q / 16
+            else:
+                f = ((sh & mask_hi) | 0x3F800000).to(tl.float32, bitcast=True)  # 1 + q / 16
+            xf = tl.load(x_row + kw * 8 + j).to(tl.float32)  # (NG, GW)
+            t += xf[:, :, None] * f
+            if j % 2 == 0:
+                x_lo += xf
+            else:
+                x_hi += xf
+        # sum_j x_j (q_j - z) s = 16 s (t - 16 x_lo - x_hi) - z s (x_lo + x_hi), per word
+        acc += (t - (16.0 * x_lo + x_hi)[:, :, None]) * (s * 16.0) - (x_lo + x_hi)[:, :, None] * (z * s)
+    out = tl.sum(tl.sum(acc, axis=1), axis=0)[None, :]
+    _w4_store_tile(out, offs_m, offs_n, cols, pid, pid_k, c_ptr, bias_ptr, ws_ptr, cnt_ptr, M, N, SPLIT_K,
+                   stride_cm, stride_cn, HAS_BIAS, BLOCK_M, BLOCK_N)
+
+
+@triton.jit
+def _w4_gemv_load(qw_ptr, s_ptr, z_ptr, step, hi, cols, N, KW, GROUP: tl.constexpr, BLOCK_K: tl.constexpr,
+                  NG: tl.constexpr, GW: tl.constexpr):
+    """Step ``step`` of :func:`_w4a16_gemv_kernel`: words (NG, GW, BN) int32, scales and zeros
+    (NG, 1, BN) fp32, packed-row indices (NG, GW). Blocks past K read the last packed row
+    (unmasked) and get scale and zero 0; a step at or past ``hi`` (the prefetch after the
+    last step of a slice) loads nothing."""
+    kb = step * (BLOCK_K // 8) + tl.arange(0, NG) * GW  # first packed row of each block
+    live = (kb * 0 + step) < hi  # (NG,): the same for every block
+    ok = kb < KW
+    kw = tl.minimum(kb[:, None] + tl.arange(0, GW)[None, :], KW - 1)  # (NG, GW)
+    words = tl.load(qw_ptr + kw.to(tl.int64)[:, :, None] * N + cols[None, None, :], mask=live[:, None, None],
+                    other=0)
+    g = (tl.minimum(kb, KW - 1) * 8 // GROUP).to(tl.int64)
+    sz = g[:, None] * N + cols[None, :]
+    m = (ok & live)[:, None]
+    s = tl.load(s_ptr + sz, mask=m, other=0.0).to(tl.float32)[:, None, :]
+    z = tl.load(z_ptr + sz, mask=m, other=0.0).to(tl.float32)[:, None, :]
+    return words, s, z, kw
+
+
 @triton.jit
 def _w4_store_tile(out, offs_m, offs_n, cols, pid, pid_k, c_ptr, bias_ptr, ws_ptr, cnt_ptr, M, N, SPLIT_K,
                    stride_cm, stride_cn, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
@@ -656,6 +755,11 @@ TUNE_LOG: dict[tuple, list[tuple[W4Config, int, float]]] = {}  # key -> (config,
 W4_AUTOTUNE = True  # False: take the first candidate (tests use this to keep GPU compile time small)
 
 
+def _gemv_ok(group: int) -> bool:
+    """Whether :func:`_w4a16_gemv_kernel` takes this group size (a power of two, >= 8)."""
+    return group >= 8 and group & (group - 1) == 0
+
+
 def _candidates(M: int, N: int, K: int, group: int, dev, split_k: int | None) -> list[tuple[W4Config, int]]:
     gemv = M <= GEMV_MAX_M
     if device.interpreting():
@@ -665,6 +769,8 @@ def _candidates(M: int, N: int, K: int, group: int, dev, split_k: int | None) ->
     bm_cap = max(16, triton.next_power_of_2(M))
     out = []
     for c in configs:
+        if c.tile == 3 and not _gemv_ok(group):
+            continue
         if not c.dot:
             c = c._replace(bm=1)  # the FMA path: one row per program
         elif c.bm > bm_cap:
@@ -673,7 +779,7 @@ def _candidates(M: int, N: int, K: int, group: int, dev, split_k: int | None) ->
             splits = [split_k]
         else:
             s = default_split_k(M, N, K, dev, c)
-            splits = [s] if s == 1 else [s, s // 2]
+            splits = [s] if s == 1 else [s, s // 2] + ([1] if c.tile == 3 else [])
         out += [(c, s) for s in splits if (c, s) not in out]
     return out
 
@@ -714,6 +820,8 @@ def w4a16_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, z
                 UPCAST=device.interpreting() and x.dtype == torch.bfloat16)
     key = (triton.next_power_of_2(M), N, K, group_size, split_k, x.dtype, bias is not None, x.device)
     if config is not None:
+        if config.tile == 3 and not _gemv_ok(group_size):
+            raise ValueError(f"config {config} (tile 3) needs a power-of-two group_size, got {group_size}")
         config = config if config.dot else config._replace(bm=1)
         cands = [(config, split_k or default_split_k(M, N, K, x.device, config))]
     elif key in _TUNED:
@@ -727,7 +835,7 @@ def w4a16_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, z
         bm = cfg.bm
         grid = (triton.cdiv(M, bm) * triton.cdiv(N, cfg.bn), split)
         args = (x2, qweight, scales, zeros, c, bias if bias is not None else c, ws, cnt, M, N, K, split)
-        kernel = _w4a16_tile_kernel if cfg.tile else _w4a16_kernel
+        kernel = {0: _w4a16_kernel, 3: _w4a16_gemv_kernel}.get(cfg.tile, _w4a16_tile_kernel)
         kernel[grid](*args, 0x78000, x2.stride(0), c.stride(0), c.stride(1), **meta, **cfg.meta())
 
     if len(cands) > 1 and W4_AUTOTUNE and x.is_cuda and not torch.cuda.is_current_stream_capturing():

@@ -1,0 +1,336 @@
+"""Matrix-vector products for decode (batch 1 to 16), with fused prologues.
+
+A decode step multiplies a few activation rows ``x`` (M x K, M = batch) by
+each weight matrix ``W`` (N x K)::
+
+    y[m, n] = sum_k x[m, k] * W[n, k] (+ bias[n])
+
+With M <= 16 there are at most 32 FLOPs per weight element read: the product is
+bound by reading ``W`` (2 N K bytes in bf16) from HBM, and for the matrices of a
+small model (2-8 MB) by *latency*: an H100 needs about 2 MB of loads in flight
+(bandwidth x latency) to reach its bandwidth, so a small GEMV must issue
+almost all its weight loads at once. The kernel here gives each program a tile
+of ``BLOCK_N`` weight rows and walks K in chunks of ``BLOCK_K`` (for the small
+models often a single chunk: the whole tile is requested up front), with many
+programs in flight. Batch 1 reduces each weight row against ``x`` with FMAs;
+batch 2-16 either broadcasts (FMA) or pads the batch to 16 rows and uses the
+tensor cores (``tl.dot``). Accumulation is fp32; the output has x's dtype.
+
+Two prologues fold the element-wise kernel that feeds a projection in a
+transformer block into the GEMV, saving a launch and a round trip of the
+activations through memory:
+
+* :func:`add_rmsnorm_gemv`: ``h = x + residual``, ``hs = rmsnorm(h) * w_norm``
+  (rounded to the dtype, as :func:`llmnote.ops.add_rmsnorm` stores it), then
+  ``hs @ W.T``. Every program recomputes ``h`` and the row's ``1/rms`` from
+  the full rows (K = the hidden size: a few KB, read from L2); the programs of
+  the first column of tiles also store ``h``, the new residual stream.
+* :func:`swiglu_gemv`: ``s = silu(gate) * up`` (rounded to the dtype, as
+  :func:`llmnote.ops.swiglu` stores it) from the two halves of a fused
+  gate/up projection, then ``s @ W.T`` (the down projection).
+
+The tile shape is chosen per (M, N, K, dtype, prologue, bias) by timing a short
+list of candidates on the first call (:data:`GEMV_AUTOTUNE`); later calls
+launch the chosen one without touching the host, so the op can be captured in
+a CUDA graph after one warm-up call.
+
+Sources: the memory-bound view of decode GEMV follows S. Williams et al.,
+"Roofline: an insightful visual performance model" (2009); fused RMSNorm
+prologues as in e.g. FlashInfer / TensorRT-LLM's fused norm-GEMM kernels.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from llmnote import device
+from llmnote.ops._rowwise import check_eps
+from llmnote.ops._validate import check_same, check_tensor
+from llmnote.ops.rmsnorm import add_rmsnorm_ref
+from llmnote.ops.swiglu import _sigmoid, swiglu_ref
+
+__all__ = ["GEMV_MAX_M", "GemvConfig", "add_rmsnorm_gemv", "add_rmsnorm_gemv_ref", "gemv",
+           "gemv_ref", "swiglu_gemv", "swiglu_gemv_ref"]
+
+GEMV_MAX_M = 16
+GEMV_AUTOTUNE = True  # False: take the heuristic's config (tests use it to keep GPU compile time small)
+NONE, ADD_RMSNORM, SWIGLU = 0, 1, 2  # the PROLOGUE constexpr
+
+
+class GemvConfig(NamedTuple):
+    """One launch shape: weight rows and K chunk per program, warps, tensor cores or FMA."""
+
+    block_n: int
+    block_k: int
+    num_warps: int = 4
+    dot: bool = False  # batch padded to 16 rows, tl.dot
+
+
+# Candidate lists (short: each costs a compile and a timing on the first call of a shape).
+# Batch 1: tiles of 2K-16K weight elements, K chunk up to the whole row.
+M1_CANDIDATES = [GemvConfig(4, 1024), GemvConfig(8, 1024), GemvConfig(2, 2048), GemvConfig(4, 2048),
+                 GemvConfig(8, 512), GemvConfig(16, 512), GemvConfig(8, 2048, 8), GemvConfig(16, 1024, 8)]
+# Batch 2-16, FMA: the (BLOCK_M, BLOCK_N, BLOCK_K) product must fit the registers.
+FMA_CANDIDATES = [GemvConfig(2, 512), GemvConfig(4, 256), GemvConfig(4, 512), GemvConfig(8, 256),
+                  GemvConfig(8, 128)]
+FMA_MAX_ELEMENTS = 16384  # BLOCK_M * BLOCK_N * BLOCK_K
+DOT_CANDIDATES = [GemvConfig(16, 256, 4, True), GemvConfig(16, 512, 4, True),
+                  GemvConfig(32, 256, 4, True), GemvConfig(32, 128, 4, True)]
+INTERPRETER_CONFIG = GemvConfig(16, 64)  # small: K = 100 takes two chunks
+
+_TUNED: dict[tuple, GemvConfig] = {}
+TUNE_LOG: dict[tuple, list[tuple[GemvConfig, float]]] = {}  # key -> (config, ms) as timed
+
+
+# ----------------------------------------------------------------- references
+def gemv_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear(x, weight, bias)``: ``x @ weight.T + bias``."""
+    return F.linear(x, weight, bias)
+
+
+def add_rmsnorm_gemv_ref(x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float,
+                         weight: torch.Tensor, bias: torch.Tensor | None = None
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``hs, h = add_rmsnorm_ref(x, residual, norm_weight, eps)``; ``(F.linear(hs, weight, bias), h)``."""
+    hs, h = add_rmsnorm_ref(x, residual, norm_weight, eps)
+    return F.linear(hs, weight, bias), h
+
+
+def swiglu_gemv_ref(gate_up: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+                    ) -> torch.Tensor:
+    """``F.linear(swiglu_ref(gate, up), weight, bias)`` with ``gate, up`` the halves of ``gate_up``."""
+    i = gate_up.shape[-1] // 2
+    return F.linear(swiglu_ref(gate_up[..., :i], gate_up[..., i:]), weight, bias)
+
+
+# ----------------------------------------------------------------- kernel
+@triton.jit
+def _gemv_kernel(
+    x_ptr, r_ptr, nw_ptr, w_ptr, b_ptr, y_ptr, h_ptr, M, N, K, eps,
+    stride_xm, stride_rm, stride_wn, stride_ym, stride_hm,
+    PROLOGUE: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr, DOT: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    rows = (pid * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)  # (BLOCK_N,) weight rows = outputs
+    ms = tl.arange(0, BLOCK_M)  # batch rows
+    m_ok = ms[:, None] < M
+    dtype = y_ptr.dtype.element_ty
+    if PROLOGUE == 1:  # 1/rms of h = x + residual over the full row, as _rmsnorm_fwd_kernel
+        ss = tl.zeros((BLOCK_M, BLOCK_K), tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            ks = k0 + tl.arange(0, BLOCK_K)
+            xm = m_ok & (ks[None, :] < K)
+            xv = tl.load(x_ptr + ms[:, None] * stride_xm + ks[None, :], mask=xm, other=0.0).to(tl.float32)
+            rv = tl.load(r_ptr + ms[:, None] * stride_rm + ks[None, :], mask=xm, other=0.0).to(tl.float32)
+            hv = (xv + rv).to(dtype).to(tl.float32)  # rounded as stored
+            ss += hv * hv
+        rstd = 1.0 / tl.sqrt(tl.sum(ss, axis=1) / K + eps)  # (BLOCK_M,)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        k_ok = ks[None, :] < K
+        # the weight tile first: its loads are in flight while the prologue computes
+        w = tl.load(w_ptr + rows[:, None] * stride_wn + ks[None, :], mask=(rows[:, None] < N) & k_ok,
+                    other=0.0)  # (BLOCK_N, BLOCK_K): read N K once in all
+        xm = m_ok & k_ok
+        xv = tl.load(x_ptr + ms[:, None] * stride_xm + ks[None, :], mask=xm, other=0.0).to(tl.float32)
+        if PROLOGUE == 1:
+            rv = tl.load(r_ptr + ms[:, None] * stride_rm + ks[None, :], mask=xm, other=0.0).to(tl.float32)
+            hv = (xv + rv).to(dtype)
+            if pid == 0:  # one program column stores the new residual
+                tl.store(h_ptr + ms[:, None] * stride_hm + ks[None, :], hv, mask=xm)
+            nw = tl.load(nw_ptr + ks, mask=ks < K, other=0.0).to(tl.float32)
+            xv = (hv.to(tl.float32) * rstd[:, None] * nw[None, :]).to(dtype).to(tl.float32)
+        elif PROLOGUE == 2:  # gate in columns [0, K), up in [K, 2K) of the same row
+            uv = tl.load(x_ptr + K + ms[:, None] * stride_xm + ks[None, :], mask=xm, other=0.0).to(tl.float32)
+            xv = (xv * _sigmoid(xv) * uv).to(dtype).to(tl.float32)
+        if DOT:  # (16, BLOCK_K) x (BLOCK_K, BLOCK_N) on the tensor cores
+            if UPCAST:  # the interpreter has no bf16 arithmetic
+                acc += tl.dot(xv, tl.trans(w.to(tl.float32)))
+            elif IEEE:  # fp32 inputs: no TF32 rounding
+                acc += tl.dot(xv, tl.trans(w), input_precision="ieee")
+            else:
+                acc += tl.dot(xv.to(w.dtype), tl.trans(w))
+        elif BLOCK_M == 1:
+            acc += tl.sum(w.to(tl.float32) * xv, axis=1)[None, :]  # (1, BLOCK_N)
+        else:
+            acc += tl.sum(xv[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + rows, mask=rows < N, other=0.0).to(tl.float32)[None, :]
+    tl.store(y_ptr + ms[:, None] * stride_ym + rows[None, :], acc.to(dtype),
+             mask=m_ok & (rows[None, :] < N))
+
+
+# ----------------------------------------------------------------- configs
+def _block_m(m: int, cfg: GemvConfig) -> int:
+    return 16 if cfg.dot else triton.next_power_of_2(m)
+
+
+def candidates(m: int, n: int, k: int) -> list[GemvConfig]:
+    """The configs timed on the first call of a shape (interpreter: one small one)."""
+    if device.interpreting():
+        return [INTERPRETER_CONFIG]
+    kp = triton.next_power_of_2(max(k, 16))
+    out: list[GemvConfig] = []
+    if m == 1:
+        pool = M1_CANDIDATES
+    else:
+        bm = triton.next_power_of_2(m)
+        pool = [c for c in FMA_CANDIDATES if bm * c.block_n * c.block_k <= FMA_MAX_ELEMENTS] + DOT_CANDIDATES
+    for c in pool:
+        c = c._replace(block_k=min(c.block_k, kp))
+        if c.dot:
+            c = c._replace(block_k=max(c.block_k, 16))
+        if c not in out:
+            out.append(c)
+    return out
+
+
+def _launch(prologue: int, x, r, nw, weight, bias, y, h, eps: float, k: int, cfg: GemvConfig) -> None:
+    m, n = y.shape
+    grid = (triton.cdiv(n, cfg.block_n),)
+    _gemv_kernel[grid](
+        x, r, nw, weight, bias if bias is not None else y, y, h, m, n, k, eps,
+        x.stride(0), r.stride(0), weight.stride(0), y.stride(0), h.stride(0),
+        PROLOGUE=prologue, HAS_BIAS=bias is not None, BLOCK_M=_block_m(m, cfg), BLOCK_N=cfg.block_n,
+        BLOCK_K=cfg.block_k, DOT=cfg.dot, UPCAST=device.interpreting() and x.dtype != torch.float32,
+        IEEE=x.dtype == torch.float32, num_warps=cfg.num_warps,
+    )
+
+
+def _run(prologue: int, x, r, nw, weight, bias, y, h, eps: float, k: int, config: GemvConfig | None):
+    """Launch with ``config``, the tuned config of this shape, or tune it now (first call)."""
+    m, n = y.shape
+    if config is not None:
+        return _launch(prologue, x, r, nw, weight, bias, y, h, eps, k, config)
+    key = (m, n, k, x.dtype, prologue, bias is not None, x.device)
+    cfg = _TUNED.get(key)
+    if cfg is None:
+        cands = candidates(m, n, k)
+        cfg = cands[0]
+        if (len(cands) > 1 and GEMV_AUTOTUNE and x.is_cuda
+                and not torch.cuda.is_current_stream_capturing()):
+            from triton.testing import do_bench
+
+            best_t, err = float("inf"), None
+            for c in cands:
+                try:
+                    t = do_bench(lambda c=c: _launch(prologue, x, r, nw, weight, bias, y, h, eps, k, c),
+                                 warmup=5, rep=20, return_mode="median")
+                except Exception as e:  # a tile that does not fit is skipped
+                    err = e
+                    continue
+                TUNE_LOG.setdefault(key, []).append((c, t))
+                if t < best_t:
+                    cfg, best_t = c, t
+            if best_t == float("inf"):
+                raise err
+        _TUNED[key] = cfg
+    _launch(prologue, x, r, nw, weight, bias, y, h, eps, k, cfg)
+
+
+# ----------------------------------------------------------------- validation
+def _check_x(name: str, x: object, k_name: str) -> torch.Tensor:
+    check_tensor(name, x, ndim=2, last_dim_contiguous=True)
+    m = x.shape[0]
+    if not 1 <= m <= GEMV_MAX_M:
+        raise ValueError(f"{name} must have 1 to GEMV_MAX_M={GEMV_MAX_M} rows (the batch), got {m}; "
+                         f"for larger batches use F.linear or llmnote.ops.matmul")
+    return x
+
+
+def _check_weight(x: torch.Tensor, x_name: str, k: int, weight: object, bias: object) -> None:
+    check_tensor("weight", weight, ndim=2, contiguous=True)
+    check_same((x_name, "weight"), x, weight, what=("dtype", "device"))
+    if weight.shape[1] != k:
+        raise ValueError(f"weight must have {k} columns (the inner dimension of {x_name}), got shape "
+                         f"{tuple(weight.shape)}")
+    if bias is not None:
+        check_tensor("bias", bias, ndim=1, contiguous=True)
+        check_same((x_name, "bias"), x, bias, what=("dtype", "device"))
+        if bias.shape[0] != weight.shape[0]:
+            raise ValueError(f"bias must have shape ({weight.shape[0]},) (the rows of weight), got "
+                             f"{tuple(bias.shape)}")
+
+
+def _empty_result(m: int, n: int, k: int, x: torch.Tensor) -> bool:
+    return m == 0 or n == 0 or k == 0
+
+
+# ----------------------------------------------------------------- ops
+def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
+         config: GemvConfig | None = None) -> torch.Tensor:
+    """``F.linear(x, weight, bias)`` for ``x`` of 1 to 16 rows, in one kernel.
+
+    ``x`` (M, K): stride 1 along K, rows may be strided (a view of a wider
+    tensor); ``weight`` (N, K) contiguous; ``bias`` (N,) or None; one dtype
+    (fp32, fp16, bf16). Returns a new contiguous (M, N) tensor; fp32
+    accumulation. ``config`` forces a launch shape (tests, sweeps).
+    """
+    _check_x("x", x, "K")
+    _check_weight(x, "x", x.shape[1], weight, bias)
+    m, k = x.shape
+    n = weight.shape[0]
+    if device.use_reference("gemv", min_capability=(8, 0)) or _empty_result(m, n, k, x):
+        return gemv_ref(x, weight, bias)
+    y = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    _run(NONE, x, x, x, weight, bias, y, y, 0.0, k, config)
+    return y
+
+
+def add_rmsnorm_gemv(x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float,
+                     weight: torch.Tensor, bias: torch.Tensor | None = None, *,
+                     config: GemvConfig | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``hs, h = add_rmsnorm(x, residual, norm_weight, eps)``; ``(F.linear(hs, weight, bias), h)``
+    in one kernel launch.
+
+    ``x`` and ``residual`` (M, K), 1 <= M <= 16, stride 1 along K; ``norm_weight``
+    (K,); ``weight`` (N, K) contiguous. ``hs`` is rounded to the dtype before the
+    product, as the separate kernels store it; ``h`` is bit-identical to theirs.
+    """
+    _check_x("x", x, "K")
+    check_tensor("residual", residual, ndim=2, last_dim_contiguous=True)
+    check_same(("x", "residual"), x, residual, what=("shape", "dtype", "device"))
+    check_tensor("norm_weight", norm_weight, ndim=1, contiguous=True)
+    if norm_weight.shape[0] != x.shape[1]:
+        raise ValueError(f"norm_weight must have shape ({x.shape[1]},) to match the last dimension of x "
+                         f"(shape {tuple(x.shape)}), got {tuple(norm_weight.shape)}")
+    check_same(("x", "norm_weight"), x, norm_weight, what=("device",))
+    eps = check_eps(eps)
+    _check_weight(x, "x", x.shape[1], weight, bias)
+    m, k = x.shape
+    n = weight.shape[0]
+    if device.use_reference("add_rmsnorm_gemv", min_capability=(8, 0)) or _empty_result(m, n, k, x):
+        return add_rmsnorm_gemv_ref(x, residual, norm_weight, eps, weight, bias)
+    y = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    h = torch.empty((m, k), dtype=x.dtype, device=x.device)
+    _run(ADD_RMSNORM, x, residual, norm_weight, weight, bias, y, h, eps, k, config)
+    return y, h
+
+
+def swiglu_gemv(gate_up: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
+                config: GemvConfig | None = None) -> torch.Tensor:
+    """``F.linear(swiglu(gate_up[:, :I], gate_up[:, I:]), weight, bias)`` in one kernel launch.
+
+    ``gate_up`` (M, 2I), 1 <= M <= 16, stride 1 along columns (rows may be
+    strided); ``weight`` (N, I) contiguous. The SwiGLU output is rounded to the
+    dtype before the product, as :func:`llmnote.ops.swiglu` stores it.
+    """
+    _check_x("gate_up", gate_up, "2I")
+    if gate_up.shape[1] % 2:
+        raise ValueError(f"gate_up must have an even number of columns (gate and up halves), got shape "
+                         f"{tuple(gate_up.shape)}")
+    i = gate_up.shape[1] // 2
+    _check_weight(gate_up, "gate_up", i, weight, bias)
+    m, n = gate_up.shape[0], weight.shape[0]
+    if device.use_reference("swiglu_gemv", min_capability=(8, 0)) or _empty_result(m, n, i, gate_up):
+        return swiglu_gemv_ref(gate_up, weight, bias)
+    y = torch.empty((m, n), dtype=gate_up.dtype, device=gate_up.device)
+    _run(SWIGLU, gate_up, gate_up, gate_up, weight, bias, y, y, 0.0, i, config)
+    return y

@@ -1,0 +1,173 @@
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from llmnote import device
+from llmnote.ops.gemv import (
+    GEMV_MAX_M, GemvConfig, add_rmsnorm_gemv, add_rmsnorm_gemv_ref, gemv, gemv_ref, swiglu_gemv,
+    swiglu_gemv_ref,
+)
+from llmnote.ops.rmsnorm import add_rmsnorm_ref
+from llmnote.ops.swiglu import swiglu_ref
+from llmnote.testing import MismatchError, assert_close, assert_close_lowp, interpreter_allowance
+GEMV_MODULE = sys.modules["llmnote.ops.gemv"]  # the module (llmnote.ops.gemv is also the function)
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+DOT = GemvConfig(16, 32, 4, True)  # the tensor-core path, forced (small K chunk: several chunks)
+LOWP_ATOL = {torch.float16: 1e-3, torch.bfloat16: 1e-2}
+
+
+@pytest.fixture(autouse=True)
+def _no_autotune(monkeypatch):
+    # one config per shape on a GPU too: keeps compile time small (the benchmark tunes)
+    monkeypatch.setattr(GEMV_MODULE, "GEMV_AUTOTUNE", False)
+
+
+def dev():
+    return device.default_device()
+
+
+def rows(m, k, dtype, wide=0):
+    """(m, k) random rows; ``wide`` > 0: a view of the first k columns of (m, k + wide)."""
+    t = torch.randn(m, k + wide, device=dev(), dtype=dtype)
+    return t[:, :k] if wide else t
+
+
+def check_product(got, a, w, bias, name):
+    """``got`` vs ``F.linear(a, w, bias)`` with ``a`` the (rounded) operand: fp32 reference from the
+    same inputs; in fp16/bf16 at most twice PyTorch's own error, plus atol and the interpreter's
+    truncation allowance."""
+    b32 = None if bias is None else bias.float()
+    ref32 = F.linear(a.float(), w.float(), b32)
+    if got.dtype == torch.float32:
+        assert_close(got, ref32, atol=1e-5 * max(1.0, float(ref32.abs().max())), rtol=1e-5, name=name)
+        return
+    assert got.dtype == a.dtype, f"{name}: dtype {got.dtype}, expected {a.dtype}"
+    lowp = F.linear(a, w, bias)
+    assert_close_lowp(got, ref32, lowp, atol=LOWP_ATOL[got.dtype] + 2 * interpreter_allowance(got.dtype, ref32),
+                      name=name)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 16])
+@pytest.mark.parametrize("bias", [False, True])
+def test_gemv(dtype, m, bias):
+    n, k = 37, 100
+    x = rows(m, k, dtype, wide=23)  # strided rows
+    w = torch.randn(n, k, device=dev(), dtype=dtype)
+    b = torch.randn(n, device=dev(), dtype=dtype) if bias else None
+    y = gemv(x, w, b)
+    assert y.shape == (m, n) and y.is_contiguous()
+    check_product(y, x, w, b, "gemv")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("m", [1, 5, 16])
+def test_gemv_dot_path(dtype, m):
+    n, k = 29, 70
+    x, w = rows(m, k, dtype), torch.randn(n, k, device=dev(), dtype=dtype)
+    b = torch.randn(n, device=dev(), dtype=dtype)
+    check_product(gemv(x, w, b, config=DOT), x, w, b, "gemv (dot)")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("m", [1, 3, 16])
+@pytest.mark.parametrize("config", [None, DOT])
+def test_add_rmsnorm_gemv(dtype, m, config):
+    n, k = 37, 100
+    x, r = rows(m, k, dtype, wide=5), rows(m, k, dtype, wide=11)
+    nw = (1 + 0.1 * torch.randn(k, device=dev())).to(dtype)
+    w = torch.randn(n, k, device=dev(), dtype=dtype)
+    b = torch.randn(n, device=dev(), dtype=dtype) if m != 3 else None
+    y, h = add_rmsnorm_gemv(x, r, nw, 1e-6, w, b, config=config)
+    hs_ref, h_ref = add_rmsnorm_ref(x, r, nw, 1e-6)
+    if device.interpreting() and dtype == torch.bfloat16:  # the interpreter truncates bf16 stores
+        assert_close(h, h_ref, atol=interpreter_allowance(dtype, h_ref), rtol=0, name="h")
+    else:
+        assert torch.equal(h, h_ref), "h must equal add_rmsnorm_ref's h exactly"
+    check_product(y, hs_ref, w, b, "add_rmsnorm_gemv")
+    y_ref, _ = add_rmsnorm_gemv_ref(x, r, nw, 1e-6, w, b)
+    assert y_ref.dtype == y.dtype and y_ref.shape == y.shape
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("m", [1, 4, 16])
+@pytest.mark.parametrize("config", [None, DOT])
+def test_swiglu_gemv(dtype, m, config):
+    n, i = 37, 100
+    gu = rows(m, 2 * i, dtype, wide=6)  # a strided view, as the engine passes gu[:, :2I]
+    w = torch.randn(n, i, device=dev(), dtype=dtype)
+    b = torch.randn(n, device=dev(), dtype=dtype) if m == 4 else None
+    y = swiglu_gemv(gu, w, b, config=config)
+    s = swiglu_ref(gu[:, :i], gu[:, i:])
+    check_product(y, s, w, b, "swiglu_gemv")
+    assert_close(swiglu_gemv_ref(gu, w, b), F.linear(s, w, b), atol=0, rtol=0, name="swiglu_gemv_ref")
+
+
+def test_k_one_and_single_row():
+    x = rows(1, 1, torch.float32)
+    w = torch.randn(3, 1, device=dev())
+    check_product(gemv(x, w), x, w, None, "K=1")
+
+
+def test_second_call_same_result():
+    x, w = rows(2, 33, torch.float32), torch.randn(9, 33, device=dev())
+    assert torch.equal(gemv(x, w), gemv(x, w))
+
+
+def test_wrong_result_is_caught():
+    x, w = rows(2, 50, torch.bfloat16), torch.randn(17, 50, device=dev(), dtype=torch.bfloat16)
+    y = gemv(x, w).clone()
+    y[1, 3] += 0.5 * (1 + y[1, 3].abs())  # one output off
+    with pytest.raises(MismatchError):
+        check_product(y, x, w, None, "corrupted")
+    # a kernel that forgot the SwiGLU rounding or the norm would be caught the same way
+    gu = rows(2, 100, torch.bfloat16)
+    y = swiglu_gemv(gu, w).clone()
+    with pytest.raises(MismatchError):
+        check_product(y, gu[:, :50], w, None, "swiglu skipped")
+
+
+def test_bad_inputs():
+    x, w = rows(2, 8, torch.float32), torch.randn(4, 8, device=dev())
+    with pytest.raises(ValueError, match="GEMV_MAX_M"):
+        gemv(rows(GEMV_MAX_M + 1, 8, torch.float32), w)
+    with pytest.raises(ValueError, match="F.linear"):
+        gemv(rows(0, 8, torch.float32), w)
+    with pytest.raises(ValueError, match="weight must have 8 columns"):
+        gemv(x, torch.randn(4, 7, device=dev()))
+    with pytest.raises(TypeError, match="x and weight must have the same dtype"):
+        gemv(x, w.half())
+    with pytest.raises(ValueError, match="x must be 2-D"):
+        gemv(x[0], w)
+    with pytest.raises(ValueError, match="x must have stride 1"):
+        gemv(rows(2, 16, torch.float32)[:, ::2], w)
+    with pytest.raises(ValueError, match="weight must be contiguous"):
+        gemv(x, torch.randn(8, 4, device=dev()).t())
+    with pytest.raises(ValueError, match=r"bias must have shape \(4,\)"):
+        gemv(x, w, torch.randn(5, device=dev()))
+    with pytest.raises(TypeError, match="x must be a torch.Tensor"):
+        gemv([[1.0]], w)
+    with pytest.raises(TypeError, match="x must have dtype"):
+        gemv(x.int(), w)
+    nw = torch.ones(8, device=dev())
+    with pytest.raises(ValueError, match="eps must be a finite number"):
+        add_rmsnorm_gemv(x, x, nw, -1.0, w)
+    with pytest.raises(ValueError, match="x and residual must have the same shape"):
+        add_rmsnorm_gemv(x, rows(3, 8, torch.float32), nw, 1e-6, w)
+    with pytest.raises(ValueError, match=r"norm_weight must have shape \(8,\)"):
+        add_rmsnorm_gemv(x, x, torch.ones(7, device=dev()), 1e-6, w)
+    with pytest.raises(ValueError, match="even number of columns"):
+        swiglu_gemv(rows(2, 9, torch.float32), w)
+    with pytest.raises(ValueError, match="weight must have 4 columns"):
+        swiglu_gemv(x, w)
+
+
+def test_refs_match_the_composition():
+    x, r = rows(3, 24, torch.bfloat16), rows(3, 24, torch.bfloat16)
+    nw, w = torch.randn(24, dtype=torch.bfloat16), torch.randn(5, 24, dtype=torch.bfloat16)
+    hs, h = add_rmsnorm_ref(x.cpu(), r.cpu(), nw, 1e-5)
+    y, h2 = add_rmsnorm_gemv_ref(x.cpu(), r.cpu(), nw, 1e-5, w)
+    assert torch.equal(h, h2) and torch.equal(y, F.linear(hs, w))
+    assert torch.equal(gemv_ref(x.cpu(), w), F.linear(x.cpu(), w))
