@@ -28,6 +28,12 @@ reading the tokens) then overlaps the GPU's instead of leaving it idle; a
 sequence that stops inside the run drops the tokens computed after its stop.
 ``None`` (the default): 8 with CUDA graphs, 1 (off) without; an int forces it
 (1: off).
+
+``dependent_launches``: inside the captured decode graphs, launch llmnote's
+kernels with programmatic dependent launch (Hopper and later, see
+:mod:`llmnote.ops._pdl`), so that each may start, and load what does not
+depend on the kernel before it, while that kernel finishes. Ignored where
+unsupported.
 """
 
 from __future__ import annotations
@@ -53,6 +59,7 @@ class EngineConfig:
     seed: int = 0  # the generator of requests that carry no seed of their own
     cuda_graphs: bool | None = None  # None: on when the model is on a CUDA GPU
     decode_steps: int | None = None  # None: 8 with CUDA graphs, else 1
+    dependent_launches: bool = True  # PDL between the graph's kernels (Hopper+; llmnote.ops._pdl)
 
     def __post_init__(self) -> None:
         for name in ("block_size", "cpu_num_blocks", "max_num_batched_tokens", "max_num_seqs"):
@@ -63,6 +70,8 @@ class EngineConfig:
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError("gpu_memory_utilization must lie in (0, 1], got "
                              f"{self.gpu_memory_utilization!r}")
+        if self.dependent_launches not in (True, False):
+            raise ValueError(f"dependent_launches must be True or False, got {self.dependent_launches!r}")
         if self.cuda_graphs not in (None, True, False):
             raise ValueError(f"cuda_graphs must be None, True or False, got {self.cuda_graphs!r}")
         if self.attention_backend not in (None, "reference", "flash", "paged"):

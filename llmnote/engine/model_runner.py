@@ -60,6 +60,7 @@ from llmnote.engine.config import EngineConfig
 from llmnote.engine.sampler import sample, sampling_tensors
 from llmnote.engine.scheduler import ScheduledBatch
 from llmnote.models.llama import Llama
+from llmnote.ops._pdl import dependent_launches
 from llmnote.ops.rope import rope_ref
 
 
@@ -368,12 +369,13 @@ class ModelRunner:
         pool = None
         for b in sizes:
             splits = decode_splits(b, hkv, self.max_model_len, dev)
-            for _ in range(2):  # warm-up: Triton compiles outside the capture
-                self._decode_graph_forward(b, splits)
-            torch.cuda.synchronize(dev)
-            g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g, pool=pool):
-                out = self._decode_graph_forward(b, splits)
+            with dependent_launches(self.config.dependent_launches):
+                for _ in range(2):  # warm-up: Triton compiles outside the capture
+                    self._decode_graph_forward(b, splits)
+                torch.cuda.synchronize(dev)
+                g = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(g, pool=pool):
+                    out = self._decode_graph_forward(b, splits)
             pool = g.pool() if pool is None else pool
             self.graphs[b] = (g, out)
         torch.cuda.synchronize(dev)

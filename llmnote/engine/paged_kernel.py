@@ -33,6 +33,8 @@ import triton
 import triton.language as tl
 
 from llmnote import device
+from llmnote.ops import _pdl
+from llmnote.ops._pdl import wait_and_release
 from llmnote.engine.attention import AttentionMetadata
 
 BLOCK_M = 16
@@ -148,8 +150,10 @@ def _paged_decode_kernel(
     H_KV, GROUP, NUM_SPLITS,
     BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr,
     BLOCK_N: tl.constexpr, FINAL: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     """One program: one chunk of one (sequence, kv head), all GROUP query heads at once."""
+    wait_and_release(USE_PDL)  # (programmatic dependent launch: llmnote.ops._pdl)
     split = tl.program_id(0)
     off_bk = tl.program_id(1)
     b = (off_bk // H_KV).to(tl.int64)
@@ -256,6 +260,7 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         BLOCK_N=block_n or max(DECODE_BLOCK_N, bs), FINAL=final,
         UPCAST=device.interpreting() and q.dtype == torch.bfloat16,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_warps=4,
+        USE_PDL=_pdl.enabled(), **_pdl.launch_options(),
     )
     if not final:
         lse = torch.empty((t, h), dtype=torch.float32, device=q.device)

@@ -44,6 +44,8 @@ import triton.language as tl
 from triton.language.extra import libdevice
 
 from llmnote import device
+from llmnote.ops import _pdl
+from llmnote.ops._pdl import wait_and_release
 from llmnote.engine.attention import write_kv
 from llmnote.models.llama import rmsnorm_torch
 from llmnote.ops._validate import FLOAT_DTYPES, check_same
@@ -156,8 +158,9 @@ def _qkv_kernel(
     stride_t, stride_c, stride_s, NH, NKV, HALF, eps,
     D: tl.constexpr, INTERLEAVED: tl.constexpr, HAS_QW: tl.constexpr, HAS_KW: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_F: tl.constexpr, RNE_BF16: tl.constexpr,
-    LIBDEVICE: tl.constexpr,
+    LIBDEVICE: tl.constexpr, USE_PDL: tl.constexpr,
 ):
+    wait_and_release(USE_PDL)  # (programmatic dependent launch: llmnote.ops._pdl)
     tok = tl.program_id(0).to(tl.int64)
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)  # in [q heads | k heads]
     hvalid = heads < NH + NKV
@@ -304,5 +307,5 @@ def qk_norm_rope_write(
     qw = q_norm_w if q_norm_w is not None else q  # unused pointer when absent
     kw = k_norm_w if k_norm_w is not None else q
     _qkv_kernel[grid](qkv, positions, slot_mapping, cos, sin, k_cache, v_cache, q, qw, kw,
-                      *args, **constexprs)
+                      *args, **constexprs, USE_PDL=_pdl.enabled(), **_pdl.launch_options())
     return q

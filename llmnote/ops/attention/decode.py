@@ -40,6 +40,8 @@ import triton
 import triton.language as tl
 
 from llmnote import device
+from llmnote.ops import _pdl
+from llmnote.ops._pdl import wait_and_release
 from llmnote.ops._validate import check_tensor
 from llmnote.ops.attention._common import (
     LN2, LOG2E, MAX_GRID_Y, check_head_dim, check_sm_scale, dot_precision, num_sms, poisoned,
@@ -155,9 +157,10 @@ def _decode_split_kernel(
 def _decode_combine_kernel(
     O_PART, L_PART, OUT, LSE, stride_pb, stride_ph, stride_ps, stride_lb, stride_lh,
     stride_ob, stride_oh, H,
-    NUM_SPLITS, HEAD_DIM: tl.constexpr, SPLITS_PAD: tl.constexpr,
+    NUM_SPLITS, HEAD_DIM: tl.constexpr, SPLITS_PAD: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     """One program: one (sequence, head); merge NUM_SPLITS partial outputs."""
+    wait_and_release(USE_PDL)  # (programmatic dependent launch: llmnote.ops._pdl)
     off_bh = tl.program_id(0)
     off_b = (off_bh // H).to(tl.int64)
     off_h = (off_bh % H).to(tl.int64)
@@ -287,4 +290,5 @@ def combine_splits(part: torch.Tensor, lpart: torch.Tensor, out: torch.Tensor,
         part, lpart, out, lse, part.stride(0), part.stride(1), part.stride(2),
         lpart.stride(0), lpart.stride(1), out.stride(0), out.stride(1), h, splits,
         HEAD_DIM=d, SPLITS_PAD=max(2, triton.next_power_of_2(splits)), num_warps=4,
+        USE_PDL=_pdl.enabled(), **_pdl.launch_options(),
     )
