@@ -7,6 +7,7 @@ import copy
 import pytest
 import torch
 
+from llmnote import device
 from llmnote.engine import LLM, EngineConfig, SamplingParams
 from llmnote.engine.attention import AttentionMetadata, paged_attention_ref, write_kv
 from llmnote.engine.sampler import filter_logits, sample
@@ -182,8 +183,32 @@ def test_multi_step_decoding_changes_no_token(model, steps):
     assert want[0][1] == "stop" and len(want[0][0]) == 5  # stopped inside a run
     assert one.runner.num_decode_runs == 0 and many.runner.num_decode_runs > 0
     assert len(many.step_log) == len(one.step_log)  # one log entry per decode step still
+    assert [s["contiguous_slots"] for s in many.step_log] == [s["contiguous_slots"] for s in one.step_log]
     per_step = [len(s["seq_ids"]) for s in many.step_log]
     assert per_step == [len(s["seq_ids"]) for s in one.step_log]
+
+
+@pytest.mark.skipif(device.on_gpu(), reason="the interpreter's path; on a GPU "
+                    "test_engine_hf runs batch-1 steps through the GEMVs")
+def test_batch1_gemv_path_gives_the_reference_tokens():
+    """With llmnote's kernels (the interpreter here), batch-1 steps run each layer as six
+    kernels through llmnote.ops.gemv (norms and SwiGLU folded into the GEMVs); the tokens
+    equal those of the reference ops, and of the same engine with the GEMV path off."""
+    from llmnote.models.llama import kernel_ops
+
+    torch.manual_seed(3)
+    m = Llama(get_preset("qwen3-tiny")).eval()
+    with torch.no_grad():
+        for name, p in m.named_parameters():
+            if "norm" not in name:
+                p.normal_(0, 0.2)
+    prompts, p = [[5, 9, 2, 7, 1]], SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
+    want = make(m).generate(prompts, p, use_tqdm=False)[0].token_ids
+    k = copy.deepcopy(m).use_ops(kernel_ops())
+    llm = make(k)
+    assert llm.runner.use_gemv and not make(m).runner.use_gemv
+    assert not make(k, gemv=False).runner.use_gemv
+    assert llm.generate(prompts, p, use_tqdm=False)[0].token_ids == want
 
 
 def test_load_by_name_and_folder():

@@ -145,6 +145,13 @@ def test_greedy_tokens_match_hf_on_gpu(case, hf_tokens, mode, graphs, backend):
     if graphs:  # graph decode steps, several per run once every request is admitted
         assert llm.runner.num_graph_steps > 0
         assert llm.runner.num_decode_runs > 0 or mode == "preempt"
+    if graphs and mode == "plain":  # llmnote's kernels, one request alone: its decode
+        # steps have batch 1 and run each layer through llmnote's GEMVs (llmnote.ops.gemv)
+        from llmnote.models.llama import kernel_ops
+
+        kern = LLM(copy.deepcopy(ours).use_ops(kernel_ops()), config=cfg)
+        assert kern.runner.use_gemv
+        assert kern.generate(case[2][:1], params, use_tqdm=False)[0].token_ids == hf_tokens[0]
     if mode == "preempt":
         assert llm.scheduler.num_preemptions > 0
     assert llm.scheduler.blocks.num_free == llm.runner.num_blocks

@@ -43,6 +43,14 @@ from dataclasses import dataclass, replace
 from llmnote.engine._check import check_int
 
 
+GRAPH_DECODE_STEPS = 8  # decode_steps=None with CUDA graphs
+# gemv=None: the batch-1 GEMV path for models of at most this hidden size. Its fused
+# prologues make every program re-read the whole input rows; measured on the H100 that
+# pays for Qwen3-0.6B (hidden 1024) and costs for Llama-3-8B (hidden 4096, 6.6 -> 7.2 ms
+# per batch-1 step), see ModelRunner._gemv_ready.
+GEMV_MAX_HIDDEN = 2048
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     block_size: int = 16
@@ -60,6 +68,7 @@ class EngineConfig:
     cuda_graphs: bool | None = None  # None: on when the model is on a CUDA GPU
     decode_steps: int | None = None  # None: 8 with CUDA graphs, else 1
     dependent_launches: bool = True  # PDL between the graph's kernels (Hopper+; llmnote.ops._pdl)
+    gemv: bool | None = None  # batch-1 steps through llmnote.ops.gemv; None: for hidden <= GEMV_MAX_HIDDEN
 
     def __post_init__(self) -> None:
         for name in ("block_size", "cpu_num_blocks", "max_num_batched_tokens", "max_num_seqs"):
@@ -70,6 +79,8 @@ class EngineConfig:
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError("gpu_memory_utilization must lie in (0, 1], got "
                              f"{self.gpu_memory_utilization!r}")
+        if self.gemv not in (None, True, False):
+            raise ValueError(f"gemv must be None, True or False, got {self.gemv!r}")
         if self.dependent_launches not in (True, False):
             raise ValueError(f"dependent_launches must be True or False, got {self.dependent_launches!r}")
         if self.cuda_graphs not in (None, True, False):

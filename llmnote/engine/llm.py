@@ -109,7 +109,8 @@ class LLM:
         self.scheduler = Scheduler(config, self.runner.num_blocks, self.max_model_len)
         self._next_id = 0
         self.requests: dict[int, Sequence] = {}  # every submitted request, by id
-        self.step_log: list[dict] = []  # per step: tokens, chunks, live and held KV slots
+        # per step: tokens, chunks, KV slots live, held, and held by a contiguous reservation
+        self.step_log: list[dict] = []
 
     # ------------------------------------------------------------ requests
     def _encode(self, prompt: object, where: str) -> tuple[list[int], str | None]:
@@ -206,9 +207,12 @@ class LLM:
         """Append the sampled tokens, finish what stops, log the step."""
         got = self.scheduler.postprocess(batch, sampled, self.eos_token_ids, time.perf_counter())
         live, held = self.scheduler.live_slots()  # after the step: its keys are written
+        # the slots a contiguous reservation of prompt + max_tokens per request would hold
+        contiguous = sum(s.num_prompt_tokens + s.params.max_tokens for s in self.scheduler.running)
         self.step_log.append(dict(tokens=batch.num_tokens, seqs=len(batch), live_slots=live,
                                   running=len(self.scheduler.running),
-                                  held_slots=held, preempted=batch.num_preempted,
+                                  held_slots=held, contiguous_slots=contiguous,
+                                  preempted=batch.num_preempted,
                                   seq_ids=[s.seq_id for s, _ in batch.items], chunks=chunks))
         for s in got:
             if s.is_finished:

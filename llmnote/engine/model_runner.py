@@ -56,11 +56,12 @@ from torch import nn
 from llmnote import device
 from llmnote.engine.attention import BACKENDS, AttentionMetadata, write_kv
 from llmnote.engine.qkv_kernel import qk_norm_rope_write, qk_norm_rope_write_ref
-from llmnote.engine.config import EngineConfig
+from llmnote.engine.config import GEMV_MAX_HIDDEN, GRAPH_DECODE_STEPS, EngineConfig
 from llmnote.engine.sampler import sample, sampling_tensors
 from llmnote.engine.scheduler import ScheduledBatch
 from llmnote.models.llama import Llama
 from llmnote.ops._pdl import dependent_launches
+from llmnote.ops.gemv import add_rmsnorm_gemv, gemv, swiglu_gemv
 from llmnote.ops.rope import rope_ref
 
 
@@ -139,7 +140,7 @@ class ModelRunner:
                              "False")
         self.use_graphs = is_cuda and config.cuda_graphs is not False
         # multi-step decoding: the most decode steps one call of run_steps may take
-        self.decode_steps = config.decode_steps or (8 if self.use_graphs else 1)
+        self.decode_steps = config.decode_steps or (GRAPH_DECODE_STEPS if self.use_graphs else 1)
         self.num_blocks = choose_num_blocks(model, config, self.dtype, self.device)
         # with graphs, one more block: the scratch block that padded rows write to
         shape = (self.num_blocks + self.use_graphs, config.block_size, c.num_key_value_heads,
@@ -159,6 +160,7 @@ class ModelRunner:
         self.num_decode_runs = 0  # multi-step decode runs (run_steps calls)
         self._fuse_weights()
         self.rope_table = self._rope_table()
+        self.use_gemv = self._gemv_ready()
         if self.use_graphs:
             self.capture()
 
@@ -224,13 +226,7 @@ class ModelRunner:
         h_, hkv, d = a.n_heads, a.n_kv, a.head_dim
         fused = self.fused_qkv[i]
         if fused is not None and self.rope_table is not None:  # (capturable as it is)
-            qkv = F.linear(hs, *fused)  # (T, (H + 2 Hkv) D)
-            norms = (a.q_norm.weight, a.k_norm.weight, a.q_norm.eps) if a.qk_norm else (None, None, 1e-6)
-            # the kernel where the model runs llmnote's kernels, else the same ops one by one
-            fn = qk_norm_rope_write_ref if a.ops.rope is rope_ref else qk_norm_rope_write
-            return fn(qkv, positions, slot_mapping, *self.rope_table,
-                                      self.k_caches[i], self.v_caches[i], h_, hkv, *norms,
-                                      interleaved=a.rope_args[1])
+            return self._queries(i, F.linear(hs, *fused), positions, slot_mapping)
         t = hs.shape[0]
         if fused is not None:
             q, k, v = F.linear(hs, *fused).split([h_ * d, hkv * d, hkv * d], dim=-1)
@@ -244,6 +240,56 @@ class ModelRunner:
         q, k = q[0].transpose(0, 1), k[0].transpose(0, 1)  # (T, heads, D)
         write_kv(k, v, self.k_caches[i], self.v_caches[i], slot_mapping)
         return q
+
+    def _queries(self, i: int, qkv: torch.Tensor, positions: torch.Tensor,
+                 slot_mapping: torch.Tensor) -> torch.Tensor:
+        """Queries ``(T, H, D)`` from layer ``i``'s fused projection ``qkv (T, (H + 2 Hkv) D)``:
+        q/k-norm, RoPE on the tabulated cos/sin and the cache write in one kernel (the
+        same ops one by one where the model runs the reference ops)."""
+        a = self.model.model.layers[i].self_attn
+        norms = (a.q_norm.weight, a.k_norm.weight, a.q_norm.eps) if a.qk_norm else (None, None, 1e-6)
+        fn = qk_norm_rope_write_ref if a.ops.rope is rope_ref else qk_norm_rope_write
+        return fn(qkv, positions, slot_mapping, *self.rope_table, self.k_caches[i],
+                  self.v_caches[i], a.n_heads, a.n_kv, *norms, interleaved=a.rope_args[1])
+
+    def _gemv_layer(self, i: int, x: torch.Tensor, residual: torch.Tensor | None,
+                    positions: torch.Tensor, slot_mapping: torch.Tensor, attend
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Decoder layer ``i`` of a one-token step through llmnote's GEMVs, the norms and
+        SwiGLU folded into them (:mod:`llmnote.ops.gemv`): six kernels, those of the
+        projections, the fused q/k kernel and attention (split + combine)."""
+        layer = self.model.model.layers[i]
+        a, mlp = layer.self_attn, layer.mlp
+        norm, post = layer.input_layernorm, layer.post_attention_layernorm
+        if residual is None:  # the first layer: the embedding is the residual stream
+            qkv, residual = gemv(norm(x), *self.fused_qkv[i]), x
+        else:
+            qkv, residual = add_rmsnorm_gemv(x, residual, norm.weight, norm.eps, *self.fused_qkv[i])
+        o = attend(i, self._queries(i, qkv, positions, slot_mapping))  # (T, H, D)
+        x = gemv(o.reshape(o.shape[0], -1), a.o_proj.weight, a.o_proj.bias)
+        gu, residual = add_rmsnorm_gemv(x, residual, post.weight, post.eps, *self.fused_gate_up[i])
+        return swiglu_gemv(gu, mlp.down_proj.weight, mlp.down_proj.bias), residual
+
+    def _gemv_ready(self) -> bool:
+        """Whether one-token steps can take :meth:`_gemv_layer`: the model runs llmnote's
+        kernels (on a GPU, or the interpreter on the CPU), every layer's projections are
+        fused (plain ``nn.Linear``), RoPE is tabulated; and ``EngineConfig.gemv`` asks for it
+        (``None``: hidden size at most :data:`GEMV_MAX_HIDDEN`, where the fused prologues'
+        re-read of the input rows stays small against the weights)."""
+        from llmnote.ops.rmsnorm import add_rmsnorm
+        from llmnote.ops.swiglu import swiglu
+
+        layers = self.model.model.layers
+        ops = self.model.ops
+        on_kernels = self.device.type == "cuda" or device.interpreting()  # (CPU: the interpreter)
+        wanted = self.config.gemv
+        if wanted is None:  # see GEMV_MAX_HIDDEN
+            wanted = self.model.config.hidden_size <= GEMV_MAX_HIDDEN
+        return (wanted and on_kernels and self.rope_table is not None
+                and ops.add_rmsnorm is add_rmsnorm and ops.swiglu is swiglu
+                and all(f is not None for f in self.fused_qkv + self.fused_gate_up)
+                and all(type(l.self_attn.o_proj) is nn.Linear and type(l.mlp.down_proj) is nn.Linear
+                        for l in layers))
 
     def _mlp(self, i: int, hs: torch.Tensor) -> torch.Tensor:
         mlp = self.model.model.layers[i].mlp
@@ -266,6 +312,10 @@ class ModelRunner:
         x = decoder.embed_tokens(ids)  # (T, h)
         t = ids.shape[0]
         residual = None
+        if t == 1 and self.use_gemv:  # batch-1 decode: GEMVs with the norms folded in
+            for i in range(len(decoder.layers)):
+                x, residual = self._gemv_layer(i, x, residual, positions, slot_mapping, attend)
+            return x, residual
         for i, layer in enumerate(decoder.layers):
             a, norm = layer.self_attn, layer.input_layernorm
             if residual is None:

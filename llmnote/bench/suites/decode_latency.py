@@ -14,8 +14,11 @@ preset's llmnote model with random bf16 weights and llmnote's kernels, ``B``
 requests of ``context`` random prompt tokens prefilled, then each
 ``LLM.step()`` timed on the host (it ends by reading the sampled ids, so the
 GPU is done): scheduling, copying the inputs, replaying the CUDA graph of the
-decode forward (split-KV paged attention) and greedy sampling. The context
-grows by one token per timed step (``context + 1`` at the first).
+decode forward (split-KV paged attention) and greedy sampling. With CUDA graphs
+one ``LLM.step()`` runs several decode steps (multi-step decoding,
+``EngineConfig.decode_steps``): its time is divided by the steps it ran, so the
+host work it amortises counts once per call. The context grows by one token
+per decode step (``context + 1`` at the first).
 
 Rows (``bench = "decode_latency"``, ``x_name = "batch"``, ``metric = "time"`` in ms):
 
@@ -139,8 +142,9 @@ def time_engine_steps(llm, batch: int, context: int, vocab: int, warmup: int = 3
     # the prompts are prefilled over several steps (token budget), and the sequences
     # prefilled first decode meanwhile: give every one enough tokens to last the timing
     budget = llm.config.max_num_batched_tokens
-    sp = SamplingParams(temperature=0, max_tokens=warmup + reps + 2 + prefill_steps(batch, context, budget),
-                        ignore_eos=True)
+    k = llm.runner.decode_steps  # decode steps per LLM.step() (multi-step decoding)
+    sp = SamplingParams(temperature=0, max_tokens=(warmup + reps) * k + 2
+                        + prefill_steps(batch, context, budget), ignore_eos=True)
     ids = [llm.add_request(torch.randint(0, vocab, (context,), generator=g).tolist(), sp)
            for _ in range(batch)]
     seqs = [llm.requests[i] for i in ids]
@@ -148,13 +152,15 @@ def time_engine_steps(llm, batch: int, context: int, vocab: int, warmup: int = 3
         llm.step()
     times = []
     for i in range(warmup + reps):
+        before = len(llm.step_log)
         t0 = time.perf_counter()
         got = llm.step()
         ms = (time.perf_counter() - t0) * 1e3
-        if len(got) != batch or llm.step_log[-1]["tokens"] != batch:
+        steps = llm.step_log[before:]  # one entry per decode step the call ran
+        if len(got) != batch or any(s["tokens"] != batch for s in steps):
             raise RuntimeError(f"step {i} was not a decode step of all {batch} sequences")
         if i >= warmup:
-            times.append(ms)
+            times.append(ms / len(steps))
     while llm.has_unfinished():
         llm.step()
     p50, p20, p80 = np.quantile(times, [0.5, 0.2, 0.8])
@@ -167,11 +173,13 @@ def engine_rows(name: str, batches: list[int], context: int, env: dict, reps: in
     ``budget``: the engine's tokens per step (prompts longer than it take several steps)."""
     from llmnote.bench.suites.engine import random_model, use_kernels
     from llmnote.engine import LLM, EngineConfig
+    from llmnote.engine.config import GRAPH_DECODE_STEPS
 
     model = random_model(name)
     ops = use_kernels(model)
     bs = 16
-    longest = context + reps + 8 + prefill_steps(max(batches), context, budget)
+    steps = GRAPH_DECODE_STEPS  # decode steps per LLM.step() with graphs (at most)
+    longest = context + (reps + 3) * steps + 8 + prefill_steps(max(batches), context, budget)
     cfg = EngineConfig(block_size=bs, max_model_len=longest, max_num_seqs=max(batches),
                        max_num_batched_tokens=budget, enable_prefix_caching=False,
                        num_blocks=max(batches) * -(-longest // bs) + 8)
@@ -180,7 +188,8 @@ def engine_rows(name: str, batches: list[int], context: int, env: dict, reps: in
     rows = []
     for b in batches:
         extra = {"model": name, "context": context, "attn_implementation": "paged-split-kv",
-                 "cuda_graphs": bool(llm.runner.graphs), "ops": ops}
+                 "cuda_graphs": bool(llm.runner.graphs), "ops": ops,
+                 "decode_steps": llm.runner.decode_steps}
         t = time_engine_steps(llm, b, context, vocab, reps=reps)
         print(f"{BENCH}: llmnote-engine {name} batch {b}: {t.p50:.3f} ms per step")
         rows += rows_for(BENCH, "llmnote-engine", "batch", b, t, {}, extra, env)

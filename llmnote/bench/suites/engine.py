@@ -158,20 +158,6 @@ def kv_fractions(llm) -> tuple[float, float]:
     return live / max(held, 1), live / max(contiguous, 1)
 
 
-def _log_contiguous(llm) -> None:
-    """Record, per step, the slots a contiguous max-length allocation would hold."""
-    orig = llm.step
-
-    def step():
-        got = orig()
-        if llm.step_log and "contiguous_slots" not in llm.step_log[-1]:
-            llm.step_log[-1]["contiguous_slots"] = sum(
-                s.num_prompt_tokens + s.params.max_tokens for s in llm.scheduler.running)
-        return got
-
-    llm.step = step
-
-
 def hf_static(model, requests, batch: int) -> float:
     """Wall seconds of transformers generate over ``requests`` in static batches."""
     import transformers
@@ -237,7 +223,6 @@ def _throughput_and_decode(model, backend: str, requests, vocab: int, max_len: i
     rows: list[dict] = []
     name = f"llmnote-{backend}"
     llm = _engine(model, attention_backend=backend)
-    _log_contiguous(llm)
     warm = nano_vllm_requests(4, 8, 32, seed=1, vocab=vocab)
     run_engine(llm, warm)  # warm-up: Triton compiles, allocator
     outs, wall = run_engine(llm, requests)

@@ -44,7 +44,7 @@ from llmnote.bench.ceilings import copy_bandwidth
 from llmnote.bench.harness import measure, rows_for
 from llmnote.bench.results import environment
 from llmnote.bench.suites.quant import _graph_timing
-from llmnote.ops.gemv import TUNE_LOG, add_rmsnorm_gemv, gemv, swiglu_gemv
+from llmnote.ops.gemv import _TUNED, TUNE_LOG, add_rmsnorm_gemv, gemv, swiglu_gemv
 from llmnote.ops.rmsnorm import add_rmsnorm, add_rmsnorm_ref
 from llmnote.ops.swiglu import swiglu, swiglu_ref
 from llmnote.testing import MismatchError, assert_close, assert_close_lowp, interpreter_allowance
@@ -62,15 +62,20 @@ L2_FLUSH_BYTES = 128 << 20
 EPS = 1e-6
 
 
+def _cfg(c) -> str:
+    if c is None:
+        return "?"
+    return (f"({c.block_n},{c.block_k},w{c.num_warps}{',dot' if c.dot else ''}"
+            f"{'' if c.num_stages is None else f',s{c.num_stages}'})")
+
+
 def _print_tuning(label: str) -> None:
     for key, log in list(TUNE_LOG.items()):
         m, n, k, dtype, prologue, has_bias, _ = key
         best = min(log, key=lambda e: e[1])
-        cells = ", ".join(f"({c.block_n},{c.block_k},w{c.num_warps}{',dot' if c.dot else ''}) {t * 1e3:.1f}"
-                          for c, t in log)
-        print(f"tune {label} prologue={prologue} M={m} N={n} K={k}: best ({best[0].block_n},"
-              f"{best[0].block_k},w{best[0].num_warps}{',dot' if best[0].dot else ''}) "
-              f"{best[1] * 1e3:.1f} us | {cells}")
+        cells = ", ".join(f"{_cfg(c)} {t * 1e3:.1f}" for c, t in log)
+        print(f"tune {label} prologue={prologue} M={m} N={n} K={k}: chosen {_cfg(_TUNED.get(key))}; "
+              f"fastest first timing {_cfg(best[0])} {best[1] * 1e3:.1f} us | {cells}")
     TUNE_LOG.clear()
 
 
