@@ -414,6 +414,25 @@ def _w4_tile(pid, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: t
     return pid_m, offs_m, offs_n, rows, cols
 
 
+@triton.jit
+def _w4_program(M, N, K, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                GROUP_M: tl.constexpr, EVEN_N: tl.constexpr):
+    """What program ``(pid, pid_k)`` of a W4A16 kernel works on: ``(pid, pid_k, n_steps,
+    pid_m, offs_m, offs_n, rows, cols)``, its output tile as :func:`_w4_tile` gives it,
+    its slice of K and the number of ``BLOCK_K`` steps in K."""
+    pid = tl.program_id(0)
+    pid_m, offs_m, offs_n, rows, cols = _w4_tile(pid, M, N, BLOCK_M, BLOCK_N, GROUP_M, EVEN_N)
+    return pid, tl.program_id(1), tl.cdiv(K, BLOCK_K), pid_m, offs_m, offs_n, rows, cols
+
+
+@triton.jit
+def _w4_slice(pid_k, n_steps, SPLIT_K):
+    """Steps ``[lo, hi)``: the ``pid_k``-th of ``SPLIT_K`` contiguous slices of ``n_steps``."""
+    per = tl.cdiv(n_steps, SPLIT_K)
+    lo = pid_k * per
+    return lo, tl.minimum(lo + per, n_steps)
+
+
 @triton.jit(do_not_specialize=["SPLIT_K", "NIBBLE"])
 def _w4a16_kernel(
     x_ptr, qw_ptr, s_ptr, z_ptr, c_ptr, bias_ptr, ws_ptr, cnt_ptr, M, N, K, SPLIT_K, NIBBLE,
@@ -446,10 +465,8 @@ def _w4a16_kernel(
     # registers for the whole loop (as immediates they are re-created before each use).
     mask_lo = NIBBLE
     mask_hi = NIBBLE << 4
-    pid = tl.program_id(0)
-    pid_k = tl.program_id(1)
-    pid_m, offs_m, offs_n, rows, cols = _w4_tile(pid, M, N, BLOCK_M, BLOCK_N, GROUP_M, EVEN_N)
-    n_steps = tl.cdiv(K, BLOCK_K)
+    pid, pid_k, n_steps, pid_m, offs_m, offs_n, rows, cols = _w4_program(
+        M, N, K, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, EVEN_N)
     iters = tl.cdiv(tl.cdiv(n_steps, SPLIT_K), SUB)
     step0 = pid_k * iters * SUB
     x_rows = x_ptr + rows.to(tl.int64)[:, None] * stride_xm  # (BM, 1)
@@ -546,13 +563,9 @@ def _w4a16_gemv_kernel(
     KW = K // 8
     mask_lo = NIBBLE
     mask_hi = NIBBLE << 4
-    pid = tl.program_id(0)
-    pid_k = tl.program_id(1)
-    pid_m, offs_m, offs_n, rows, cols = _w4_tile(pid, M, N, BLOCK_M, BLOCK_N, GROUP_M, EVEN_N)
-    n_steps = tl.cdiv(K, BLOCK_K)
-    per = tl.cdiv(n_steps, SPLIT_K)
-    lo = pid_k * per
-    hi = tl.minimum(lo + per, n_steps)
+    pid, pid_k, n_steps, pid_m, offs_m, offs_n, rows, cols = _w4_program(
+        M, N, K, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, EVEN_N)
+    lo, hi = _w4_slice(pid_k, n_steps, SPLIT_K)
     blk = tl.arange(0, NG)
     r = tl.arange(0, GW)
     x_row = x_ptr + pid_m.to(tl.int64) * stride_xm
@@ -665,13 +678,9 @@ def _w4a16_tile_kernel(
     """
     mask_lo = NIBBLE
     mask_hi = NIBBLE << 4
-    pid = tl.program_id(0)
-    pid_k = tl.program_id(1)
-    pid_m, offs_m, offs_n, rows, cols = _w4_tile(pid, M, N, BLOCK_M, BLOCK_N, GROUP_M, EVEN_N)
-    n_steps = tl.cdiv(K, BLOCK_K)
-    per = tl.cdiv(n_steps, SPLIT_K)
-    lo = pid_k * per
-    hi = tl.minimum(lo + per, n_steps)
+    pid, pid_k, n_steps, pid_m, offs_m, offs_n, rows, cols = _w4_program(
+        M, N, K, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, EVEN_N)
+    lo, hi = _w4_slice(pid_k, n_steps, SPLIT_K)
     offs_k = tl.arange(0, BLOCK_K)
     if UPCAST:  # interpreter: its bf16 dot is wrong; keep fp32
         DT: tl.constexpr = tl.float32
