@@ -165,6 +165,10 @@ class ModelRunner:
             self.capture()
 
     # ------------------------------------------------------------ inputs
+    def _long(self, xs: list[int]) -> torch.Tensor:
+        """Host ints as an int64 tensor on the model's device."""
+        return torch.tensor(xs, dtype=torch.long).to(self.device, non_blocking=True)
+
     def prepare(self, batch: ScheduledBatch
                 ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
         """(token ids, positions, attention metadata, rows whose logits are sampled)."""
@@ -181,11 +185,8 @@ class ModelRunner:
             if start + n == len(seq):  # every token computed: sample the next one
                 last.append(cu[-1] - 1)
 
-        def as_t(xs: list[int]) -> torch.Tensor:
-            return torch.tensor(xs, dtype=torch.long).to(self.device, non_blocking=True)
-
-        meta = AttentionMetadata(as_t(slots), cu, ctx, tables, bs)
-        return as_t(ids), as_t(pos), meta, last
+        meta = AttentionMetadata(self._long(slots), cu, ctx, tables, bs)
+        return self._long(ids), self._long(pos), meta, last
 
     # ------------------------------------------------------------ forward
     def _fuse_weights(self) -> None:
@@ -528,14 +529,11 @@ class ModelRunner:
         pos = [seq.num_computed + t for seq, _ in batch.items]
         slots = [seq.block_table[p // bs] * bs + p % bs for (seq, _), p in zip(batch.items, pos)]
 
-        def as_t(xs: list[int]) -> torch.Tensor:
-            return torch.tensor(xs, dtype=torch.long).to(self.device, non_blocking=True)
-
         if ids is None:
-            ids = as_t([seq.token_ids[p] for (seq, _), p in zip(batch.items, pos)])
-        meta = AttentionMetadata(as_t(slots), list(range(len(pos) + 1)), [p + 1 for p in pos],
+            ids = self._long([seq.token_ids[p] for (seq, _), p in zip(batch.items, pos)])
+        meta = AttentionMetadata(self._long(slots), list(range(len(pos) + 1)), [p + 1 for p in pos],
                                  [seq.block_table for seq, _ in batch.items], bs)
-        return ids, as_t(pos), meta
+        return ids, self._long(pos), meta
 
     # ------------------------------------------------------------ sampling
     def generator(self, seq_id: int, seed: int | None) -> torch.Generator:
