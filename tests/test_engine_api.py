@@ -168,11 +168,11 @@ def test_multi_step_decoding_changes_no_token(model, steps):
               SamplingParams(temperature=0, max_tokens=5, ignore_eos=True),
               SamplingParams(temperature=1.0, max_tokens=11, seed=8, ignore_eos=True)]
 
-    def run(k):
-        llm = make(model, decode_steps=k)
+    def run(k, ahead=True):
+        llm = make(model, decode_steps=k, async_scheduling=ahead)
         outs = llm.generate(prompts, params, use_tqdm=False)
-        events = [(e.index, e.token_id, e.finished, e.finish_reason)
-                  for e in make(model, decode_steps=k).stream(prompts, params)]
+        events = [(e.index, e.token_id, e.finished, e.finish_reason) for e in
+                  make(model, decode_steps=k, async_scheduling=ahead).stream(prompts, params)]
         assert llm.scheduler.blocks.num_free == llm.runner.num_blocks
         llm.scheduler.blocks.check()
         return llm, [(o.token_ids, o.finish_reason) for o in outs], events
@@ -182,6 +182,12 @@ def test_multi_step_decoding_changes_no_token(model, steps):
     assert got == want and sorted(got_events) == sorted(want_events)
     assert want[0][1] == "stop" and len(want[0][0]) == 5  # stopped inside a run
     assert one.runner.num_decode_runs == 0 and many.runner.num_decode_runs > 0
+    # async scheduling: with runs of 3 steps, runs were queued before the tokens of the one
+    # in flight were read (runs of 8 reach max_tokens first); without it, none
+    assert one.num_runs_ahead == 0 and (many.num_runs_ahead > 0) == (steps == 3)
+    sync, got_sync, events_sync = run(steps, ahead=False)
+    assert got_sync == want and sorted(events_sync) == sorted(want_events)
+    assert sync.num_runs_ahead == 0
     assert len(many.step_log) == len(one.step_log)  # one log entry per decode step still
     assert [s["contiguous_slots"] for s in many.step_log] == [s["contiguous_slots"] for s in one.step_log]
     per_step = [len(s["seq_ids"]) for s in many.step_log]

@@ -29,6 +29,14 @@ sequence that stops inside the run drops the tokens computed after its stop.
 ``None`` (the default): 8 with CUDA graphs, 1 (off) without; an int forces it
 (1: off).
 
+Async scheduling (``async_scheduling``, with multi-step decoding): when the
+same batch can go on decoding (nothing waits, every running sequence is in it),
+the engine queues its next run before reading the tokens of the one in flight,
+assuming none of its sequences stops there. The GPU then runs that next run
+while the host reads and appends the tokens, instead of waiting for the host
+between runs; a sequence that did stop drops the tokens computed after its stop,
+and its blocks are freed when they are read. Same tokens either way (tested).
+
 ``dependent_launches``: inside the captured decode graphs, launch llmnote's
 kernels with programmatic dependent launch (Hopper and later, see
 :mod:`llmnote.ops._pdl`), so that each may start, and load what does not
@@ -67,6 +75,7 @@ class EngineConfig:
     seed: int = 0  # the generator of requests that carry no seed of their own
     cuda_graphs: bool | None = None  # None: on when the model is on a CUDA GPU
     decode_steps: int | None = None  # None: 8 with CUDA graphs, else 1
+    async_scheduling: bool = True  # queue the next decode run before reading this one
     dependent_launches: bool = True  # PDL between the graph's kernels (Hopper+; llmnote.ops._pdl)
     gemv: bool | None = None  # batch-1 steps through llmnote.ops.gemv; None: for hidden <= GEMV_MAX_HIDDEN
 
@@ -81,6 +90,8 @@ class EngineConfig:
                              f"{self.gpu_memory_utilization!r}")
         if self.gemv not in (None, True, False):
             raise ValueError(f"gemv must be None, True or False, got {self.gemv!r}")
+        if self.async_scheduling not in (True, False):
+            raise ValueError(f"async_scheduling must be True or False, got {self.async_scheduling!r}")
         if self.dependent_launches not in (True, False):
             raise ValueError(f"dependent_launches must be True or False, got {self.dependent_launches!r}")
         if self.cuda_graphs not in (None, True, False):

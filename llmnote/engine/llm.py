@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 from llmnote.engine.config import EngineConfig
-from llmnote.engine.model_runner import ModelRunner
+from llmnote.engine.model_runner import DecodeRun, ModelRunner
 from llmnote.engine.sampling_params import SamplingParams
 from llmnote.engine.scheduler import ScheduledBatch, Scheduler
 from llmnote.engine.sequence import Sequence
@@ -111,6 +111,8 @@ class LLM:
         self.requests: dict[int, Sequence] = {}  # every submitted request, by id
         # per step: tokens, chunks, KV slots live, held, and held by a contiguous reservation
         self.step_log: list[dict] = []
+        self._pending: DecodeRun | None = None  # a run queued ahead (async scheduling)
+        self.num_runs_ahead = 0  # decode runs queued before the tokens of the one before were read
 
     # ------------------------------------------------------------ requests
     def _encode(self, prompt: object, where: str) -> tuple[list[int], str | None]:
@@ -180,6 +182,9 @@ class LLM:
         """Run one scheduler step; returns the sequences that got new tokens (several each
         when the step ran several decode steps back to back, see
         :meth:`Scheduler.decode_steps`)."""
+        if self._pending is not None:  # a run queued by the last step (async scheduling)
+            run, self._pending = self._pending, None
+            return self._read_run(run, fresh=False)
         batch = self.scheduler.schedule()
         if not batch.items:
             if self.scheduler.has_work():  # cannot happen: admission guarantees progress
@@ -188,18 +193,28 @@ class LLM:
         steps = self.scheduler.decode_steps(batch, self.runner.decode_steps)
         if steps == 1:
             chunks = batch.chunks()  # (id, new tokens, "decode" | "prefill") per sequence
-            got = self._finish_step(batch, chunks, self.runner.run(batch))
-        else:
-            got, blocks = [], self.scheduler.blocks
-            for t, sampled in enumerate(self.runner.run_steps(batch, steps)):
-                # what a scheduled step does for its sequences: their computed blocks are
-                # registered for the prefix cache (step 0's were, by schedule())
-                batch = ScheduledBatch([(s, 1) for s, _ in batch.items if not s.is_finished])
-                if not batch.items:
-                    break  # every sequence stopped: later tokens are dropped
-                for s, _ in batch.items if t else ():
-                    blocks.commit(s.block_table, s.token_ids, s.num_computed + 1)
-                got += self._finish_step(batch, batch.chunks(), sampled)
+            return self._finish_step(batch, chunks, self.runner.run(batch))
+        return self._read_run(self.runner.launch_steps(batch, steps), fresh=True)
+
+    def _read_run(self, run: DecodeRun, fresh: bool) -> list[Sequence]:
+        """Read a multi-step run's tokens and append them step by step. With async
+        scheduling the run that continues it is queued first, so the GPU works while the
+        host reads and appends (``self._pending``, read by the next :meth:`step`)."""
+        if self.config.async_scheduling:
+            k = self.scheduler.continue_steps(run.batch, run.steps, self.runner.decode_steps)
+            if k:
+                self._pending = self.runner.launch_steps(run.batch, k, prev=run)
+                self.num_runs_ahead += 1
+        got, blocks, batch = [], self.scheduler.blocks, run.batch
+        for t, sampled in enumerate(self.runner.collect(run)):
+            # what a scheduled step does for its sequences: their computed blocks are
+            # registered for the prefix cache (a fresh run's step 0: by schedule())
+            batch = ScheduledBatch([(s, 1) for s, _ in batch.items if not s.is_finished])
+            if not batch.items:
+                break  # every sequence stopped: later tokens are dropped
+            for s, _ in batch.items if t or not fresh else ():
+                blocks.commit(s.block_table, s.token_ids, s.num_computed + 1)
+            got += self._finish_step(batch, batch.chunks(), sampled)
         return list(dict.fromkeys(got))
 
     def _finish_step(self, batch: ScheduledBatch, chunks: list, sampled: dict[int, int]

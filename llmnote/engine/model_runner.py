@@ -35,18 +35,24 @@ forward contains no host synchronisation: attention is the split-KV paged
 decode (:func:`llmnote.engine.paged_kernel.paged_decode`, whatever the eager
 backend), whose chunks are sized on the device from each sequence's length,
 and RoPE reads cos/sin from a table made once on the device. Steps with
-prefill chunks run eagerly. Sampling runs on the GPU after the graph; the one
-host synchronisation per step is reading the sampled ids (one per sequence).
+prefill chunks run eagerly. The graph ends with the greedy token of every row
+(:func:`llmnote.engine.step_kernels.greedy_tokens`); rows that sample are
+sampled on the GPU after the graph; the one host synchronisation per step is
+reading the tokens (one per sequence).
 
 Multi-step decoding (:meth:`ModelRunner.run_steps`, ``EngineConfig.decode_steps``):
 when the scheduler grants several decode steps in a row, the inputs of all of
-them go up in the same one copy, each step's sampled ids are copied on the
-device into the next step's token ids, and the host reads the ids of all the
-steps at the end. The host then queues the steps while the GPU runs them, and
-the GPU does not wait on the host between them.
+them go up in the same one copy and the graph is replayed once per step. Its
+first kernel (:func:`llmnote.engine.step_kernels.feed_step`) counts the steps
+and moves the next step's inputs into place, the ids being the tokens the step
+before wrote, so a greedy run is nothing but replays, and the host reads the
+tokens of all the steps at the end. The host queues the steps while the GPU
+runs them, and the GPU does not wait on the host between them.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -58,11 +64,26 @@ from llmnote.engine.attention import BACKENDS, AttentionMetadata, write_kv
 from llmnote.engine.qkv_kernel import qk_norm_rope_write, qk_norm_rope_write_ref
 from llmnote.engine.config import GEMV_MAX_HIDDEN, GRAPH_DECODE_STEPS, EngineConfig
 from llmnote.engine.sampler import sample, sampling_tensors
+from llmnote.engine.step_kernels import StepBuffers, feed_step, greedy_tokens
 from llmnote.engine.scheduler import ScheduledBatch
 from llmnote.models.llama import Llama
 from llmnote.ops._pdl import dependent_launches
 from llmnote.ops.gemv import add_rmsnorm_gemv, gemv, swiglu_gemv
 from llmnote.ops.rope import rope_ref
+
+
+@dataclass
+class DecodeRun:
+    """A multi-step decode run queued by :meth:`ModelRunner.launch_steps`: its batch, its
+    steps, its tokens ``(steps, batch)`` (in pinned host memory once ``done`` has fired,
+    or on the model's device when it ran eagerly) and its last step's tokens on the
+    device (the first ids of a run that continues it)."""
+
+    batch: ScheduledBatch
+    steps: int
+    tokens: torch.Tensor
+    done: torch.cuda.Event | None
+    last: torch.Tensor
 
 
 def kv_bytes_per_block(model: Llama, block_size: int, dtype: torch.dtype) -> int:
@@ -379,11 +400,14 @@ class ModelRunner:
         from llmnote.engine.paged_kernel import paged_decode
 
         scale = self.model.config.head_dim ** -0.5
+        feed_step(self.g_in, self.g_step.tokens, self.g_step.step, self.config.max_num_seqs, b)
         tables, ctx = self.g_tables[:b], self.g_ctx[:b]
         x, res = self._layers(self.g_ids[:b], self.g_pos[:b], self.g_slots[:b],
                               lambda i, q: paged_decode(q, self.k_caches[i], self.v_caches[i],
                                                         tables, ctx, scale, splits), self._rope)
-        return self.model.lm_head(self._final_norm(x, res))  # (b, vocab)
+        logits = self.model.lm_head(self._final_norm(x, res))  # (b, vocab)
+        greedy_tokens(logits, self.g_step)
+        return logits
 
     @torch.no_grad()
     def capture(self) -> None:
@@ -414,6 +438,10 @@ class ModelRunner:
         self.g_slots.fill_(scratch * bs)
         self.g_tables.fill_(scratch)
         self.g_ctx.fill_(1)
+        self.g_step = StepBuffers(self.decode_steps, n, self.model.config.vocab_size, dev)
+        self.h_tokens = [torch.zeros_like(self.g_step.tokens, device="cpu").pin_memory()
+                         for _ in range(2)]
+        self._flip = 0
         self._rope = self._graph_rope()
         hkv = self.model.config.num_key_value_heads
         sizes = sorted({s for s in GRAPH_BATCH_SIZES if s < n} | {n}, reverse=True)
@@ -422,6 +450,7 @@ class ModelRunner:
             splits = decode_splits(b, hkv, self.max_model_len, dev)
             with dependent_launches(self.config.dependent_launches):
                 for _ in range(2):  # warm-up: Triton compiles outside the capture
+                    self.g_step.step.zero_()
                     self._decode_graph_forward(b, splits)
                 torch.cuda.synchronize(dev)
                 g = torch.cuda.CUDAGraph()
@@ -439,11 +468,13 @@ class ModelRunner:
             return None
         return min(s for s in self.graphs if s >= b)
 
-    def _stage(self, batch: ScheduledBatch, size: int, steps: int) -> None:
+    def _stage(self, batch: ScheduledBatch, size: int, steps: int, after: int = 0) -> None:
         """Copy the inputs of ``steps`` decode steps of ``batch`` to the graph's buffer: the
         columns of step ``t`` (ids, positions, slots, context lengths) at ``t * 4n``, the
         block tables after them; step ``t > 0``'s ids are filled on the device (the tokens
-        of step ``t - 1``). One copy from the pinned buffer."""
+        of step ``t - 1``). ``after``: the run continues one of that many steps whose
+        tokens the host has not read (its first ids are then set on the device too). One
+        copy from the pinned buffer."""
         n, bs, scratch, width = self.config.max_num_seqs, self.config.block_size, self.num_blocks, self.g_width
         # the pinned buffer is rewritten only once the previous copy from it is done
         # (usually long since: that step's sampled ids were read; not so when none sampled)
@@ -453,11 +484,11 @@ class ModelRunner:
         b = len(batch.items)
         longest = 0
         for r, (seq, _) in enumerate(batch.items):
-            p = seq.num_computed
+            p = seq.num_computed + after
             table = seq.block_table
             for t in range(steps):
                 q = p + t
-                cols[t, 0, r], cols[t, 1, r] = (seq.token_ids[q] if t == 0 else 0), q
+                cols[t, 0, r], cols[t, 1, r] = (seq.token_ids[q] if t == 0 and not after else 0), q
                 cols[t, 2, r], cols[t, 3, r] = table[q // bs] * bs + q % bs, q + 1
             tables[r, :len(table)] = table
             longest = max(longest, len(table))
@@ -471,6 +502,7 @@ class ModelRunner:
         t0 = self.g_cols
         self.g_in[t0:t0 + size * width].copy_(self.h_in[t0:t0 + size * width], non_blocking=True)
         self.copy_done.record()
+        self.g_step.step.zero_()  # the graph's first kernel counts the steps of the run
 
     def _replay(self, batch: ScheduledBatch) -> torch.Tensor | None:
         """Logits ``(len(batch), vocab)`` of a one-token-per-sequence step from a graph, or
@@ -485,39 +517,66 @@ class ModelRunner:
         return out[:len(batch.items)]
 
     def run_steps(self, batch: ScheduledBatch, steps: int) -> list[dict[int, int]]:
-        """Run ``steps`` decode steps of a decode-only ``batch`` back to back (multi-step
-        decoding): each step's sampled tokens are the next step's input on the device,
-        and the host reads them once, at the end. The blocks for every step must be
-        reserved (:meth:`Scheduler.decode_steps`). Returns ``seq_id -> token`` per step;
-        the caller drops what follows a sequence's stop."""
+        """Run ``steps`` decode steps of a decode-only ``batch`` back to back and return
+        ``seq_id -> token`` per step (:meth:`launch_steps`, then :meth:`collect`)."""
+        return self.collect(self.launch_steps(batch, steps))
+
+    def launch_steps(self, batch: ScheduledBatch, steps: int, prev: DecodeRun | None = None
+                     ) -> DecodeRun:
+        """Queue ``steps`` decode steps of a decode-only ``batch`` back to back (multi-step
+        decoding): each step's sampled tokens are the next step's input on the device.
+        The blocks for every step must be reserved (:meth:`Scheduler.decode_steps`).
+        ``prev``: a run of the same batch whose tokens the host has not read yet; this one
+        continues it (async scheduling: its first ids are ``prev``'s last tokens, on the
+        device). On a GPU with graphs nothing waits for the GPU here; :meth:`collect` reads
+        the tokens."""
         b = len(batch.items)
+        after = prev.steps if prev is not None else 0
+        if prev is not None and [s for s, _ in prev.batch.items] != [s for s, _ in batch.items]:
+            raise ValueError("a continued run must have the batch of the run it continues")
         seqs = [seq for seq, _ in batch.items]
         gens = [self.generator(s.seq_id, s.params.seed) for s in seqs]
         params = [s.params for s in seqs]
         prepared = sampling_tensors(params, gens, self.device)
         size = self._graph_size(batch)
-        tokens = []
+        self.num_decode_runs += 1
         if size is not None:
-            self._stage(batch, size, steps)
+            # the graph feeds itself: its first kernel moves step t's columns and step
+            # t - 1's tokens into place, its last writes the argmax to g_step.tokens[t]
+            self._stage(batch, size, steps, after)
+            if prev is not None:
+                self.g_ids[:b].copy_(prev.last)
             g, out = self.graphs[size]
-            n = self.config.max_num_seqs
             for t in range(steps):
-                if t:  # this step's columns to the graph's, its ids from the last step
-                    self.g_in[:4 * n].copy_(self.g_in[4 * n * t:4 * n * (t + 1)])
-                    self.g_ids[:b].copy_(tokens[-1])
                 g.replay()
                 self.num_graph_steps += 1
-                tokens.append(sample(out[:b], params, gens, prepared))
-        else:  # eager: the same steps through the model runner's forward
-            ids = None
-            for t in range(steps):
-                ids, pos, meta = self._decode_inputs(batch, t, ids)
-                with torch.no_grad():
-                    logits = self.forward(ids, pos, meta, list(range(b)))
-                ids = sample(logits, params, gens, prepared)
-                tokens.append(ids)
-        rows = torch.stack(tokens).tolist()  # the run's one synchronisation
-        self.num_decode_runs += 1
+                if prepared is not None:  # some rows sample: their tokens from the sampler
+                    self.g_step.tokens[t, :b].copy_(sample(out[:b], params, gens, prepared))
+            # two pinned buffers: a run's tokens are read while the next one is queued; whole
+            # rows (a contiguous copy: a strided one would go through pageable memory and wait)
+            self._flip ^= 1
+            host = self.h_tokens[self._flip][:steps]
+            host.copy_(self.g_step.tokens[:steps], non_blocking=True)
+            done = torch.cuda.Event()
+            done.record()
+            return DecodeRun(batch, steps, host[:, :b], done, self.g_step.tokens[steps - 1, :b])
+        ids = prev.last if prev is not None else None
+        out_ids = []
+        for t in range(steps):  # eager: the same steps through the model runner's forward
+            ids, pos, meta = self._decode_inputs(batch, after + t, ids)
+            with torch.no_grad():
+                logits = self.forward(ids, pos, meta, list(range(b)))
+            ids = sample(logits, params, gens, prepared)
+            out_ids.append(ids)
+        return DecodeRun(batch, steps, torch.stack(out_ids), None, ids)
+
+    def collect(self, run: DecodeRun) -> list[dict[int, int]]:
+        """Wait for a run's tokens; ``seq_id -> token`` per step. The caller drops what
+        follows a sequence's stop."""
+        if run.done is not None:
+            run.done.synchronize()
+        rows = run.tokens.tolist()  # the run's one synchronisation
+        seqs = [s for s, _ in run.batch.items]
         return [{s.seq_id: tok for s, tok in zip(seqs, row)} for row in rows]
 
     def _decode_inputs(self, batch: ScheduledBatch, t: int, ids: torch.Tensor | None

@@ -146,6 +146,31 @@ class Scheduler:
             self.blocks.append_slots(seq.block_table, seq.num_computed + k)
         return k
 
+    def continue_steps(self, batch: ScheduledBatch, after: int, most: int) -> int:
+        """Async scheduling: how many decode steps ``batch`` may run after a run of ``after``
+        steps whose tokens are not read yet, assuming none of its sequences stops in it
+        (those that do have the extra tokens dropped and their blocks freed when read).
+        As :meth:`decode_steps`, up to ``most``, counted from after that run; 0 when the
+        batch is no longer every running sequence or a request waits (it is scheduled
+        once the run in flight is read). Reserves the blocks."""
+        if most < 1 or self.waiting or len(batch) != len(self.running):
+            return 0
+        k = most
+        for seq, _ in batch.items:
+            if seq.is_finished:
+                return 0
+            k = min(k, seq.params.max_tokens - seq.num_output_tokens - after,
+                    self.max_model_len - len(seq) - after)
+        if k < 1:
+            return 0
+        need = sum(max(self.blocks.blocks_for(s.num_computed + after + k) - len(s.block_table), 0)
+                   for s, _ in batch.items)
+        if need > self.blocks.num_free:
+            return 0
+        for seq, _ in batch.items:
+            self.blocks.append_slots(seq.block_table, seq.num_computed + after + k)
+        return k
+
     def finish(self, seq: Sequence, reason: str) -> None:
         seq.status, seq.finish_reason = Status.FINISHED, reason
         self.running.remove(seq)
