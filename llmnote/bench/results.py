@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import datetime as _dt
 import functools
+import os
 import subprocess
 from pathlib import Path
 
@@ -27,8 +28,12 @@ RESULTS_DIR = Path(__file__).resolve().parent.parent / "data" / "results"
 
 @functools.cache
 def _git_sha() -> str:
+    """The commit of the code that ran: ``LLMNOTE_SHA`` when set (a copy of the working tree
+    whose ``.git`` is not the commit's, e.g. a remote GPU machine), else ``git rev-parse``."""
     import llmnote
 
+    if os.environ.get("LLMNOTE_SHA"):
+        return os.environ["LLMNOTE_SHA"]
     try:
         out = subprocess.run(
             ["git", "rev-parse", "--short=10", "HEAD"], cwd=Path(__file__).parent,
