@@ -182,6 +182,8 @@ class ModelRunner:
         self._fuse_weights()
         self.rope_table = self._rope_table()
         self.use_gemv = self._gemv_ready()
+        if self.use_gemv:  # the first layer's residual input: add_rmsnorm_gemv(x, 0) = norm(x)
+            self._zero_row = torch.zeros((1, c.hidden_size), dtype=self.dtype, device=self.device)
         if self.use_graphs:
             self.capture()
 
@@ -283,10 +285,9 @@ class ModelRunner:
         layer = self.model.model.layers[i]
         a, mlp = layer.self_attn, layer.mlp
         norm, post = layer.input_layernorm, layer.post_attention_layernorm
-        if residual is None:  # the first layer: the embedding is the residual stream
-            qkv, residual = gemv(norm(x), *self.fused_qkv[i]), x
-        else:
-            qkv, residual = add_rmsnorm_gemv(x, residual, norm.weight, norm.eps, *self.fused_qkv[i])
+        if residual is None:  # the first layer: the embedding is the residual stream (+ 0)
+            residual = self._zero_row
+        qkv, residual = add_rmsnorm_gemv(x, residual, norm.weight, norm.eps, *self.fused_qkv[i])
         o = attend(i, self._queries(i, qkv, positions, slot_mapping))  # (T, H, D)
         x = gemv(o.reshape(o.shape[0], -1), a.o_proj.weight, a.o_proj.bias)
         gu, residual = add_rmsnorm_gemv(x, residual, post.weight, post.eps, *self.fused_gate_up[i])
@@ -352,9 +353,13 @@ class ModelRunner:
             x = self._mlp(i, hs)
         return x, residual
 
-    def _final_norm(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-        norm = self.model.model.norm
-        return self.model.ops.add_rmsnorm(x, residual, norm.weight, norm.eps)[0]
+    def _logits(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        """The final add + RMSNorm and the LM head; at batch 1 on the GEMV path one
+        ``add_rmsnorm_gemv`` (faster than cuBLAS on this matrix, gemv.csv's lm_head row)."""
+        norm, head = self.model.model.norm, self.model.lm_head
+        if x.shape[0] == 1 and self.use_gemv and type(head) is nn.Linear:
+            return add_rmsnorm_gemv(x, residual, norm.weight, norm.eps, head.weight, head.bias)[0]
+        return head(self.model.ops.add_rmsnorm(x, residual, norm.weight, norm.eps)[0])
 
     @torch.no_grad()
     def forward(self, ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
@@ -366,7 +371,7 @@ class ModelRunner:
         if len(logits_rows) < x.shape[0]:
             rows = torch.tensor(logits_rows, dtype=torch.long).to(x.device, non_blocking=True)
             x, res = x[rows], res[rows]
-        return self.model.lm_head(self._final_norm(x, res))  # (S, vocab)
+        return self._logits(x, res)  # (S, vocab)
 
     # ------------------------------------------------------------ CUDA graphs
     def _graph_rope(self):
@@ -405,7 +410,7 @@ class ModelRunner:
         x, res = self._layers(self.g_ids[:b], self.g_pos[:b], self.g_slots[:b],
                               lambda i, q: paged_decode(q, self.k_caches[i], self.v_caches[i],
                                                         tables, ctx, scale, splits), self._rope)
-        logits = self.model.lm_head(self._final_norm(x, res))  # (b, vocab)
+        logits = self._logits(x, res)  # (b, vocab)
         greedy_tokens(logits, self.g_step)
         return logits
 
