@@ -119,3 +119,12 @@ def test_sweep_skips_llmnote_providers_on_an_older_gpu(monkeypatch):
     assert set(df.provider) == {"torch"}  # llmnote's kernel is not timed as its reference
     df = sweep("t", "n", [1], providers, metrics, triton_capability=None)
     assert set(df.provider) == {"llmnote", "torch"}
+
+
+def test_host_padding_keeps_the_host_ahead():
+    # a host slower than the GPU's own time gets enough GPU-side wait for the margin
+    assert bench.harness.host_padding_ms(0.5, 0.375) == pytest.approx(3 * 0.5 - 0.375)
+    assert bench.harness.host_padding_ms(0.5, 0.375, margin=2.0) == pytest.approx(0.625)
+    # GPU-heavy calls (the host at most a third of the GPU's time) are not padded
+    assert bench.harness.host_padding_ms(0.09, 0.3) == 0.0
+    assert bench.harness.host_padding_ms(0.01, 5.0) == 0.0

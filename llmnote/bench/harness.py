@@ -1,9 +1,21 @@
 """Timing and sweeps: the one harness every llmnote benchmark uses.
 
-On a GPU, :func:`measure` calls ``triton.testing.do_bench`` (CUDA events, L2
-flushed between runs, warm-up excluded) and keeps the median and the 20th/80th
-percentiles. Without a GPU it falls back to wall-clock timing, which is only
-good for checking that a benchmark runs, never for a figure in the book.
+On a GPU, :func:`measure` times like ``triton.testing.do_bench`` (CUDA events
+around each call, the L2 cache flushed before it, warm-up excluded) and keeps
+the median and the 20th/80th percentiles of the calls. It times the GPU work a
+call queues, not the host queueing it: an event measures from when the GPU
+reaches it, so when the host takes longer to issue a call than the GPU takes to
+run it, the GPU reaches the start event, then waits for the call's kernels,
+and that wait is timed too; a host that is sometimes fast and sometimes slow
+then gives a spread of times for the same kernel. (H100, the norms backward
+through autograd: 240-720 us of host time a call for about 290 us of GPU work,
+p20-p80 spreads of 15-100 % of the median in most rows; the same kernel called
+without autograd, about 110 us of host time, under 2 % in 19 rows of 20.)
+So :func:`measure` first times the host cost of a call and, when it is more than
+a third of the GPU's time per call, queues a GPU-side wait before each start
+event, long enough that the host is always several calls ahead.
+Without a GPU it falls back to wall-clock timing, which is only good for
+checking that a benchmark runs, never for a figure in the book.
 """
 
 from __future__ import annotations
@@ -44,13 +56,84 @@ def require_compiled(provider: str, min_capability: tuple[int, int] = device.MIN
                    f"{device.capability()} (its reference would be timed instead)")
 
 
-def measure(fn: Callable[[], Any], *, warmup_ms: float = 25, rep_ms: float = 100) -> Timing:
-    """Time ``fn()``: ``do_bench`` on a GPU, wall clock on the CPU."""
-    if device.on_gpu():
-        from triton.testing import do_bench
+HOST_MARGIN = 3.0  # the GPU's time per timed call is kept >= this many times the host's
 
-        p50, p20, p80 = do_bench(fn, warmup=warmup_ms, rep=rep_ms, quantiles=[0.5, 0.2, 0.8])
-        return Timing(p50, p20, p80)
+
+def host_padding_ms(host_ms: float, gpu_ms: float, margin: float = HOST_MARGIN) -> float:
+    """GPU-side wait (ms) to queue before each timed call: enough that the GPU
+    spends ``margin`` times the host's ``host_ms`` per call (it spends ``gpu_ms``
+    on its own), so the host gains on the GPU every call and a slow call on the
+    host is absorbed by the calls already queued; 0 when it already does."""
+    return max(0.0, margin * host_ms - gpu_ms)
+
+
+_SLEEP_CYCLES_PER_MS: list[float] = []
+
+
+def _sleep_cycles_per_ms() -> float:
+    """Clock cycles of ``torch.cuda._sleep`` per millisecond (measured once)."""
+    import torch
+
+    if not _SLEEP_CYCLES_PER_MS:
+        cycles = 1 << 22
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda._sleep(cycles)  # the clock ramps up from idle
+        start.record()
+        torch.cuda._sleep(cycles)
+        end.record()
+        end.synchronize()
+        _SLEEP_CYCLES_PER_MS.append(cycles / max(start.elapsed_time(end), 1e-3))
+    return _SLEEP_CYCLES_PER_MS[0]
+
+
+def _gpu_timing(fn: Callable[[], Any], warmup_ms: float, rep_ms: float) -> Timing:
+    """``do_bench``'s loop (same L2 flush, warm-up and repeat counts), with the
+    GPU-side wait of :func:`host_padding_ms` before each start event."""
+    import torch
+    from triton import runtime
+
+    driver = runtime.driver.active
+    fn()
+    torch.cuda.synchronize()
+    cache = driver.get_empty_cache_for_benchmark()
+    t0 = time.perf_counter()
+    for _ in range(5):  # host cost of a call: 5 calls queue without waiting on the GPU
+        fn()
+    host_ms = (time.perf_counter() - t0) * 1e3 / 5
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(5):  # GPU time of a flush and a call
+        driver.clear_cache(cache)
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    gpu_ms = start.elapsed_time(end) / 5
+    pad_ms = host_padding_ms(host_ms, gpu_ms) if hasattr(torch.cuda, "_sleep") else 0.0
+    cycles = int(pad_ms * _sleep_cycles_per_ms()) if pad_ms > 0 else 0
+    n_warmup, n_repeat = max(1, int(warmup_ms / gpu_ms)), max(1, int(rep_ms / gpu_ms))
+    starts = [torch.cuda.Event(enable_timing=True) for _ in range(n_repeat)]
+    ends = [torch.cuda.Event(enable_timing=True) for _ in range(n_repeat)]
+    for i in range(n_warmup + n_repeat):  # the warm-up calls put the host ahead
+        driver.clear_cache(cache)
+        if cycles:
+            torch.cuda._sleep(cycles)
+        if i >= n_warmup:
+            starts[i - n_warmup].record()
+        fn()
+        if i >= n_warmup:
+            ends[i - n_warmup].record()
+    torch.cuda.synchronize()
+    times = [s.elapsed_time(e) for s, e in zip(starts, ends)]
+    p50, p20, p80 = np.quantile(times, [0.5, 0.2, 0.8])
+    return Timing(float(p50), float(p20), float(p80))
+
+
+def measure(fn: Callable[[], Any], *, warmup_ms: float = 25, rep_ms: float = 100) -> Timing:
+    """Time ``fn()``: on a GPU, the GPU work it queues (see the module's docstring);
+    wall clock on the CPU."""
+    if device.on_gpu():
+        return _gpu_timing(fn, warmup_ms, rep_ms)
     fn()  # warm-up: compilation, allocator
     times: list[float] = []
     start = time.perf_counter()
