@@ -181,7 +181,8 @@ class LLM:
     def step(self) -> list[Sequence]:
         """Run one scheduler step; returns the sequences that got new tokens (several each
         when the step ran several decode steps back to back, see
-        :meth:`Scheduler.decode_steps`)."""
+        :meth:`Scheduler.decode_steps`). With async scheduling a step may instead read the
+        run the step before queued ahead (and queue the next one)."""
         if self._pending is not None:  # a run queued by the last step (async scheduling)
             run, self._pending = self._pending, None
             return self._read_run(run, fresh=False)
