@@ -171,13 +171,22 @@ def test_fp8_quantized_entry_point(dev, seed):
     check_fp8(out, q, k, v, causal=True, name="fp8 quantized entry")
 
 
+def mean_rel_err(got, want):
+    return float((got.float() - want.float()).abs().mean() / want.float().abs().mean())
+
+
 def test_rotation_keeps_scores_and_fp8_runs(dev, seed):
+    """The rotated FP8 kernel is about as far from exact attention as its reference. Mean
+    errors, not max: at these sizes one FP8 rounding that lands the other way on a key can
+    move a few outputs by 10-20 % of the largest (max-error ratios up to 2.4 over 1500
+    seeds on the interpreter, mean-error ratios at most 1.26)."""
     d = 16 if device.interpreting() else 64
     q, k, v = qkv(1, 1, 1, 24, 24, d, torch.bfloat16, dev)
     out = A.flash_attention_fp8(q, k, v, rotate=True, block=BLK)
     exact = A.flash_attention_ref(q.float(), k.float(), v.float())
     ref = A.flash_attention_fp8_ref(q, k, v, rotate=True, block=BLK)
-    assert rel_err(out, exact) <= 1.5 * rel_err(ref, exact) + 0.02
+    assert mean_rel_err(ref, exact) < 0.15  # the rotation keeps the scores
+    assert mean_rel_err(out, exact) <= 1.5 * mean_rel_err(ref, exact) + 0.01
 
 
 def test_wrong_result_is_caught(dev, seed, monkeypatch):
