@@ -40,7 +40,8 @@ prefill chunks run eagerly. The graph ends with the greedy token of every row
 sampled on the GPU after the graph; the one host synchronisation per step is
 reading the tokens (one per sequence).
 
-Multi-step decoding (:meth:`ModelRunner.run_steps`, ``EngineConfig.decode_steps``):
+Multi-step decoding (:meth:`ModelRunner.launch_steps` and :meth:`ModelRunner.collect`,
+``EngineConfig.decode_steps``):
 when the scheduler grants several decode steps in a row, the inputs of all of
 them go up in the same one copy and the graph is replayed once per step. Its
 first kernel (:func:`llmnote.engine.step_kernels.feed_step`) counts the steps
@@ -160,7 +161,7 @@ class ModelRunner:
                              f"{self.device}; pass cuda_graphs=None (graphs where possible) or "
                              "False")
         self.use_graphs = is_cuda and config.cuda_graphs is not False
-        # multi-step decoding: the most decode steps one call of run_steps may take
+        # multi-step decoding: the most decode steps one call of launch_steps may take
         self.decode_steps = config.decode_steps or (GRAPH_DECODE_STEPS if self.use_graphs else 1)
         self.num_blocks = choose_num_blocks(model, config, self.dtype, self.device)
         # with graphs, one more block: the scratch block that padded rows write to
@@ -178,7 +179,7 @@ class ModelRunner:
         self.default_generator = torch.Generator(device=self.device).manual_seed(config.seed)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}  # size -> graph, logits
         self.num_graph_steps = 0  # decode steps replayed from a graph
-        self.num_decode_runs = 0  # multi-step decode runs (run_steps calls)
+        self.num_decode_runs = 0  # multi-step decode runs (launch_steps calls)
         self._fuse_weights()
         self.rope_table = self._rope_table()
         self.use_gemv = self._gemv_ready()
@@ -520,11 +521,6 @@ class ModelRunner:
         g.replay()
         self.num_graph_steps += 1
         return out[:len(batch.items)]
-
-    def run_steps(self, batch: ScheduledBatch, steps: int) -> list[dict[int, int]]:
-        """Run ``steps`` decode steps of a decode-only ``batch`` back to back and return
-        ``seq_id -> token`` per step (:meth:`launch_steps`, then :meth:`collect`)."""
-        return self.collect(self.launch_steps(batch, steps))
 
     def launch_steps(self, batch: ScheduledBatch, steps: int, prev: DecodeRun | None = None
                      ) -> DecodeRun:

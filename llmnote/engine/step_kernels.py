@@ -1,6 +1,6 @@
 """The two kernels that let a captured decode step feed the next one on the device.
 
-Multi-step decoding (:meth:`llmnote.engine.model_runner.ModelRunner.run_steps`)
+Multi-step decoding (:meth:`llmnote.engine.model_runner.ModelRunner.launch_steps`)
 replays the decode graph several times in a row. Between two replays the
 next step needs its inputs (positions, cache slots, context lengths, staged
 by the host for every step of the run at once) and its token ids (the
