@@ -6,8 +6,8 @@ import torch.nn.functional as F
 
 from llmnote import device
 from llmnote.ops.gemv import (
-    GEMV_MAX_M, GemvConfig, add_rmsnorm_gemv, add_rmsnorm_gemv_ref, gemv, gemv_ref, swiglu_gemv,
-    swiglu_gemv_ref,
+    GEMV_MAX_M, GemvConfig, add_rmsnorm_gemv, add_rmsnorm_gemv_ref, combine_gemv, combine_gemv_ref,
+    gemv, gemv_ref, swiglu_gemv, swiglu_gemv_ref,
 )
 from llmnote.ops.rmsnorm import add_rmsnorm_ref
 from llmnote.ops.swiglu import swiglu_ref
@@ -105,6 +105,102 @@ def test_swiglu_gemv(dtype, m, config):
     s = swiglu_ref(gu[:, :i], gu[:, i:])
     check_product(y, s, w, b, "swiglu_gemv")
     assert_close(swiglu_gemv_ref(gu, w, b), F.linear(s, w, b), atol=0, rtol=0, name="swiglu_gemv_ref")
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("m", [1, 3])
+def test_add_rmsnorm_gemv_takes_an_fp32_accumulator(dtype, m):
+    """An fp32 ``x`` (combine_gemv's accumulator) with a narrower residual: the same result as
+    passing ``x`` rounded to the residual's dtype."""
+    n, k = 37, 100
+    x32, r = rows(m, k, torch.float32), rows(m, k, dtype)
+    nw = (1 + 0.1 * torch.randn(k, device=dev())).to(dtype)
+    w = torch.randn(n, k, device=dev(), dtype=dtype)
+    y, h = add_rmsnorm_gemv(x32, r, nw, 1e-6, w)
+    y2, h2 = add_rmsnorm_gemv(x32.to(dtype), r, nw, 1e-6, w)
+    assert y.dtype == h.dtype == dtype
+    allow = 2 * interpreter_allowance(dtype, h2)  # (the interpreter truncates the rounding of x)
+    assert_close(h, h2, atol=allow, rtol=0, name="h")
+    assert_close(y, y2, atol=LOWP_ATOL[dtype] * float(y2.abs().max()) + allow * float(w.abs().sum(1).max()),
+                 rtol=0, name="y")
+    y_ref, h_ref = add_rmsnorm_gemv_ref(x32, r, nw, 1e-6, w)
+    assert torch.equal(h_ref, add_rmsnorm_ref(x32.to(dtype), r, nw, 1e-6)[1])
+    with pytest.raises(TypeError, match="x must have residual's dtype"):
+        add_rmsnorm_gemv(x32.half(), r.bfloat16(), nw.bfloat16(), 1e-6, w.bfloat16())
+
+
+def split_partials(h, s, d, empty_splits=(), empty_heads=()):
+    """Random split-KV partials (1, h, s, d) and log2 log-sum-exps (1, h, s); the listed
+    splits of every head, and every split of the listed heads, are empty (-inf)."""
+    part = torch.randn(1, h, s, d, device=dev())
+    lpart = 3 * torch.randn(1, h, s, device=dev())
+    for j in empty_splits:
+        lpart[:, :, j] = float("-inf")
+        part[:, :, j] = 0.0
+    for j in empty_heads:
+        lpart[:, j] = float("-inf")
+        part[:, j] = 0.0
+    return part, lpart
+
+
+def merged(part, lpart):
+    """The exact merge of split partials, written apart from the op: softmax weights of the
+    log-sum-exps (log2 units); a head whose splits are all empty gives 0."""
+    w = torch.softmax(lpart.double() * 0.6931471805599453, dim=-1).nan_to_num(0.0)
+    return (w[..., None] * part.double()).sum(-2)  # (1, h, d)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("h, s, d, n", [(3, 5, 16, 37), (4, 1, 32, 64), (2, 16, 16, 129)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_combine_gemv(dtype, h, s, d, n, bias):
+    """combine_gemv adds the output projection of the merged partials to ``out``; empty
+    splits and a head with no keys at all are merged as the combine kernel does."""
+    part, lpart = split_partials(h, s, d, empty_splits=(1,) if s > 2 else (), empty_heads=(h - 1,))
+    w = torch.randn(n, h * d, device=dev(), dtype=dtype)
+    b = torch.randn(n, device=dev(), dtype=dtype) if bias else None
+    start = torch.randn(1, n, device=dev())
+    got = combine_gemv(part, lpart, w, start.clone(), b)
+    o = merged(part, lpart).to(dtype).reshape(1, -1)  # rounded as the combine kernel stores it
+    want = start.double() + o.double() @ w.double().T + (0 if b is None else b.double())
+    # fp32 sums in another order; the interpreter truncates o to bf16 (one unit of 2^-7)
+    slack = interpreter_allowance(dtype, o) * float(w.double().abs().sum(1).max())
+    assert_close(got, want.float(), atol=1e-5 * float(want.abs().max()) + slack, rtol=1e-5,
+                 name="combine_gemv")
+    ref = combine_gemv_ref(part, lpart, w, start.clone(), b)
+    assert_close(ref, want.float(), atol=1e-5 * float(want.abs().max()), rtol=1e-5, name="ref")
+
+
+def test_combine_gemv_is_the_engine_composition():
+    """paged decode's own combine, then a GEMV, gives what combine_gemv gives from the partials."""
+    from llmnote.ops.attention.decode import combine_splits
+
+    h, s, d, n = 4, 3, 16, 24
+    part, lpart = split_partials(h, s, d, empty_splits=(2,))
+    w = torch.randn(n, h * d, device=dev())
+    o, lse = torch.empty(1, h, d, device=dev()), torch.empty(1, h, device=dev())
+    combine_splits(part, lpart, o, lse)
+    got = combine_gemv(part, lpart, w, torch.zeros(1, n, device=dev()))
+    assert_close(got, gemv(o.reshape(1, -1), w), atol=1e-4, rtol=1e-4, name="combine_gemv vs combine + gemv")
+
+
+def test_combine_gemv_bad_inputs():
+    part, lpart = split_partials(2, 3, 16)
+    w, out = torch.randn(5, 32, device=dev()), torch.zeros(1, 5, device=dev())
+    with pytest.raises(ValueError, match="one sequence"):
+        combine_gemv(part.expand(2, -1, -1, -1).contiguous(), lpart.expand(2, -1, -1).contiguous(), w, out)
+    with pytest.raises(ValueError, match="lpart must have shape"):
+        combine_gemv(part, lpart[:, :, :2].contiguous(), w, out)
+    with pytest.raises(ValueError, match="32 columns"):
+        combine_gemv(part, lpart, torch.randn(5, 30, device=dev()), out)
+    with pytest.raises(ValueError, match=r"out must have shape \(1, 5\)"):
+        combine_gemv(part, lpart, w, torch.zeros(1, 6, device=dev()))
+    with pytest.raises(TypeError, match="out must have dtype"):
+        combine_gemv(part, lpart, w, out.half())
+    with pytest.raises(TypeError, match="part must have dtype"):
+        combine_gemv(part.half(), lpart, w, out)
+    with pytest.raises(ValueError, match="power of 2"):
+        combine_gemv(torch.zeros(1, 2, 3, 12, device=dev()), lpart, torch.randn(5, 24, device=dev()), out)
 
 
 def test_k_one_and_single_row():

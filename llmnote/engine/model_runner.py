@@ -53,6 +53,8 @@ runs them, and the GPU does not wait on the host between them.
 
 from __future__ import annotations
 
+import functools
+
 from dataclasses import dataclass
 
 import numpy as np
@@ -69,7 +71,7 @@ from llmnote.engine.step_kernels import StepBuffers, feed_step, greedy_tokens
 from llmnote.engine.scheduler import ScheduledBatch
 from llmnote.models.llama import Llama
 from llmnote.ops._pdl import dependent_launches
-from llmnote.ops.gemv import add_rmsnorm_gemv, gemv, swiglu_gemv
+from llmnote.ops.gemv import add_rmsnorm_gemv, combine_gemv, gemv, swiglu_gemv
 from llmnote.ops.rope import rope_ref
 
 
@@ -185,6 +187,10 @@ class ModelRunner:
         self.use_gemv = self._gemv_ready()
         if self.use_gemv:  # the first layer's residual input: add_rmsnorm_gemv(x, 0) = norm(x)
             self._zero_row = torch.zeros((1, c.hidden_size), dtype=self.dtype, device=self.device)
+            # each layer's attention output projection, summed over heads by combine_gemv
+            # (zeroed once per step; the next add_rmsnorm_gemv rounds it to the dtype)
+            self._o_acc = torch.zeros((c.num_hidden_layers, 1, c.hidden_size), dtype=torch.float32,
+                                      device=self.device)
         if self.use_graphs:
             self.capture()
 
@@ -278,19 +284,25 @@ class ModelRunner:
                   self.v_caches[i], a.n_heads, a.n_kv, *norms, interleaved=a.rope_args[1])
 
     def _gemv_layer(self, i: int, x: torch.Tensor, residual: torch.Tensor | None,
-                    positions: torch.Tensor, slot_mapping: torch.Tensor, attend
+                    positions: torch.Tensor, slot_mapping: torch.Tensor, attend, attend_parts=None
                     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Decoder layer ``i`` of a one-token step through llmnote's GEMVs, the norms and
         SwiGLU folded into them (:mod:`llmnote.ops.gemv`): six kernels, those of the
-        projections, the fused q/k kernel and attention (split + combine)."""
+        projections, the fused q/k kernel and attention (split + combine); five where
+        ``attend_parts(i, q)`` gives the split-KV partials, which the output projection
+        merges itself (:func:`llmnote.ops.gemv.combine_gemv`, into ``self._o_acc[i]``)."""
         layer = self.model.model.layers[i]
         a, mlp = layer.self_attn, layer.mlp
         norm, post = layer.input_layernorm, layer.post_attention_layernorm
         if residual is None:  # the first layer: the embedding is the residual stream (+ 0)
             residual = self._zero_row
         qkv, residual = add_rmsnorm_gemv(x, residual, norm.weight, norm.eps, *self.fused_qkv[i])
-        o = attend(i, self._queries(i, qkv, positions, slot_mapping))  # (T, H, D)
-        x = gemv(o.reshape(o.shape[0], -1), a.o_proj.weight, a.o_proj.bias)
+        q = self._queries(i, qkv, positions, slot_mapping)
+        if attend_parts is not None:
+            x = combine_gemv(*attend_parts(i, q), a.o_proj.weight, self._o_acc[i], a.o_proj.bias)
+        else:
+            o = attend(i, q)  # (T, H, D)
+            x = gemv(o.reshape(o.shape[0], -1), a.o_proj.weight, a.o_proj.bias)
         gu, residual = add_rmsnorm_gemv(x, residual, post.weight, post.eps, *self.fused_gate_up[i])
         return swiglu_gemv(gu, mlp.down_proj.weight, mlp.down_proj.bias), residual
 
@@ -325,20 +337,25 @@ class ModelRunner:
         return mlp.down_proj(mlp.ops.swiglu(gu[:, :n], gu[:, n:]))
 
     def _layers(self, ids: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
-                attend, rope=None) -> tuple[torch.Tensor, torch.Tensor]:
+                attend, rope=None, attend_parts=None) -> tuple[torch.Tensor, torch.Tensor]:
         """The decoder on packed tokens ``ids (T,)`` -> ``(x, residual)``, each ``(T, hidden)``:
         the last layer's MLP output and the residual stream before it, whose sum the final
         norm takes; ``attend(layer, q (T, H, D)) -> (T, H, D)`` reads the cache after this
         step's keys and values are written; ``rope`` replaces the model's. Each residual add
-        is fused with the norm after it (``ops.add_rmsnorm``)."""
+        is fused with the norm after it (``ops.add_rmsnorm``). On the batch-1 GEMV path
+        ``attend_parts(layer, q) -> (part, lpart)``, if given, leaves attention in split-KV
+        partials that the output projection merges (see :meth:`_gemv_layer`)."""
         decoder = self.model.model
         ops = self.model.ops
         x = decoder.embed_tokens(ids)  # (T, h)
         t = ids.shape[0]
         residual = None
         if t == 1 and self.use_gemv:  # batch-1 decode: GEMVs with the norms folded in
+            if attend_parts is not None:
+                self._o_acc.zero_()
             for i in range(len(decoder.layers)):
-                x, residual = self._gemv_layer(i, x, residual, positions, slot_mapping, attend)
+                x, residual = self._gemv_layer(i, x, residual, positions, slot_mapping, attend,
+                                               attend_parts)
             return x, residual
         for i, layer in enumerate(decoder.layers):
             a, norm = layer.self_attn, layer.input_layernorm
@@ -368,11 +385,26 @@ class ModelRunner:
         """ids, positions: (T,) -> logits (len(logits_rows), vocab) of the chosen rows (eager)."""
         scale = self.model.config.head_dim ** -0.5
         x, res = self._layers(ids, positions, meta.slot_mapping, lambda i, q: self.attention(
-            q, self.k_caches[i], self.v_caches[i], meta, scale))
+            q, self.k_caches[i], self.v_caches[i], meta, scale), attend_parts=self._eager_parts(meta))
         if len(logits_rows) < x.shape[0]:
             rows = torch.tensor(logits_rows, dtype=torch.long).to(x.device, non_blocking=True)
             x, res = x[rows], res[rows]
         return self._logits(x, res)  # (S, vocab)
+
+    def _eager_parts(self, meta: AttentionMetadata):
+        """``attend_parts`` for an eager one-token step on the paged backend (its decode
+        kernel, partials left to :func:`llmnote.ops.gemv.combine_gemv`); None otherwise."""
+        if not (self.use_gemv and self.backend == "paged" and meta.batch == 1
+                and meta.cu_seqlens_q[-1] == 1):
+            return None
+        from llmnote.engine.paged_kernel import _inputs, decode_splits, paged_decode
+
+        tables, _, ctx, _ = _inputs(meta, self.device)
+        splits = decode_splits(1, self.model.config.num_key_value_heads, max(meta.context_lens),
+                               self.device)
+        scale = self.model.config.head_dim ** -0.5
+        return lambda i, q: paged_decode(q, self.k_caches[i], self.v_caches[i], tables, ctx, scale,
+                                         splits, partials=True)
 
     # ------------------------------------------------------------ CUDA graphs
     def _graph_rope(self):
@@ -408,9 +440,14 @@ class ModelRunner:
         scale = self.model.config.head_dim ** -0.5
         feed_step(self.g_in, self.g_step.tokens, self.g_step.step, self.config.max_num_seqs, b)
         tables, ctx = self.g_tables[:b], self.g_ctx[:b]
-        x, res = self._layers(self.g_ids[:b], self.g_pos[:b], self.g_slots[:b],
-                              lambda i, q: paged_decode(q, self.k_caches[i], self.v_caches[i],
-                                                        tables, ctx, scale, splits), self._rope)
+
+        def attend(i: int, q: torch.Tensor, partials: bool = False):
+            return paged_decode(q, self.k_caches[i], self.v_caches[i], tables, ctx, scale, splits,
+                                partials=partials)
+
+        parts = functools.partial(attend, partials=True) if b == 1 and self.use_gemv else None
+        x, res = self._layers(self.g_ids[:b], self.g_pos[:b], self.g_slots[:b], attend, self._rope,
+                              attend_parts=parts)
         logits = self._logits(x, res)  # (b, vocab)
         greedy_tokens(logits, self.g_step)
         return logits
@@ -451,20 +488,78 @@ class ModelRunner:
         self._rope = self._graph_rope()
         hkv = self.model.config.num_key_value_heads
         sizes = sorted({s for s in GRAPH_BATCH_SIZES if s < n} | {n}, reverse=True)
+        if self.use_gemv and self.config.tune_graph and 1 in sizes:
+            self._tune_batch1_graph(decode_splits(1, hkv, self.max_model_len, dev))
         pool = None
         for b in sizes:
-            splits = decode_splits(b, hkv, self.max_model_len, dev)
-            with dependent_launches(self.config.dependent_launches):
-                for _ in range(2):  # warm-up: Triton compiles outside the capture
-                    self.g_step.step.zero_()
-                    self._decode_graph_forward(b, splits)
-                torch.cuda.synchronize(dev)
-                g = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(g, pool=pool):
-                    out = self._decode_graph_forward(b, splits)
+            g, out = self._capture(b, decode_splits(b, hkv, self.max_model_len, dev), pool)
             pool = g.pool() if pool is None else pool
             self.graphs[b] = (g, out)
         torch.cuda.synchronize(dev)
+
+    def _capture(self, b: int, splits: int, pool=None) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+        """Warm up (Triton compiles, GEMVs tune, outside the capture) and capture the decode
+        forward of batch size ``b``: (graph, its logits)."""
+        with dependent_launches(self.config.dependent_launches):
+            for _ in range(2):
+                self.g_step.step.zero_()
+                self._decode_graph_forward(b, splits)
+            torch.cuda.synchronize(self.device)
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g, pool=pool):
+                out = self._decode_graph_forward(b, splits)
+        return g, out
+
+    def _tune_batch1_graph(self, splits: int, context: int = 512, replays: int = 20) -> None:
+        """Choose the tiles of the batch-1 graph's GEMVs by timing the captured graph.
+
+        Each GEMV first picks its tile timed alone (:mod:`llmnote.ops.gemv`); then, one GEMV
+        (shape) after the other, the graph is captured with each of its candidates and
+        replayed, and the fastest is kept (coordinate descent, one pass). The replays read
+        a synthetic context of ``context`` tokens from the first cache blocks (at start-up
+        they hold nothing; the step writes one slot of them), so attention does the work of
+        a typical step. ``self.graph_tuning`` keeps ``(key, [(ms, config), ...])`` per GEMV."""
+        from llmnote.ops.gemv import recorded_keys, set_config, tuning_candidates
+
+        bs = self.config.block_size
+        c = max(1, min(context, self.max_model_len, self.num_blocks * bs))
+        blocks = -(-c // bs)
+        self.g_tables[0, :blocks] = torch.arange(blocks, dtype=torch.int32, device=self.device)
+        self.g_ids[0], self.g_pos[0], self.g_slots[0], self.g_ctx[0] = 0, c - 1, c - 1, c
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+
+        def graph_ms(g: torch.cuda.CUDAGraph) -> float:
+            times = []
+            for _ in range(3):
+                start.record()
+                for _ in range(replays):
+                    self.g_step.step.zero_()  # every replay is the first step of a run
+                    g.replay()
+                end.record()
+                end.synchronize()
+                times.append(start.elapsed_time(end) / replays)
+            return sorted(times)[1]
+
+        with recorded_keys() as keys:
+            g, _ = self._capture(1, splits)
+        self.graph_tuning: list[tuple[tuple, list[tuple[float, object]]]] = []
+        for key in keys:
+            cands = tuning_candidates(key)
+            if len(cands) < 2:
+                continue
+            timed = []
+            for cand in cands:
+                set_config(key, cand)
+                del g
+                g, _ = self._capture(1, splits)
+                timed.append((graph_ms(g), cand))
+            timed.sort(key=lambda e: e[0])
+            set_config(key, timed[0][1])
+            self.graph_tuning.append((key, timed))
+        del g
+        self.g_tables[0].fill_(self.num_blocks)  # back to the scratch block, as capture left it
+        self.g_ids[0], self.g_pos[0], self.g_slots[0], self.g_ctx[0] = 0, 0, self.num_blocks * bs, 1
+        torch.cuda.synchronize(self.device)
 
     def _graph_size(self, batch: ScheduledBatch) -> int | None:
         """The captured batch size a one-token-per-sequence step replays, or None when

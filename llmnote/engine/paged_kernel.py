@@ -143,6 +143,35 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
 
 
 @triton.jit
+def _kv_offsets(TABLES, b, hk, pos, valid, stride_tb, stride_kb, stride_ks, stride_kh,
+                stride_vb, stride_vs, stride_vh, BLOCK_SIZE: tl.constexpr):
+    """Element offsets of key head ``hk`` at positions ``pos`` (N,) of sequence ``b`` in the
+    key and value caches, through the block table (a block spans many positions)."""
+    blk = tl.load(TABLES + b * stride_tb + pos // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
+    row = pos % BLOCK_SIZE
+    return (blk * stride_kb + row * stride_ks + hk * stride_kh,
+            blk * stride_vb + row * stride_vs + hk * stride_vh)
+
+
+@triton.jit
+def _decode_tile(q, k, v, valid, m_i, l_i, acc, qk_scale, UPCAST: tl.constexpr,
+                 PRECISION: tl.constexpr):
+    """One tile of keys ``k`` and values ``v`` (N, D) of which ``valid`` (N,) count, folded
+    into the running max ``m_i``, sum ``l_i`` and output ``acc`` (online softmax, log2)."""
+    if UPCAST:
+        k = k.to(tl.float32)
+        v = v.to(tl.float32)
+    s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale  # (BH, N), log2 units
+    s = tl.where(valid[None, :], s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))  # finite: the tile has a valid position
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+    return m_new, l_i, acc
+
+
+@triton.jit
 def _paged_decode_kernel(
     Q, KC, VC, TABLES, CTX, O_PART, L_PART, OUT, qk_scale,
     stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
@@ -152,8 +181,14 @@ def _paged_decode_kernel(
     BLOCK_N: tl.constexpr, FINAL: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
-    """One program: one chunk of one (sequence, kv head), all GROUP query heads at once."""
-    wait_and_release(USE_PDL)  # (programmatic dependent launch: llmnote.ops._pdl)
+    """One program: one chunk of one (sequence, kv head), all GROUP query heads at once.
+
+    Under programmatic dependent launch the previous kernel (the one writing this
+    step's keys and values and the queries) may still run when this one starts;
+    everything written two or more kernels back is final by then (that kernel waited
+    for it). So the context length, the block-table entries and the keys and values of
+    the first tile, except the newest position, are requested *before* the wait; the
+    newest position's key and value, and the queries, after it."""
     split = tl.program_id(0)
     off_bk = tl.program_id(1)
     b = (off_bk // H_KV).to(tl.int64)
@@ -168,6 +203,17 @@ def _paged_decode_kernel(
     g_ok = offs_g < GROUP
     offs_d = tl.arange(0, HEAD_DIM)
     offs_n = tl.arange(0, BLOCK_N)
+    pos = lo + offs_n  # the first tile
+    valid = pos < hi
+    k_off, v_off = _kv_offsets(TABLES, b, hk, pos, valid, stride_tb, stride_kb, stride_ks,
+                               stride_kh, stride_vb, stride_vs, stride_vh, BLOCK_SIZE)
+    old = valid & (pos < n_k - 1)  # written before the previous kernel
+    k = tl.load(KC + k_off[:, None] + offs_d[None, :], mask=old[:, None], other=0.0)
+    v = tl.load(VC + v_off[:, None] + offs_d[None, :], mask=old[:, None], other=0.0)
+    wait_and_release(USE_PDL)  # (programmatic dependent launch: llmnote.ops._pdl)
+    new = (valid & (pos == n_k - 1))[:, None]  # this step's position, if in the tile
+    k = tl.where(new, tl.load(KC + k_off[:, None] + offs_d[None, :], mask=new, other=0.0), k)
+    v = tl.where(new, tl.load(VC + v_off[:, None] + offs_d[None, :], mask=new, other=0.0), v)
     q = tl.load(Q + b * stride_qt + heads[:, None] * stride_qh + offs_d[None, :],
                 mask=g_ok[:, None], other=0.0)  # (BH, D)
     if UPCAST:
@@ -175,27 +221,16 @@ def _paged_decode_kernel(
     m_i = tl.full((BLOCK_H,), float("-inf"), tl.float32)
     l_i = tl.zeros((BLOCK_H,), tl.float32)
     acc = tl.zeros((BLOCK_H, HEAD_DIM), tl.float32)
-    for start in range(lo, hi, BLOCK_N):
+    if lo < hi:
+        m_i, l_i, acc = _decode_tile(q, k, v, valid, m_i, l_i, acc, qk_scale, UPCAST, PRECISION)
+    for start in range(lo + BLOCK_N, hi, BLOCK_N):
         pos = start + offs_n  # (N,) positions in the sequence
         valid = pos < hi
-        blk = tl.load(TABLES + b * stride_tb + pos // BLOCK_SIZE, mask=valid, other=0)
-        blk = blk.to(tl.int64)  # (N,) the block of each position (a block spans many)
-        row = pos % BLOCK_SIZE
-        k = tl.load(KC + blk[:, None] * stride_kb + row[:, None] * stride_ks + hk * stride_kh
-                    + offs_d[None, :], mask=valid[:, None], other=0.0)  # read N x D
-        v = tl.load(VC + blk[:, None] * stride_vb + row[:, None] * stride_vs + hk * stride_vh
-                    + offs_d[None, :], mask=valid[:, None], other=0.0)
-        if UPCAST:
-            k = k.to(tl.float32)
-            v = v.to(tl.float32)
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale  # (BH, N), log2 units
-        s = tl.where(valid[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))  # finite: the tile has a valid position
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-        m_i = m_new
+        k_off, v_off = _kv_offsets(TABLES, b, hk, pos, valid, stride_tb, stride_kb, stride_ks,
+                                   stride_kh, stride_vb, stride_vs, stride_vh, BLOCK_SIZE)
+        k = tl.load(KC + k_off[:, None] + offs_d[None, :], mask=valid[:, None], other=0.0)  # N x D
+        v = tl.load(VC + v_off[:, None] + offs_d[None, :], mask=valid[:, None], other=0.0)
+        m_i, l_i, acc = _decode_tile(q, k, v, valid, m_i, l_i, acc, qk_scale, UPCAST, PRECISION)
     empty = l_i == 0.0  # an empty chunk
     l_safe = tl.where(empty, 1.0, l_i)
     acc = acc / l_safe[:, None]
@@ -219,11 +254,17 @@ def decode_splits(batch: int, kv_heads: int, context: int, dev: torch.device) ->
 
 def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  block_tables: torch.Tensor, context_lens: torch.Tensor, sm_scale: float,
-                 num_splits: int, block_n: int | None = None) -> torch.Tensor:
+                 num_splits: int, block_n: int | None = None, partials: bool = False
+                 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """One query per sequence over the paged cache, split-KV: ``q (batch, heads, head_dim)``,
     ``block_tables (batch, width)`` int32, ``context_lens (batch,)`` int32 (each >= 1)
     -> ``(batch, heads, head_dim)``. No host synchronisation: safe to capture in a
-    CUDA graph (the partial buffers then come from the graph's memory pool)."""
+    CUDA graph (the partial buffers then come from the graph's memory pool).
+
+    ``partials=True`` skips the combine and returns the splits' partials ``(part (batch,
+    heads, splits, head_dim), lpart (batch, heads, splits))`` fp32 (normalised outputs,
+    log-sum-exps in log2 units) for a consumer that merges them itself
+    (:func:`llmnote.ops.gemv.combine_gemv`)."""
     from llmnote.ops.attention.decode import combine_splits
 
     t, h, d = q.shape
@@ -243,9 +284,10 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         raise ValueError(f"num_splits must be an int >= 1, got {num_splits!r}")
     out = torch.empty_like(q)
     if t == 0:
-        return out
+        return out if not partials else (q.new_empty((0, h, num_splits, d), dtype=torch.float32),
+                                         q.new_empty((0, h, num_splits), dtype=torch.float32))
     group = h // hkv
-    final = num_splits == 1
+    final = num_splits == 1 and not partials
     part = torch.empty((t, h, num_splits, d) if not final else (1, 1, 1, d),
                        dtype=torch.float32, device=q.device)
     lpart = torch.empty(part.shape[:3], dtype=torch.float32, device=q.device)
@@ -262,6 +304,8 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_warps=4,
         USE_PDL=_pdl.enabled(), **_pdl.launch_options(),
     )
+    if partials:
+        return part, lpart
     if not final:
         lse = torch.empty((t, h), dtype=torch.float32, device=q.device)
         combine_splits(part, lpart, out, lse)

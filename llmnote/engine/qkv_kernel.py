@@ -160,7 +160,6 @@ def _qkv_kernel(
     BLOCK_H: tl.constexpr, BLOCK_F: tl.constexpr, RNE_BF16: tl.constexpr,
     LIBDEVICE: tl.constexpr, USE_PDL: tl.constexpr,
 ):
-    wait_and_release(USE_PDL)  # (programmatic dependent launch: llmnote.ops._pdl)
     tok = tl.program_id(0).to(tl.int64)
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)  # in [q heads | k heads]
     hvalid = heads < NH + NKV
@@ -170,6 +169,14 @@ def _qkv_kernel(
     da, db = _pair_offsets(f, HALF, INTERLEAVED)
     mask = hvalid[:, None] & fmask[None, :]  # (BLOCK_H, BLOCK_F)
     dt = q_ptr.dtype.element_ty
+    # the position, slot, cos and sin come from the step's inputs, not from the kernel
+    # before (the projection): under programmatic dependent launch they are requested
+    # before waiting for it (llmnote.ops._pdl)
+    pos = tl.load(pos_ptr + tok).to(tl.int64)
+    c = tl.load(cos_ptr + pos * stride_c + f, mask=fmask, other=0.0)[None, :]  # read D/2
+    s = tl.load(sin_ptr + pos * stride_s + f, mask=fmask, other=0.0)[None, :]
+    slot = tl.load(slot_ptr + tok).to(tl.int64)
+    wait_and_release(USE_PDL)
     row = qkv_ptr + tok * stride_t + heads[:, None] * D  # q and k heads: one rule
     xa = tl.load(row + da[None, :], mask=mask, other=0.0).to(tl.float32)  # read (H+Hkv) D / 2
     xb = tl.load(row + db[None, :], mask=mask, other=0.0).to(tl.float32)
@@ -202,9 +209,6 @@ def _qkv_kernel(
         else:  # query heads stay as loaded
             xa = tl.where(is_q[:, None], xa, ya)
             xb = tl.where(is_q[:, None], xb, yb)
-    pos = tl.load(pos_ptr + tok).to(tl.int64)
-    c = tl.load(cos_ptr + pos * stride_c + f, mask=fmask, other=0.0)[None, :]  # read D/2
-    s = tl.load(sin_ptr + pos * stride_s + f, mask=fmask, other=0.0)[None, :]
     oa = _round(xa * c - xb * s, q_ptr, RNE_BF16)  # fp32, one rounding (fusion off)
     ob = _round(xb * c + xa * s, q_ptr, RNE_BF16)
     # query heads -> q (T, NH, D)
@@ -213,7 +217,6 @@ def _qkv_kernel(
     tl.store(qrow + da[None, :], oa.to(dt), mask=qmask)  # write NH D
     tl.store(qrow + db[None, :], ob.to(dt), mask=qmask)
     # key heads -> k_cache[slot], their value heads -> v_cache[slot]
-    slot = tl.load(slot_ptr + tok).to(tl.int64)
     kh = heads[:, None] - NH
     crow = slot * NKV * D + kh * D
     kmask = mask & (heads >= NH)[:, None]

@@ -29,6 +29,21 @@ activations through memory:
   :func:`llmnote.ops.swiglu` stores it) from the two halves of a fused
   gate/up projection, then ``s @ W.T`` (the down projection).
 
+A third fusion closes split-KV decoding attention (flash-decoding, see
+:mod:`llmnote.ops.attention.decode`) at batch 1:
+
+* :func:`combine_gemv`: the attention output projection ``o @ W_o.T`` where
+  ``o`` is still in split-KV partials (each split's normalised output and
+  log-sum-exp). Program ``(tile, head)`` merges the partials of its one head,
+  rounds them to the dtype (as the combine kernel stores ``o``) and multiplies
+  them by the ``HEAD_DIM`` columns of its weight tile; the heads' products are
+  summed with fp32 atomic adds into an accumulator that the caller zeroed, and
+  which :func:`add_rmsnorm_gemv` accepts as its ``x`` (rounded to the dtype on
+  load). A kernel boundary less per layer, and the projection split over heads
+  gives ``N / BLOCK_N * heads`` programs instead of ``N / BLOCK_N``. The order of
+  the atomic adds varies from run to run: the fp32 sum may differ in its last
+  bits, and after rounding to bf16 an output may, rarely, by one unit.
+
 The tile shape is chosen per (M, N, K, dtype, prologue, bias) by timing a short
 list of candidates on the first call (:data:`GEMV_AUTOTUNE`); later calls
 launch the chosen one without touching the host, so the op can be captured in
@@ -47,6 +62,8 @@ architectures", CACM 52(4), 2009.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import NamedTuple
 
 import torch
@@ -62,8 +79,8 @@ from llmnote.ops._validate import check_same, check_tensor
 from llmnote.ops.rmsnorm import add_rmsnorm_ref
 from llmnote.ops.swiglu import swiglu_ref
 
-__all__ = ["GEMV_MAX_M", "GemvConfig", "add_rmsnorm_gemv", "add_rmsnorm_gemv_ref", "gemv",
-           "gemv_ref", "swiglu_gemv", "swiglu_gemv_ref"]
+__all__ = ["GEMV_MAX_M", "GemvConfig", "add_rmsnorm_gemv", "add_rmsnorm_gemv_ref", "combine_gemv",
+           "combine_gemv_ref", "gemv", "gemv_ref", "swiglu_gemv", "swiglu_gemv_ref"]
 
 GEMV_MAX_M = 16
 GEMV_AUTOTUNE = True  # False: take the heuristic's config (tests use it to keep GPU compile time small)
@@ -97,9 +114,14 @@ FUSED_EXTRA = [GemvConfig(16, 256), GemvConfig(32, 128), GemvConfig(64, 128, 4, 
                GemvConfig(16, 256, 4, True, 1), GemvConfig(32, 128, 4, True, 1),
                GemvConfig(32, 256, 4, True, 2), GemvConfig(4, 512, 4, False, 1)]
 INTERPRETER_CONFIG = GemvConfig(16, 64)  # small: K = 100 takes two chunks
+# combine_gemv: (BLOCK_N rows of one head's HEAD_DIM columns); block_k is unused
+COMBINE_CANDIDATES = [GemvConfig(32, 0), GemvConfig(64, 0), GemvConfig(128, 0), GemvConfig(64, 0, 8),
+                      GemvConfig(128, 0, 8), GemvConfig(16, 0, 2)]
 
 _TUNED: dict[tuple, GemvConfig] = {}
 TUNE_LOG: dict[tuple, list[tuple[GemvConfig, float]]] = {}  # key -> (config, ms) as timed
+_CANDIDATES: dict[tuple, list[GemvConfig]] = {}  # key -> the configs it was chosen among
+_recording: list[tuple] | None = None  # see recorded_keys
 
 
 # ----------------------------------------------------------------- references
@@ -111,9 +133,29 @@ def gemv_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = 
 def add_rmsnorm_gemv_ref(x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float,
                          weight: torch.Tensor, bias: torch.Tensor | None = None
                          ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``hs, h = add_rmsnorm_ref(x, residual, norm_weight, eps)``; ``(F.linear(hs, weight, bias), h)``."""
-    hs, h = add_rmsnorm_ref(x, residual, norm_weight, eps)
+    """``hs, h = add_rmsnorm_ref(x, residual, norm_weight, eps)``; ``(F.linear(hs, weight, bias), h)``
+    (an fp32 ``x`` with a narrower ``residual`` is first rounded to ``residual``'s dtype)."""
+    hs, h = add_rmsnorm_ref(x.to(residual.dtype), residual, norm_weight, eps)
     return F.linear(hs, weight, bias), h
+
+
+def combine_gemv_ref(part: torch.Tensor, lpart: torch.Tensor, weight: torch.Tensor,
+                     out: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``out += F.linear(o, weight, bias)`` in fp32, ``o`` the merged split-KV partials
+    rounded to ``weight``'s dtype: ``part (1, H, S, D)`` each split's normalised output,
+    ``lpart (1, H, S)`` its log-sum-exp in log2 units (``-inf``: an empty split), as
+    :func:`llmnote.engine.paged_kernel.paged_decode` leaves them. Returns ``out``."""
+    m = lpart.amax(-1, keepdim=True)
+    m = torch.where(torch.isinf(m), torch.zeros_like(m), m)
+    w = torch.exp2(lpart - m)  # (1, H, S), 0 for an empty split
+    den = w.sum(-1, keepdim=True)
+    o = (w[..., None] * part).sum(-2) / torch.where(den == 0, torch.ones_like(den), den)
+    o = o.to(weight.dtype).reshape(1, -1).float()  # (1, H D), rounded as combine stores it
+    y = o @ weight.float().T
+    if bias is not None:
+        y = y + bias.float()
+    out += y
+    return out
 
 
 def swiglu_gemv_ref(gate_up: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
@@ -140,7 +182,7 @@ def _gemv_kernel(
     stride_xm, stride_rm, stride_wn, stride_ym, stride_hm,
     PROLOGUE: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, DOT: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr,
-    ONE_CHUNK: tl.constexpr, USE_PDL: tl.constexpr,
+    ONE_CHUNK: tl.constexpr, USE_PDL: tl.constexpr, ROUND_X: tl.constexpr = False,
 ):
     pid = tl.program_id(0)
     rows = (pid * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)  # (BLOCK_N,) weight rows = outputs
@@ -162,6 +204,8 @@ def _gemv_kernel(
             xm = m_ok & (ks[None, :] < K)
             xv = tl.load(x_ptr + ms[:, None] * stride_xm + ks[None, :], mask=xm, other=0.0).to(tl.float32)
             rv = tl.load(r_ptr + ms[:, None] * stride_rm + ks[None, :], mask=xm, other=0.0).to(tl.float32)
+            if ROUND_X:  # an fp32 accumulator as x: rounded as a kernel storing it would
+                xv = xv.to(dtype).to(tl.float32)
             hv = (xv + rv).to(dtype).to(tl.float32)  # rounded as stored
             ss += hv * hv
         rstd = 1.0 / tl.sqrt(tl.sum(ss, axis=1) / K + eps)  # (BLOCK_M,)
@@ -178,6 +222,8 @@ def _gemv_kernel(
         xv = tl.load(x_ptr + ms[:, None] * stride_xm + ks[None, :], mask=xm, other=0.0).to(tl.float32)
         if PROLOGUE == 1:
             rv = tl.load(r_ptr + ms[:, None] * stride_rm + ks[None, :], mask=xm, other=0.0).to(tl.float32)
+            if ROUND_X:
+                xv = xv.to(dtype).to(tl.float32)
             hv = (xv + rv).to(dtype)
             if pid == 0:  # one program column stores the new residual
                 tl.store(h_ptr + ms[:, None] * stride_hm + ks[None, :], hv, mask=xm)
@@ -201,6 +247,41 @@ def _gemv_kernel(
         acc += tl.load(b_ptr + rows, mask=rows < N, other=0.0).to(tl.float32)[None, :]
     tl.store(y_ptr + ms[:, None] * stride_ym + rows[None, :], acc.to(dtype),
              mask=m_ok & (rows[None, :] < N))
+
+
+@triton.jit
+def _combine_gemv_kernel(
+    p_ptr, l_ptr, w_ptr, b_ptr, y_ptr, N, S, stride_ph, stride_ps, stride_lh, stride_wn,
+    HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
+    SPLITS_PAD: tl.constexpr, USE_PDL: tl.constexpr,
+):
+    """Program (tile, head): y[rows] += W[rows, head's columns] @ merge(head's partials)."""
+    pid = tl.program_id(0)
+    h = tl.program_id(1).to(tl.int64)
+    rows = (pid * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
+    offs_d = tl.arange(0, HEAD_DIM)
+    r_ok = rows < N
+    w = tl.load(w_ptr + rows[:, None] * stride_wn + h * HEAD_DIM + offs_d[None, :],
+                mask=r_ok[:, None], other=0.0)  # the weight tile: requested before the wait
+    if HAS_BIAS:
+        bias = tl.load(b_ptr + rows, mask=r_ok, other=0.0).to(tl.float32)
+    wait_and_release(USE_PDL)  # (programmatic dependent launch: llmnote.ops._pdl)
+    # merge the head's splits as llmnote.ops.attention.decode's combine kernel does
+    offs_s = tl.arange(0, SPLITS_PAD)
+    s_ok = offs_s < S
+    lse = tl.load(l_ptr + h * stride_lh + offs_s, mask=s_ok, other=-float("inf"))  # log2 units
+    m = tl.max(lse, 0)
+    m = tl.where(m == -float("inf"), 0.0, m)
+    wt = tl.math.exp2(lse - m)  # empty splits: 0
+    den = tl.sum(wt, 0)
+    part = tl.load(p_ptr + h * stride_ph + offs_s[:, None] * stride_ps + offs_d[None, :],
+                   mask=s_ok[:, None], other=0.0)  # (S, D) fp32
+    o = tl.sum(wt[:, None] * part, 0) / tl.where(den == 0.0, 1.0, den)
+    o = o.to(w_ptr.dtype.element_ty).to(tl.float32)  # rounded as the combine kernel stores it
+    acc = tl.sum(w.to(tl.float32) * o[None, :], axis=1)  # (BLOCK_N,)
+    if HAS_BIAS:  # added once, by the first head's programs
+        acc += tl.where(h == 0, bias, 0.0)
+    tl.atomic_add(y_ptr + rows, acc, mask=r_ok, sem="relaxed")
 
 
 # ----------------------------------------------------------------- configs
@@ -244,48 +325,86 @@ def _launch(prologue: int, x, r, nw, weight, bias, y, h, eps: float, k: int, cfg
         PROLOGUE=prologue, HAS_BIAS=bias is not None, BLOCK_M=_block_m(m, cfg), BLOCK_N=cfg.block_n,
         BLOCK_K=cfg.block_k, DOT=cfg.dot, UPCAST=device.interpreting() and x.dtype != torch.float32,
         IEEE=x.dtype == torch.float32, ONE_CHUNK=cfg.block_k >= k, num_warps=cfg.num_warps, **stages,
-        USE_PDL=_pdl.enabled(), **_pdl.launch_options(),
+        USE_PDL=_pdl.enabled(), ROUND_X=x.dtype != y.dtype, **_pdl.launch_options(),
     )
+
+
+@contextlib.contextmanager
+def recorded_keys() -> Iterator[list[tuple]]:
+    """Collect, in order, the tuning keys (one per shape, dtype and fusion) of the GEMV launches
+    made inside the block; with :func:`tuning_candidates` and :func:`set_config` a caller can
+    choose the configs by timing its own sequence of kernels (the engine's decode graph: a
+    GEMV timed alone and the same GEMV between its neighbours, under programmatic dependent
+    launch, do not rank the tiles alike)."""
+    global _recording
+    prev, _recording = _recording, []
+    try:
+        yield _recording
+    finally:
+        _recording = prev
+
+
+def tuning_candidates(key: tuple) -> list[GemvConfig]:
+    """The configs ``key`` was chosen among (one where nothing was timed)."""
+    return list(_CANDIDATES.get(key, [_TUNED[key]] if key in _TUNED else []))
+
+
+def config_of(key: tuple) -> GemvConfig | None:
+    """The config launched for ``key`` now (None before its first call)."""
+    return _TUNED.get(key)
+
+
+def set_config(key: tuple, config: GemvConfig) -> None:
+    """Launch ``config`` for ``key`` from now on (instead of the one timed alone)."""
+    _TUNED[key] = config
+
+
+def _tuned(key: tuple, cands: list[GemvConfig], launch, on_cuda: bool) -> GemvConfig:
+    """The config of ``key``: chosen on its first call by timing ``launch(config)`` for each
+    candidate (on a GPU, outside graph capture), then remembered in ``_TUNED``."""
+    if _recording is not None and key not in _recording:
+        _recording.append(key)
+    cfg = _TUNED.get(key)
+    if cfg is not None:
+        return cfg
+    cfg = cands[0]
+    _CANDIDATES[key] = [cfg]
+    if len(cands) > 1 and GEMV_AUTOTUNE and on_cuda and not torch.cuda.is_current_stream_capturing():
+        from triton.testing import do_bench
+
+        ran, err = [], None
+        for c in cands:
+            try:
+                t = do_bench(lambda c=c: launch(c), warmup=5, rep=20, return_mode="median")
+            except Exception as e:  # a tile that does not fit is skipped
+                err = e
+                continue
+            ran.append((c, t))
+        if not ran:
+            raise err
+        TUNE_LOG.setdefault(key, []).extend(ran)
+        _CANDIDATES[key] = [c for c, _ in ran]
+        # one do_bench of a few-microsecond kernel is noisy: the three fastest are timed
+        # again and keep the smaller of their two times
+        timed = sorted(ran, key=lambda e: e[1])[:3]
+        cfg = timed[0][0]
+        if len(timed) > 1:
+            again = [(c, min(t0, do_bench(lambda c=c: launch(c), warmup=5, rep=20,
+                                          return_mode="median")))
+                     for c, t0 in timed]
+            cfg = min(again, key=lambda e: e[1])[0]
+    _TUNED[key] = cfg
+    return cfg
 
 
 def _run(prologue: int, x, r, nw, weight, bias, y, h, eps: float, k: int, config: GemvConfig | None):
     """Launch with ``config``, the tuned config of this shape, or tune it now (first call)."""
     m, n = y.shape
-    if config is not None:
-        return _launch(prologue, x, r, nw, weight, bias, y, h, eps, k, config)
-    key = (m, n, k, x.dtype, prologue, bias is not None, x.device, _pdl.enabled())
-    cfg = _TUNED.get(key)
-    if cfg is None:
-        cands = candidates(m, n, k, prologue)
-        cfg = cands[0]
-        if (len(cands) > 1 and GEMV_AUTOTUNE and x.is_cuda
-                and not torch.cuda.is_current_stream_capturing()):
-            from triton.testing import do_bench
-
-            best_t, err = float("inf"), None
-            for c in cands:
-                try:
-                    t = do_bench(lambda c=c: _launch(prologue, x, r, nw, weight, bias, y, h, eps, k, c),
-                                 warmup=5, rep=20, return_mode="median")
-                except Exception as e:  # a tile that does not fit is skipped
-                    err = e
-                    continue
-                TUNE_LOG.setdefault(key, []).append((c, t))
-                if t < best_t:
-                    cfg, best_t = c, t
-            if best_t == float("inf"):
-                raise err
-            # one do_bench of a few-microsecond kernel is noisy: the three fastest are timed
-            # again and keep the smaller of their two times
-            timed = sorted(TUNE_LOG[key][-len(cands):], key=lambda e: e[1])[:3]
-            if len(timed) > 1:
-                again = [(c, min(t0, do_bench(lambda c=c: _launch(prologue, x, r, nw, weight, bias, y, h,
-                                                                   eps, k, c),
-                                              warmup=5, rep=20, return_mode="median")))
-                         for c, t0 in timed]
-                cfg = min(again, key=lambda e: e[1])[0]
-        _TUNED[key] = cfg
-    _launch(prologue, x, r, nw, weight, bias, y, h, eps, k, cfg)
+    if config is None:
+        key = (m, n, k, x.dtype, prologue, bias is not None, x.device, _pdl.enabled())
+        config = _tuned(key, candidates(m, n, k, prologue),
+                        lambda c: _launch(prologue, x, r, nw, weight, bias, y, h, eps, k, c), x.is_cuda)
+    _launch(prologue, x, r, nw, weight, bias, y, h, eps, k, config)
 
 
 # ----------------------------------------------------------------- validation
@@ -346,23 +465,29 @@ def add_rmsnorm_gemv(x: torch.Tensor, residual: torch.Tensor, norm_weight: torch
     ``x`` and ``residual`` (M, K), 1 <= M <= 16, stride 1 along K; ``norm_weight``
     (K,); ``weight`` (N, K) contiguous. ``hs`` is rounded to the dtype before the
     product, as the separate kernels store it; ``h`` is bit-identical to theirs.
+    ``x`` may also be fp32 with ``residual`` in a narrower dtype (the accumulator of
+    :func:`combine_gemv`): it is then rounded to ``residual``'s dtype on load, as a
+    kernel storing it would; everything else has ``residual``'s dtype.
     """
     _check_x("x", x, "K")
     check_tensor("residual", residual, ndim=2, last_dim_contiguous=True)
-    check_same(("x", "residual"), x, residual, what=("shape", "dtype", "device"))
+    check_same(("x", "residual"), x, residual, what=("shape", "device"))
+    if x.dtype != residual.dtype and x.dtype != torch.float32:
+        raise TypeError(f"x must have residual's dtype ({residual.dtype}) or be an fp32 "
+                        f"accumulator, got {x.dtype}")
     check_tensor("norm_weight", norm_weight, ndim=1, contiguous=True)
     if norm_weight.shape[0] != x.shape[1]:
         raise ValueError(f"norm_weight must have shape ({x.shape[1]},) to match the last dimension of x "
                          f"(shape {tuple(x.shape)}), got {tuple(norm_weight.shape)}")
     check_same(("x", "norm_weight"), x, norm_weight, what=("device",))
     eps = check_eps(eps)
-    _check_weight(x, "x", x.shape[1], weight, bias)
+    _check_weight(residual, "residual", x.shape[1], weight, bias)
     m, k = x.shape
     n = weight.shape[0]
     if device.use_reference("add_rmsnorm_gemv", min_capability=(8, 0)) or _empty_result(m, n, k, x):
         return add_rmsnorm_gemv_ref(x, residual, norm_weight, eps, weight, bias)
-    y = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    h = torch.empty((m, k), dtype=x.dtype, device=x.device)
+    y = torch.empty((m, n), dtype=residual.dtype, device=x.device)
+    h = torch.empty((m, k), dtype=residual.dtype, device=x.device)
     _run(ADD_RMSNORM, x, residual, norm_weight, weight, bias, y, h, eps, k, config)
     return y, h
 
@@ -387,3 +512,64 @@ def swiglu_gemv(gate_up: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
     y = torch.empty((m, n), dtype=gate_up.dtype, device=gate_up.device)
     _run(SWIGLU, gate_up, gate_up, gate_up, weight, bias, y, y, 0.0, i, config)
     return y
+
+
+def combine_gemv(part: torch.Tensor, lpart: torch.Tensor, weight: torch.Tensor, out: torch.Tensor,
+                 bias: torch.Tensor | None = None, *, config: GemvConfig | None = None) -> torch.Tensor:
+    """``out += F.linear(o, weight, bias)`` (fp32) where ``o (1, H * D)`` is still in split-KV
+    partials, in one kernel launch; returns ``out``.
+
+    ``part (1, H, S, D)`` fp32, contiguous: each split's normalised output; ``lpart
+    (1, H, S)`` fp32, contiguous: its log-sum-exp in log2 units (``-inf``: an empty
+    split), as :func:`llmnote.engine.paged_kernel.paged_decode` returns them with
+    ``partials=True``; ``weight (N, H * D)`` contiguous in the model's dtype; ``out
+    (1, N)`` fp32 contiguous, zeroed by the caller for a plain product (the heads'
+    products are added atomically). Batch 1 only.
+    """
+    check_tensor("part", part, dtypes=(torch.float32,), ndim=4, contiguous=True)
+    check_tensor("lpart", lpart, dtypes=(torch.float32,), ndim=3, contiguous=True)
+    b, h, s, d = part.shape
+    if b != 1:
+        raise ValueError(f"combine_gemv takes one sequence (part.shape[0] == 1), got part of shape "
+                         f"{tuple(part.shape)}")
+    if tuple(lpart.shape) != (b, h, s):
+        raise ValueError(f"lpart must have shape {(b, h, s)} (part's first three dimensions), got "
+                         f"{tuple(lpart.shape)}")
+    if d < 16 or d & (d - 1):
+        raise ValueError(f"the head dimension (part.shape[3]) must be a power of 2 >= 16, got {d}")
+    check_tensor("out", out, dtypes=(torch.float32,), ndim=2, contiguous=True)
+    check_tensor("weight", weight, ndim=2, contiguous=True)
+    check_same(("part", "lpart"), part, lpart, what=("device",))
+    check_same(("part", "weight"), part, weight, what=("device",))
+    check_same(("part", "out"), part, out, what=("device",))
+    if weight.shape[1] != h * d:
+        raise ValueError(f"weight must have heads * head_dim = {h} * {d} = {h * d} columns, got shape "
+                         f"{tuple(weight.shape)}")
+    n = weight.shape[0]
+    if tuple(out.shape) != (1, n):
+        raise ValueError(f"out must have shape (1, {n}) (one row of weight's rows), got "
+                         f"{tuple(out.shape)}")
+    if bias is not None:
+        check_tensor("bias", bias, ndim=1, contiguous=True)
+        check_same(("weight", "bias"), weight, bias, what=("dtype", "device"))
+        if bias.shape[0] != n:
+            raise ValueError(f"bias must have shape ({n},) (the rows of weight), got {tuple(bias.shape)}")
+    if device.use_reference("combine_gemv", min_capability=(8, 0)) or n == 0 or h * s == 0:
+        return combine_gemv_ref(part, lpart, weight, out, bias)
+
+    def launch(cfg: GemvConfig, y: torch.Tensor) -> None:
+        _combine_gemv_kernel[(triton.cdiv(n, cfg.block_n), h)](
+            part, lpart, weight, bias if bias is not None else weight, y, n, s,
+            part.stride(1), part.stride(2), lpart.stride(1), weight.stride(0),
+            HAS_BIAS=bias is not None, BLOCK_N=cfg.block_n, HEAD_DIM=d,
+            SPLITS_PAD=max(2, triton.next_power_of_2(s)), num_warps=cfg.num_warps,
+            USE_PDL=_pdl.enabled(), **_pdl.launch_options(),
+        )
+
+    if config is None:
+        cands = [INTERPRETER_CONFIG._replace(block_k=0)] if device.interpreting() else COMBINE_CANDIDATES
+        key = ("combine", n, h, s, d, weight.dtype, bias is not None, part.device, _pdl.enabled())
+        scratch = torch.empty_like(out)  # tuning adds into this, not into out
+        config = _tuned(key, cands, lambda c: launch(c, scratch), part.is_cuda)
+    launch(config, out)
+    return out
