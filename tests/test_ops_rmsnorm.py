@@ -6,6 +6,7 @@ from llmnote import device
 from llmnote.ops._rowwise import SMEM_FOR_STAGES, RowConfig, bwd_config, fwd_config
 from llmnote.ops.rmsnorm import MAX_N, add_rmsnorm, add_rmsnorm_ref, rmsnorm, rmsnorm_ref
 from llmnote.ops.rmsnorm import _backward as rms_backward
+from llmnote.ops.rmsnorm import _fwd_config as rms_fwd_config
 from llmnote.ops.rmsnorm import _forward as rms_forward
 from llmnote.testing import MismatchError, assert_close, assert_close_lowp
 
@@ -256,3 +257,31 @@ def test_default_configs(n, element_size):
         assert 1 <= cfg.per_thread <= 64
         staged = cfg.num_stages * cfg.block_m * cfg.block_n * element_size * tensors
         assert cfg.num_stages == 1 or staged <= SMEM_FOR_STAGES
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_chunked_forward_without_residual(dtype, dev, seed):
+    """RMSNorm's two-pass forward (sums of squares in chunks, then y from a second read
+    of the row), as the default configuration takes it for fp32 rows of 16384; here
+    201 columns in chunks of 64, the last one partial."""
+    m, n = 37, 201
+    x, w = _inputs((m, n), dtype, dev)
+    y, h, _ = rms_forward(x, None, w, 1e-6, config=RowConfig(2, 256, 4, chunk=64))
+    assert h is None
+    want = rmsnorm_ref(x.float(), w.float(), 1e-6)
+    if dtype == torch.float32:
+        assert_close(y, want, atol=1e-5, rtol=1e-4, name="y")
+    else:
+        assert_close_lowp(y, want, F.rms_norm(x, (n,), w, 1e-6), atol=1e-2, name="y")
+
+
+def test_forward_config_adjustments():
+    """fp32 RMSNorm rows of 16384 take the two-pass forward; add_rmsnorm packs short rows
+    four to a 16-warp program; other shapes keep :func:`fwd_config`."""
+    long = rms_fwd_config(16384, 4, False)
+    assert 0 < long.chunk < long.block_n and long.block_n % long.chunk == 0
+    assert rms_fwd_config(16384, 2, False) == fwd_config(16384, 2)
+    assert rms_fwd_config(16384, 4, True) == fwd_config(16384, 4)
+    short = rms_fwd_config(1024, 2, True)
+    assert (short.block_m, short.num_warps, short.per_thread) == (4, 16, 8)
+    assert rms_fwd_config(100, 4, True).block_n == 128

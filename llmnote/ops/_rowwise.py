@@ -38,9 +38,17 @@ That helps, but not enough: the partial sums of ``dweight`` and ``dbias`` for
 a whole row (2 x 16384 fp32, half the SM's register file) plus the row being
 loaded still do not fit, the compiler still spills, and the H100 measured
 73% (bf16) and 59% (fp32) of the copy rate, against 66% and 54% for one pass
-(see :func:`bwd_config`). Freeing the partial sums from registers (keeping
-them in shared memory, or splitting a row across the programs of a cluster)
-is the open step.
+(see :func:`bwd_config`). Freeing the partial sums from registers is the
+open step. Tried in Triton on the H100 (exploration runs, not the CSV;
+bf16 / fp32 GB/s against 2197 / 1789 for the kernel here): each program's
+partial sums in its row of the ``(G, N)`` buffer, read, added to and written
+back chunk by chunk (480-1350 / 930-1380: each chunk waits on L2, and with
+more programs per SM the buffer no longer fits in L2); the same with atomic
+additions (560-670 / 850-910); two or four neighbouring programs sharing a
+row, each holding the partial sums of its part of the columns and reading the
+whole row for the row sums (up to 1667 / 1885: the second reads cost more than
+the spills). Left: shared memory, or a thread-block cluster exchanging the row
+sums through distributed shared memory.
 """
 
 from __future__ import annotations

@@ -39,7 +39,13 @@ from llmnote.ops._validate import check_same, check_tensor
 
 __all__ = ["swiglu", "swiglu_ref"]
 
-BLOCK, NUM_WARPS = 4096, 16  # elements and warps per program (best of an H100 sweep, by <0.5%)
+# Flat kernels: 8 warps a program and 8 bytes of each tensor a thread (512 fp32 or 1024
+# bf16 elements a program), the shape of torch.compile's kernel. H100 sweep (exploration
+# runs, GB/s), fp32 fwd / bwd: 2992 / 2979 with the former 4096 elements and 16 warps,
+# 3025 / 3010 with 512 and 8 (torch.compile 3026 / 3009); bf16: 3000 / 3000 -> 3028 / 3010.
+# (512 bf16 elements and 8 warps, 4 bytes a thread, fell to 2655 forward.)
+FLAT_BYTES, FLAT_WARPS = 2048, 8
+BLOCK, NUM_WARPS = 4096, 16  # elements and warps per program of the row kernel (not tuned)
 
 
 def swiglu_ref(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -96,9 +102,10 @@ def _swiglu_bwd_kernel(dy_ptr, a_ptr, b_ptr, da_ptr, db_ptr, n_elements, BLOCK: 
     tl.store(db_ptr + offsets, db.to(db_ptr.dtype.element_ty), mask=mask)  # write n
 
 
-def _block(n: int) -> int:
-    """``BLOCK`` on a GPU; small inputs get a smaller block so the interpreter stays quick."""
-    return min(BLOCK, triton.next_power_of_2(max(n, 16)))
+def _block(n: int, element_size: int) -> int:
+    """Elements a program of the flat kernels: ``FLAT_BYTES // element_size``; small
+    inputs get a smaller block so the interpreter stays quick."""
+    return min(FLAT_BYTES // element_size, triton.next_power_of_2(max(n, 16)))
 
 
 def _as_rows(name: str, t: torch.Tensor) -> torch.Tensor:
@@ -133,9 +140,9 @@ class _SwiGLU(torch.autograd.Function):
         if a.is_contiguous() and b.is_contiguous():  # the flat fast path
             y = torch.empty_like(a)
             n = a.numel()
-            block = _block(n)
+            block = _block(n, a.element_size())
             _swiglu_fwd_kernel[(triton.cdiv(n, block),)](a, b, y, n, BLOCK=block,
-                                                         num_warps=NUM_WARPS)
+                                                         num_warps=FLAT_WARPS)
             return y
         a2, b2 = _as_rows("a", a), _as_rows("b", b)
         y = torch.empty(a.shape, dtype=a.dtype, device=a.device)  # contiguous
@@ -153,9 +160,9 @@ class _SwiGLU(torch.autograd.Function):
         a, b = a.contiguous(), b.contiguous()  # row-strided views: copied (correctness first)
         da, db = torch.empty_like(a), torch.empty_like(b)
         n = a.numel()
-        block = _block(n)
+        block = _block(n, a.element_size())
         _swiglu_bwd_kernel[(triton.cdiv(n, block),)](
-            dy, a, b, da, db, n, BLOCK=block, num_warps=NUM_WARPS,
+            dy, a, b, da, db, n, BLOCK=block, num_warps=FLAT_WARPS,
         )
         return da, db
 

@@ -174,11 +174,13 @@ def run(
     dtypes: tuple[torch.dtype, ...] | None = None,
     ops: tuple[str, ...] | None = None,
     directions: tuple[str, ...] = ("fwd", "bwd"),
+    cases: list[tuple[str, str, torch.dtype]] | None = None,
 ) -> pd.DataFrame:
     """The norms benchmark (quick: bf16, three sizes, llmnote vs torch, no ceilings).
 
     ``dtypes``, ``ops`` and ``directions`` select a part of the sweep (to
-    re-record some rows in the same run as the ceilings).
+    re-record some rows in the same run as the ceilings); ``cases``, a list of
+    ``(op, direction, dtype)``, selects any set of them instead.
 
     ``torch.compile`` (compiling ~50 graphs is most of the run time) is timed at
     N = 1024, 4096 and 16384 only, after all the eager providers, so that the
@@ -188,7 +190,7 @@ def run(
     dtypes = dtypes or ((torch.bfloat16,) if quick else (torch.bfloat16, torch.float32))
     ns = [1024, 4096, 16384] if quick else [1024, 2048, 4096, 8192, 16384]
     frames = [] if quick else [measure_ceilings()]
-    cases = [(op, d, dt) for op in ops or tuple(OPS) for d in directions for dt in dtypes]
+    cases = cases or [(op, d, dt) for op in ops or tuple(OPS) for d in directions for dt in dtypes]
     for peers in ("eager", "compiled"):
         for op, direction, dtype in cases:
             tensors = OPS[op].fwd_tensors if direction == "fwd" else OPS[op].bwd_tensors
