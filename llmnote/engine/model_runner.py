@@ -21,6 +21,14 @@ That is 10 kernels per layer instead of 19. Attention is replaced by attention
 over the paged cache (:mod:`llmnote.engine.attention`). Logits are computed
 only for the last token of each sequence that samples in this step.
 
+Batch-1 steps of a small model (``EngineConfig.gemv``) run each layer as six
+kernels through :mod:`llmnote.ops.gemv`: the q/k/v and gate/up GEMVs with the
+residual add and RMSNorm folded in, the down GEMV with SwiGLU folded in, the
+q/k kernel, split-KV attention, and ``combine_gemv``, the output projection
+merging attention's split partials itself (see :meth:`ModelRunner._gemv_layer`).
+In the captured graph their tiles are chosen by timing the graph
+(``EngineConfig.tune_graph``, :meth:`ModelRunner._tune_batch1_graph`).
+
 CUDA graphs (``EngineConfig.cuda_graphs``): a decode step of a small model is
 hundreds of short kernels, and launching them from Python costs more than
 running them at batch 1. So on a GPU the runner captures the whole decode
@@ -287,8 +295,8 @@ class ModelRunner:
                     positions: torch.Tensor, slot_mapping: torch.Tensor, attend, attend_parts=None
                     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Decoder layer ``i`` of a one-token step through llmnote's GEMVs, the norms and
-        SwiGLU folded into them (:mod:`llmnote.ops.gemv`): six kernels, those of the
-        projections, the fused q/k kernel and attention (split + combine); five where
+        SwiGLU folded into them (:mod:`llmnote.ops.gemv`): seven kernels, those of the four
+        projections, the fused q/k kernel and attention (split + combine); six where
         ``attend_parts(i, q)`` gives the split-KV partials, which the output projection
         merges itself (:func:`llmnote.ops.gemv.combine_gemv`, into ``self._o_acc[i]``)."""
         layer = self.model.model.layers[i]
