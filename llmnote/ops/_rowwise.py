@@ -111,13 +111,16 @@ class RowConfig:
     columns, ``num_warps`` warps a program, ``num_stages`` tiles being loaded
     ahead of the one being computed, and (backward) ``chunk``: 0 computes ``dx``
     from the tile held in registers, a power of two below ``block_n`` computes
-    it in a second pass over the row, ``chunk`` columns at a time."""
+    it in a second pass over the row, ``chunk`` columns at a time. ``maxnreg``
+    (0: the compiler's choice) caps the registers a thread may use, so that
+    more programs share an SM (Triton's ``maxnreg`` launch option)."""
 
     block_m: int
     block_n: int
     num_warps: int
     num_stages: int = 1
     chunk: int = 0
+    maxnreg: int = 0
 
     @property
     def dx_chunk(self) -> int:
@@ -218,7 +221,8 @@ def launch_forward(kernel, m: int, args: tuple, constexprs: dict, cfg: RowConfig
     grid = cdiv(m, cfg.block_m)
     if cfg.num_stages > 1:
         grid = min(grid, resident_programs(kernel, args, constexprs, cfg.num_warps, dev))
-    kernel[(grid,)](*args, **constexprs, num_warps=cfg.num_warps)
+    regs = {"maxnreg": cfg.maxnreg} if cfg.maxnreg and not device.interpreting() else {}
+    kernel[(grid,)](*args, **constexprs, num_warps=cfg.num_warps, **regs)
 
 
 # (kernel, constexprs, warps, device, dtypes) -> (programs, registers, shared bytes)
