@@ -102,9 +102,12 @@ def test_a_wrong_combine_is_caught(dev, seed):
 
 
 def test_num_splits_heuristic():
-    """About two programs per SM, unless chunks would get shorter than MIN_CHUNK."""
+    """One split when the programs nearly fill the SMs; else about two programs per SM,
+    unless chunks would get shorter than MIN_CHUNK."""
     sms = 132
-    for b, h_kv, cap in [(16, 8, 4096), (1, 8, 32768), (64, 8, 4096), (1, 1, 100), (1, 1, 10**7)]:
+    for b, h_kv, cap in [(16, 8, 4096), (12, 8, 32768), (13, 8, 32768), (64, 8, 4096)]:
+        assert choose_num_splits(b, h_kv, cap, sms) == (1 if 4 * b * h_kv >= 3 * sms else 3)
+    for b, h_kv, cap in [(8, 8, 4096), (1, 8, 32768), (2, 4, 8192), (1, 1, 100), (1, 1, 10**7)]:
         s = choose_num_splits(b, h_kv, cap, sms)
         assert 1 <= s <= MAX_SPLITS
         assert s == 1 or cap // s >= MIN_CHUNK  # chunks long enough
