@@ -190,6 +190,7 @@ class ModelRunner:
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}  # size -> graph, logits
         self.num_graph_steps = 0  # decode steps replayed from a graph
         self.num_decode_runs = 0  # multi-step decode runs (launch_steps calls)
+        self.graph_tuning: list[tuple[tuple, list[tuple[float, object]]]] = []  # see _tune_batch1_graph
         self._fuse_weights()
         self.rope_table = self._rope_table()
         self.use_gemv = self._gemv_ready()
@@ -550,7 +551,7 @@ class ModelRunner:
 
         with recorded_keys() as keys:
             g, _ = self._capture(1, splits)
-        self.graph_tuning: list[tuple[tuple, list[tuple[float, object]]]] = []
+        self.graph_tuning = []
         for key in keys:
             cands = tuning_candidates(key)
             if len(cands) < 2:
