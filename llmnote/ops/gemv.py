@@ -76,6 +76,7 @@ from llmnote.ops import _pdl
 from llmnote.ops._pdl import wait_and_release
 from llmnote.ops._rowwise import check_eps
 from llmnote.ops._validate import check_same, check_tensor
+from llmnote.ops.attention.decode import merge_splits
 from llmnote.ops.rmsnorm import add_rmsnorm_ref
 from llmnote.ops.swiglu import swiglu_ref
 
@@ -266,17 +267,13 @@ def _combine_gemv_kernel(
     if HAS_BIAS:
         bias = tl.load(b_ptr + rows, mask=r_ok, other=0.0).to(tl.float32)
     wait_and_release(USE_PDL)  # (programmatic dependent launch: llmnote.ops._pdl)
-    # merge the head's splits as llmnote.ops.attention.decode's combine kernel does
+    # merge the head's splits with llmnote.ops.attention.decode's combine
     offs_s = tl.arange(0, SPLITS_PAD)
     s_ok = offs_s < S
     lse = tl.load(l_ptr + h * stride_lh + offs_s, mask=s_ok, other=-float("inf"))  # log2 units
-    m = tl.max(lse, 0)
-    m = tl.where(m == -float("inf"), 0.0, m)
-    wt = tl.math.exp2(lse - m)  # empty splits: 0
-    den = tl.sum(wt, 0)
     part = tl.load(p_ptr + h * stride_ph + offs_s[:, None] * stride_ps + offs_d[None, :],
                    mask=s_ok[:, None], other=0.0)  # (S, D) fp32
-    o = tl.sum(wt[:, None] * part, 0) / tl.where(den == 0.0, 1.0, den)
+    o, _, _ = merge_splits(lse, part)
     o = o.to(w_ptr.dtype.element_ty).to(tl.float32)  # rounded as the combine kernel stores it
     acc = tl.sum(w.to(tl.float32) * o[None, :], axis=1)  # (BLOCK_N,)
     if HAS_BIAS:  # added once, by the first head's programs

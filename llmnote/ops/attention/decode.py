@@ -154,6 +154,21 @@ def _decode_split_kernel(
 
 
 @triton.jit
+def merge_splits(lse, part):
+    """Merge one head's split partials: ``lse (S,)`` log-sum-exps in log2 units (``-inf``: an
+    empty split, also the padding), ``part (S, D)`` normalised outputs -> ``(out (D,), m, den)``
+    with ``out = sum_s 2^(lse_s - m) part_s / den``, ``m`` the largest finite ``lse_s`` (0 if
+    none) and ``den = sum_s 2^(lse_s - m)`` (0: every split empty, ``out`` 0). Shared by the
+    combine kernel and :func:`llmnote.ops.gemv.combine_gemv`."""
+    m = tl.max(lse, 0)
+    m = tl.where(m == -float("inf"), 0.0, m)
+    w = tl.math.exp2(lse - m)  # empty splits: 0
+    den = tl.sum(w, 0)
+    out = tl.sum(w[:, None] * part, 0) / tl.where(den == 0.0, 1.0, den)
+    return out, m, den
+
+
+@triton.jit
 def _decode_combine_kernel(
     O_PART, L_PART, OUT, LSE, stride_pb, stride_ph, stride_ps, stride_lb, stride_lh,
     stride_ob, stride_oh, H,
@@ -170,12 +185,8 @@ def _decode_combine_kernel(
     p_off = off_b * stride_pb + off_h * stride_ph + offs_s * stride_ps  # (S,)
     lse = tl.load(L_PART + off_b * stride_lb + off_h * stride_lh + offs_s, mask=s_ok,
                   other=-float("inf"))  # log2 units
-    m = tl.max(lse, 0)
-    m_sub = tl.where(m == -float("inf"), 0.0, m)
-    w = tl.math.exp2(lse - m_sub)  # empty chunks: 0
-    den = tl.sum(w, 0)
     o = tl.load(O_PART + p_off[:, None] + offs_d[None, :], mask=s_ok[:, None], other=0.0)
-    out = tl.sum(w[:, None] * o, 0) / tl.where(den == 0.0, 1.0, den)
+    out, m_sub, den = merge_splits(lse, o)
     tl.store(OUT + off_b * stride_ob + off_h * stride_oh + offs_d, out.to(OUT.dtype.element_ty))
     den_safe = tl.where(den == 0.0, 1.0, den)
     lse_all = tl.where(den == 0.0, -float("inf"), (m_sub + tl.math.log2(den_safe)) * LN2)
