@@ -325,7 +325,8 @@ def test_flash_backend_matches_reference(model, dev):
 def test_fused_weights_are_views_of_the_models_parameters():
     """The runner's fused q/k/v and gate/up matrices share memory with the model's own
     parameters (no copy), keep the state dict and the model's logits unchanged, and a
-    layer that is not a plain nn.Linear (a quantized one) is left unfused."""
+    layer that is neither a plain nn.Linear nor a quantized one (see
+    test_quant_model.py) is left unfused."""
     from torch import nn
 
     torch.manual_seed(0)

@@ -276,3 +276,106 @@ def test_w4a16_full_size_every_candidate(seed, dev, m):
     for cfg, split in cands + [(c, 1) for c, _ in cands]:
         out = K.w4a16_linear(x, qw, s, z, 128, split_k=split, config=cfg)
         assert_close_lowp(out, ref32, lowp, atol=1e-3, name=f"w4a16 m={m} {cfg} split={split}")
+
+
+# ------------------------------------------------------------ W4A16 with a fused prologue (batch 1)
+TILE3 = [K.W4Config(1, 16, 64, 1, 4, 1, False, 3, True), K.W4Config(1, 32, 128, 1, 4, 1, False, 3)]
+
+
+def _check_w4_product(got, a, qw, s, z, g, bias, name):
+    """``got`` vs the W4A16 product of the (rounded) operand ``a``: the fp32 reference and
+    PyTorch's low-precision error rule, plus the interpreter's bf16 truncation allowance."""
+    b32 = None if bias is None else bias.float()
+    ref32 = K.w4a16_linear_ref(a.float(), qw, s.float(), z.float(), g, b32)
+    lowp = _lowp_ref(a, qw, s, z, g) + (0 if bias is None else bias)
+    assert got.dtype == a.dtype and got.shape == ref32.shape
+    assert_close_lowp(got, ref32, lowp, atol=1e-3 + 2 * interpreter_allowance(a.dtype, ref32), name=name)
+
+
+def _rows(m, k, dtype, dev, wide=0):
+    t = torch.randn(m, k + wide, device=dev).to(dtype)
+    return t[:, :k] if wide else t
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("m,n,k,g", [(1, 40, 256, 64), (1, 37, 192, 32), (3, 24, 128, 32), (1, 16, 96, 32)])
+@pytest.mark.parametrize("config", [None] + TILE3)
+def test_w4a16_add_rmsnorm_linear(seed, dev, dtype, m, n, k, g, config):
+    """hs, h = add_rmsnorm(x, r); W4A16(hs): h exactly add_rmsnorm's, y the product of hs
+    (k = 96 is no multiple of 64: the last step is partial; m = 3 runs the two kernels)."""
+    from llmnote.ops.rmsnorm import add_rmsnorm_ref
+
+    qw, s, z = _w4(n, k, g, dtype, dev)
+    x, r = _rows(m, k, dtype, dev, wide=5), _rows(m, k, dtype, dev)
+    nw = (1 + 0.1 * torch.randn(k, device=dev)).to(dtype)
+    bias = torch.randn(n, device=dev).to(dtype) if n % 2 == 0 else None
+    y, h = K.w4a16_add_rmsnorm_linear(x, r, nw, 1e-6, qw, s, z, g, bias, config=config)
+    hs_ref, h_ref = add_rmsnorm_ref(x, r, nw, 1e-6)
+    if device.interpreting() and dtype == torch.bfloat16:  # the interpreter truncates bf16 stores
+        assert_close(h, h_ref, atol=interpreter_allowance(dtype, h_ref), rtol=0, name="h")
+    else:
+        assert torch.equal(h, h_ref), "h must equal add_rmsnorm_ref's h exactly"
+    _check_w4_product(y, hs_ref, qw, s, z, g, bias, "w4a16_add_rmsnorm_linear")
+    y_ref, h2 = K.w4a16_add_rmsnorm_linear_ref(x, r, nw, 1e-6, qw, s, z, g, bias)
+    assert torch.equal(h2, h_ref) and y_ref.shape == y.shape
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("m,n,i,g", [(1, 40, 256, 64), (1, 33, 128, 32), (2, 24, 128, 32)])
+@pytest.mark.parametrize("config", [None] + TILE3)
+def test_w4a16_swiglu_linear(seed, dev, dtype, m, n, i, g, config):
+    from llmnote.ops.swiglu import swiglu_ref
+
+    qw, s, z = _w4(n, i, g, dtype, dev)
+    gu = _rows(m, 2 * i, dtype, dev, wide=6)  # a strided view, as the engine passes it
+    bias = torch.randn(n, device=dev).to(dtype) if n % 2 == 0 else None
+    y = K.w4a16_swiglu_linear(gu, qw, s, z, g, bias, config=config)
+    _check_w4_product(y, swiglu_ref(gu[:, :i], gu[:, i:]), qw, s, z, g, bias, "w4a16_swiglu_linear")
+
+
+@pytest.mark.parametrize("split", [2, 3])
+def test_w4a16_prologues_with_split_k(seed, dev, split):
+    """Split-K slices each fold the prologue into their part of K; the programs of the first
+    column tile of every slice store their part of h."""
+    from llmnote.ops.rmsnorm import add_rmsnorm_ref
+    from llmnote.ops.swiglu import swiglu_ref
+
+    n, k, g, dtype = 48, 384, 64, torch.float16
+    qw, s, z = _w4(n, k, g, dtype, dev)
+    x, r = _rows(1, k, dtype, dev), _rows(1, k, dtype, dev)
+    nw = (1 + 0.1 * torch.randn(k, device=dev)).to(dtype)
+    y, h = torch.empty(1, n, device=dev, dtype=dtype), torch.empty_like(x)
+    K._w4_run(x, qw, s, z, g, None, y, split, TILE3[0], K.ADD_RMSNORM, (r, nw, h, 1e-6))
+    hs_ref, h_ref = add_rmsnorm_ref(x, r, nw, 1e-6)
+    assert torch.equal(h, h_ref)
+    _check_w4_product(y, hs_ref, qw, s, z, g, None, f"add_rmsnorm prologue, split {split}")
+    gu = _rows(1, 2 * k, dtype, dev)
+    K._w4_run(gu, qw, s, z, g, None, y, split, TILE3[1], K.SWIGLU)
+    _check_w4_product(y, swiglu_ref(gu[:, :k], gu[:, k:]), qw, s, z, g, None, f"swiglu prologue, split {split}")
+
+
+def test_w4a16_prologues_bad_input(dev):
+    qw, s, z = _w4(8, 64, 32, torch.float16, dev)
+    x = torch.randn(1, 64, device=dev).half()
+    nw = torch.ones(64, device=dev).half()
+    with pytest.raises(ValueError, match="x and residual must have the same shape"):
+        K.w4a16_add_rmsnorm_linear(x, x[:, :32], nw, 1e-6, qw, s, z, 32)
+    with pytest.raises((TypeError, ValueError), match="x and residual must have the same dtype"):
+        K.w4a16_add_rmsnorm_linear(x, x.bfloat16(), nw, 1e-6, qw, s, z, 32)
+    with pytest.raises(ValueError, match="norm_weight must have shape"):
+        K.w4a16_add_rmsnorm_linear(x, x, nw[:8], 1e-6, qw, s, z, 32)
+    with pytest.raises(ValueError, match="eps must be a finite number"):
+        K.w4a16_add_rmsnorm_linear(x, x, nw, -1.0, qw, s, z, 32)
+    with pytest.raises(TypeError, match="x must have dtype"):
+        K.w4a16_add_rmsnorm_linear(x.float(), x.float(), nw, 1e-6, qw, s, z, 32)
+    with pytest.raises(ValueError, match="x's last dimension must be K"):
+        K.w4a16_add_rmsnorm_linear(x[:, :32], x[:, :32], nw[:32], 1e-6, qw, s, z, 32)
+    with pytest.raises(ValueError, match="even number of columns"):
+        K.w4a16_swiglu_linear(torch.randn(1, 129, device=dev).half(), qw, s, z, 32)
+    with pytest.raises(ValueError, match="x's last dimension must be K"):
+        K.w4a16_swiglu_linear(torch.randn(1, 64, device=dev).half(), qw, s, z, 32)
+    with pytest.raises(ValueError, match="contiguous along its last dimension"):
+        K.w4a16_swiglu_linear(torch.randn(1, 256, device=dev).half()[:, ::2], qw, s, z, 32)
+    with pytest.raises(ValueError, match="tile 3"):
+        K.w4a16_swiglu_linear(torch.randn(1, 128, device=dev).half(), qw, s, z, 32,
+                              config=K.W4Config(1, 16, 64, 1, 4, 1, False, 0))

@@ -150,3 +150,71 @@ def test_bad_input():
         quantize_model(nn.Linear(4, 4), "w8a8")
     with pytest.raises(ValueError, match="multiple of group_size"):
         W4A16Linear(nn.Linear(40, 8), group_size=32)
+
+
+@pytest.mark.parametrize("cls, kw", [(W4A16Linear, dict(group_size=32)), (W8A8Linear, dict(act="tensor")),
+                                     (W8A8Linear, dict(weight="tensor"))])
+@pytest.mark.parametrize("bias", [False, True])
+def test_fuse_linears_concatenates_outputs_without_copies(seed, dev, cls, kw, bias):
+    """fuse_linears: one layer whose output is the parts' outputs side by side; the parts
+    then read views of its buffers and still compute what they did (reference path, and the
+    kernels on the interpreter for W4A16, whose parts are column slices read in place)."""
+    from llmnote.quant.layers import fuse_linears
+
+    lins = [nn.Linear(64, n, bias=bias).to(dev) for n in (48, 16, 32)]
+    x = torch.randn(3, 64, device=dev)
+    for use_kernel in (False, True):
+        parts = [cls(lin, use_kernel=use_kernel, **kw) for lin in lins]
+        fresh = [cls(lin, use_kernel=use_kernel, **kw) for lin in lins]
+        dt = torch.float16 if use_kernel and cls is W4A16Linear else torch.float32
+        parts, fresh = [p.to(dt) for p in parts], [p.to(dt) for p in fresh]
+        want = [p(x.to(dt)) for p in fresh]
+        fused = fuse_linears(parts)
+        assert type(fused) is cls and fused.out_features == 96 and fused.in_features == 64
+        big = fused.qweight if cls is W4A16Linear else fused.w_q
+        for p, start in zip(parts, (0, 48, 64)):  # views, not copies
+            small = p.qweight if cls is W4A16Linear else p.w_q
+            assert small.untyped_storage().data_ptr() == big.untyped_storage().data_ptr()
+        with torch.no_grad():
+            got = fused(x.to(dt))
+            assert torch.equal(got, torch.cat([p(x.to(dt)) for p in parts], -1))
+            for p, w in zip(parts, want):
+                assert_close(p(x.to(dt)).float(), w.float(), atol=1e-3, rtol=1e-3)
+            assert_close(got.float(), torch.cat(want, -1).float(), atol=1e-3, rtol=1e-3)
+    assert fuse_linears([W4A16Linear(lins[0], 32), W8A8Linear(lins[1])]) is None  # mixed kinds
+    assert fuse_linears([W4A16Linear(lins[0], 32), W4A16Linear(lins[1], 16)]) is None  # group sizes
+    assert fuse_linears([nn.Linear(4, 4), nn.Linear(4, 4)]) is None
+
+
+@pytest.mark.parametrize("method, kernels", [("awq", False), ("smoothquant", False), ("awq", True)])
+def test_quantized_model_through_the_engine(seed, dev, method, kernels):
+    """The engine fuses a quantized model's q/k/v and gate/up layers into one quantized layer
+    each and generates the greedy tokens of the model's own forward (reference path; for the
+    int4 model on the kernels, in fp16, batch-1 steps take the fused-prologue W4A16 kernels)."""
+    from llmnote.engine import LLM, EngineConfig, SamplingParams
+
+    m = quantize_model(tiny().to(dev), method, [ids(2, 16).to(dev)], group_size=32, use_kernel=kernels)
+    if kernels:
+        from llmnote.models.llama import kernel_ops
+
+        m = m.half().use_ops(kernel_ops())
+    prompts = [[1, 2, 3, 4, 5], [9, 8, 7]]
+    want = []
+    with torch.no_grad():
+        for p in prompts:
+            seq = list(p)
+            for _ in range(6):
+                seq.append(int(m(torch.tensor([seq], device=dev))[0, -1].argmax()))
+            want.append(seq[len(p):])
+    llm = LLM(m, config=EngineConfig(block_size=4, cpu_num_blocks=40, num_blocks=40))
+    kind = W4A16Linear if method == "awq" else W8A8Linear
+    assert all(type(f) is kind for f in llm.runner.fused_qkv + llm.runner.fused_gate_up)
+    assert llm.runner.use_w4 == kernels
+    calls = []
+    w4_layer = llm.runner._w4_layer
+    llm.runner._w4_layer = lambda *a, **k: calls.append(a[0]) or w4_layer(*a, **k)
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    together = llm.generate(prompts, params, use_tqdm=False)  # batch-2 steps
+    alone = [llm.generate([p], params, use_tqdm=False)[0] for p in prompts]  # batch-1 steps
+    assert [o.token_ids for o in together] == want and [o.token_ids for o in alone] == want
+    assert (len(calls) > 0) == kernels  # batch-1 steps of the int4 model on the kernels

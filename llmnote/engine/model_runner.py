@@ -132,12 +132,15 @@ def default_backend(on_gpu: bool, block_size: int, head_dim: int) -> str:
     return "paged" if pow2 and block_size >= 16 and head_dim >= 16 else "flash"
 
 
-def _fuse(linears: list[nn.Module]) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+def _fuse(linears: list[nn.Module]) -> tuple[torch.Tensor, torch.Tensor | None] | nn.Module | None:
     """Concatenate the weights (and biases) of ``linears`` along the output dimension and
-    make each module's parameters views of the result; None unless all are plain
-    ``nn.Linear`` of one dtype and device, all with a bias or all without."""
+    make each module's parameters views of the result: ``(weight, bias)`` for plain
+    ``nn.Linear`` of one dtype and device, all with a bias or all without; a fused quantized
+    layer for W4A16 or W8A8 layers (:func:`llmnote.quant.layers.fuse_linears`); else None."""
     if any(type(m) is not nn.Linear for m in linears):
-        return None
+        from llmnote.quant.layers import fuse_linears
+
+        return fuse_linears(linears)
     ws = [m.weight for m in linears]
     biases = [m.bias for m in linears]
     if len({(w.dtype, w.device, w.shape[1]) for w in ws}) != 1 or len({b is None for b in biases}) != 1:
@@ -153,6 +156,11 @@ def _fuse(linears: list[nn.Module]) -> tuple[torch.Tensor, torch.Tensor | None] 
                 m.bias.data = b[start:start + n]
             start += n
     return w, b
+
+
+def _project(x: torch.Tensor, fused: tuple[torch.Tensor, torch.Tensor | None] | nn.Module) -> torch.Tensor:
+    """``x`` through a projection made by :func:`_fuse`."""
+    return F.linear(x, *fused) if isinstance(fused, tuple) else fused(x)
 
 
 GRAPH_BATCH_SIZES = tuple(2**i for i in range(16))  # captured: those < max_num_seqs, and it
@@ -194,8 +202,10 @@ class ModelRunner:
         self._fuse_weights()
         self.rope_table = self._rope_table()
         self.use_gemv = self._gemv_ready()
-        if self.use_gemv:  # the first layer's residual input: add_rmsnorm_gemv(x, 0) = norm(x)
+        self.use_w4 = not self.use_gemv and self._w4_ready()
+        if self.use_gemv or self.use_w4:  # the first layer's residual: add_rmsnorm_gemv(x, 0) = norm(x)
             self._zero_row = torch.zeros((1, c.hidden_size), dtype=self.dtype, device=self.device)
+        if self.use_gemv:
             # each layer's attention output projection, summed over heads by combine_gemv
             # (zeroed once per step; the next add_rmsnorm_gemv rounds it to the dtype)
             self._o_acc = torch.zeros((c.num_hidden_layers, 1, c.hidden_size), dtype=torch.float32,
@@ -233,10 +243,10 @@ class ModelRunner:
         three and two launches become one each). The fused matrix is made once by
         concatenating the model's weights; the model's own ``q_proj.weight`` etc. then
         become views of it, so no memory is added and the model stays usable (and its
-        state dict unchanged). Layers whose projections are not plain ``nn.Linear`` (a
-        quantized model) keep one GEMM per projection."""
-        self.fused_qkv: list[tuple[torch.Tensor, torch.Tensor | None] | None] = []
-        self.fused_gate_up: list[tuple[torch.Tensor, torch.Tensor | None] | None] = []
+        state dict unchanged). W4A16 and W8A8 layers (a quantized model) are fused the same
+        way into one quantized layer; other layers keep one GEMM per projection."""
+        self.fused_qkv: list[tuple[torch.Tensor, torch.Tensor | None] | nn.Module | None] = []
+        self.fused_gate_up: list[tuple[torch.Tensor, torch.Tensor | None] | nn.Module | None] = []
         for layer in self.model.model.layers:
             a, mlp = layer.self_attn, layer.mlp
             self.fused_qkv.append(_fuse([a.q_proj, a.k_proj, a.v_proj]))
@@ -266,10 +276,10 @@ class ModelRunner:
         h_, hkv, d = a.n_heads, a.n_kv, a.head_dim
         fused = self.fused_qkv[i]
         if fused is not None and self.rope_table is not None:  # (capturable as it is)
-            return self._queries(i, F.linear(hs, *fused), positions, slot_mapping)
+            return self._queries(i, _project(hs, fused), positions, slot_mapping)
         t = hs.shape[0]
         if fused is not None:
-            q, k, v = F.linear(hs, *fused).split([h_ * d, hkv * d, hkv * d], dim=-1)
+            q, k, v = _project(hs, fused).split([h_ * d, hkv * d, hkv * d], dim=-1)
         else:
             q, k, v = a.q_proj(hs), a.k_proj(hs), a.v_proj(hs)
         q, k, v = q.view(1, t, h_, d), k.view(1, t, hkv, d), v.reshape(t, hkv, d)
@@ -318,7 +328,7 @@ class ModelRunner:
     def _gemv_ready(self) -> bool:
         """Whether one-token steps can take :meth:`_gemv_layer`: the model runs llmnote's
         kernels (on a GPU, or the interpreter on the CPU), every layer's projections are
-        fused (plain ``nn.Linear``), RoPE is tabulated; and ``EngineConfig.gemv`` asks for it
+        fused plain ``nn.Linear`` (not quantized layers), RoPE is tabulated; and ``EngineConfig.gemv`` asks for it
         (``None``: hidden size at most :data:`GEMV_MAX_HIDDEN`, where the fused prologues'
         re-read of the input rows stays small against the weights)."""
         from llmnote.ops.rmsnorm import add_rmsnorm
@@ -332,16 +342,54 @@ class ModelRunner:
             wanted = self.model.config.hidden_size <= GEMV_MAX_HIDDEN
         return (wanted and on_kernels and self.rope_table is not None
                 and ops.add_rmsnorm is add_rmsnorm and ops.swiglu is swiglu
-                and all(f is not None for f in self.fused_qkv + self.fused_gate_up)
+                and all(isinstance(f, tuple) for f in self.fused_qkv + self.fused_gate_up)
                 and all(type(l.self_attn.o_proj) is nn.Linear and type(l.mlp.down_proj) is nn.Linear
                         for l in layers))
+
+    def _w4_ready(self) -> bool:
+        """Whether one-token batch-1 steps can take :meth:`_w4_layer`: an AWQ/RTN int4 model
+        (every layer's q/k/v and gate/up fused into one :class:`~llmnote.quant.W4A16Linear`
+        each, ``down_proj`` one too) in fp16 or bf16, its layers on the Triton kernels,
+        llmnote's norm and SwiGLU ops, RoPE tabulated."""
+        from llmnote.ops.rmsnorm import add_rmsnorm
+        from llmnote.ops.swiglu import swiglu
+        from llmnote.quant.layers import W4A16Linear, _use_kernel
+
+        mods = self.fused_qkv + self.fused_gate_up + [l.mlp.down_proj for l in self.model.model.layers]
+        ops = self.model.ops
+        return (self.dtype in (torch.float16, torch.bfloat16) and self.rope_table is not None
+                and ops.add_rmsnorm is add_rmsnorm and ops.swiglu is swiglu
+                and all(type(f) is W4A16Linear and _use_kernel(f.use_kernel) for f in mods))
+
+    def _w4_layer(self, i: int, x: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor,
+                  slot_mapping: torch.Tensor, attend) -> tuple[torch.Tensor, torch.Tensor]:
+        """Decoder layer ``i`` of a batch-1 step of an int4 model: the residual add and
+        RMSNorm folded into the fused q/k/v and gate/up W4A16 kernels, SwiGLU into the down
+        projection's (:func:`llmnote.quant.kernels.w4a16_add_rmsnorm_linear`,
+        :func:`~llmnote.quant.kernels.w4a16_swiglu_linear`): six kernels, as the bf16 GEMV
+        path (:meth:`_gemv_layer`) has, instead of nine."""
+        from llmnote.quant.kernels import w4a16_add_rmsnorm_linear, w4a16_swiglu_linear
+
+        def w4(m):  # a W4A16Linear's operands
+            return m.qweight, m.scales.to(self.dtype), m.zeros.to(self.dtype), m.group_size, m.bias
+
+        layer = self.model.model.layers[i]
+        a, mlp = layer.self_attn, layer.mlp
+        norm, post = layer.input_layernorm, layer.post_attention_layernorm
+        if residual is None:
+            residual = self._zero_row
+        qkv, residual = w4a16_add_rmsnorm_linear(x, residual, norm.weight, norm.eps, *w4(self.fused_qkv[i]))
+        o = attend(i, self._queries(i, qkv, positions, slot_mapping))  # (1, H, D)
+        x = a.o_proj(o.reshape(1, -1))
+        gu, residual = w4a16_add_rmsnorm_linear(x, residual, post.weight, post.eps, *w4(self.fused_gate_up[i]))
+        return w4a16_swiglu_linear(gu, *w4(mlp.down_proj)), residual
 
     def _mlp(self, i: int, hs: torch.Tensor) -> torch.Tensor:
         mlp = self.model.model.layers[i].mlp
         fused = self.fused_gate_up[i]
         if fused is None:
             return mlp(hs)
-        gu = F.linear(hs, *fused)  # (T, 2 I)
+        gu = _project(hs, fused)  # (T, 2 I)
         n = gu.shape[-1] // 2
         return mlp.down_proj(mlp.ops.swiglu(gu[:, :n], gu[:, n:]))
 
@@ -366,6 +414,10 @@ class ModelRunner:
                 x, residual = self._gemv_layer(i, x, residual, positions, slot_mapping, attend,
                                                attend_parts)
             return x, residual
+        if t == 1 and self.use_w4:  # batch-1 decode of an int4 model: norms folded in too
+            for i in range(len(decoder.layers)):
+                x, residual = self._w4_layer(i, x, residual, positions, slot_mapping, attend)
+            return x, residual
         for i, layer in enumerate(decoder.layers):
             a, norm = layer.self_attn, layer.input_layernorm
             if residual is None:
@@ -381,10 +433,10 @@ class ModelRunner:
         return x, residual
 
     def _logits(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-        """The final add + RMSNorm and the LM head; at batch 1 on the GEMV path one
+        """The final add + RMSNorm and the LM head; at batch 1 on the GEMV (or int4) path one
         ``add_rmsnorm_gemv`` (faster than cuBLAS on this matrix, gemv.csv's lm_head row)."""
         norm, head = self.model.model.norm, self.model.lm_head
-        if x.shape[0] == 1 and self.use_gemv and type(head) is nn.Linear:
+        if x.shape[0] == 1 and (self.use_gemv or self.use_w4) and type(head) is nn.Linear:
             return add_rmsnorm_gemv(x, residual, norm.weight, norm.eps, head.weight, head.bias)[0]
         return head(self.model.ops.add_rmsnorm(x, residual, norm.weight, norm.eps)[0])
 

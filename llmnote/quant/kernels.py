@@ -48,6 +48,9 @@ import triton
 import triton.language as tl
 
 from llmnote import device
+from llmnote.ops import _pdl
+from llmnote.ops._pdl import wait_and_release
+from llmnote.ops.gemv import _fast_sigmoid
 from llmnote.ops._validate import check_device, check_same
 from llmnote.quant.primitives import check_tensor
 from llmnote.ops.matmul import (
@@ -341,11 +344,13 @@ W4_GEMM_INTERPRETER = [W4Config(16, 16, 64, 1, 4, 1, True, 2)]
 
 
 @triton.jit
-def _w4_step_load(qw_ptr, s_ptr, z_ptr, step, cols, N, K, BLOCK_K: tl.constexpr, GROUP: tl.constexpr,
+def _w4_step_load(qw_ptr, s_ptr, z_ptr, step, cols, SQ, SS, K, BLOCK_K: tl.constexpr, GROUP: tl.constexpr,
                   TRANS: tl.constexpr):
     """Step ``step`` of K: packed words (BLOCK_K // 8, BLOCK_N), scales and zeros in fp32
     ((1, BLOCK_N) when the step lies in one group, else one row per packed row), and the
-    packed-row indices. TRANS: everything transposed, words (BLOCK_N, BLOCK_K // 8).
+    packed-row indices. TRANS: everything transposed, words (BLOCK_N, BLOCK_K // 8). ``SQ`` and
+    ``SS``: the row strides of the packed words and of the scales and zeros (N for whole
+    tensors; more for column slices of a wider one).
 
     Rows past K (the last step, or steps past the end of a split-K slice or of K) read
     the last row instead, unmasked, and get scale and zero 0: their terms vanish.
@@ -355,14 +360,14 @@ def _w4_step_load(qw_ptr, s_ptr, z_ptr, step, cols, N, K, BLOCK_K: tl.constexpr,
     kw_ = step * BKW + tl.arange(0, BKW)
     kw = tl.minimum(kw_, KW - 1)  # packed rows of this step
     if TRANS:
-        words = tl.load(qw_ptr + kw.to(tl.int64)[None, :] * N + cols[:, None])  # (BN, BKW) int32, once
+        words = tl.load(qw_ptr + kw.to(tl.int64)[None, :] * SQ + cols[:, None])  # (BN, BKW) int32, once
     else:
-        words = tl.load(qw_ptr + kw.to(tl.int64)[:, None] * N + cols[None, :])  # (BKW, BN) int32, once
+        words = tl.load(qw_ptr + kw.to(tl.int64)[:, None] * SQ + cols[None, :])  # (BKW, BN) int32, once
     if GROUP % BLOCK_K == 0:  # the step lies in one group: one row of scales and zeros
         g = tl.minimum((step * BLOCK_K) // GROUP, K // GROUP - 1)
         ok = step < tl.cdiv(K, BLOCK_K)
-        s = tl.where(ok, tl.load(s_ptr + g * N + cols).to(tl.float32), 0.0)
-        z = tl.where(ok, tl.load(z_ptr + g * N + cols).to(tl.float32), 0.0)
+        s = tl.where(ok, tl.load(s_ptr + g * SS + cols).to(tl.float32), 0.0)
+        z = tl.where(ok, tl.load(z_ptr + g * SS + cols).to(tl.float32), 0.0)
         if TRANS:
             s, z = s[:, None], z[:, None]
         else:
@@ -371,12 +376,12 @@ def _w4_step_load(qw_ptr, s_ptr, z_ptr, step, cols, N, K, BLOCK_K: tl.constexpr,
         g = ((kw * 8) // GROUP).to(tl.int64)
         if TRANS:
             ok = (kw_ < KW)[None, :]
-            s = tl.load(s_ptr + g[None, :] * N + cols[:, None], mask=ok, other=0.0).to(tl.float32)
-            z = tl.load(z_ptr + g[None, :] * N + cols[:, None], mask=ok, other=0.0).to(tl.float32)
+            s = tl.load(s_ptr + g[None, :] * SS + cols[:, None], mask=ok, other=0.0).to(tl.float32)
+            z = tl.load(z_ptr + g[None, :] * SS + cols[:, None], mask=ok, other=0.0).to(tl.float32)
         else:
             ok = (kw_ < KW)[:, None]
-            s = tl.load(s_ptr + g[:, None] * N + cols[None, :], mask=ok, other=0.0).to(tl.float32)
-            z = tl.load(z_ptr + g[:, None] * N + cols[None, :], mask=ok, other=0.0).to(tl.float32)
+            s = tl.load(s_ptr + g[:, None] * SS + cols[None, :], mask=ok, other=0.0).to(tl.float32)
+            z = tl.load(z_ptr + g[:, None] * SS + cols[None, :], mask=ok, other=0.0).to(tl.float32)
     return words, s, z, kw
 
 
@@ -436,10 +441,11 @@ def _w4_slice(pid_k, n_steps, SPLIT_K):
 @triton.jit(do_not_specialize=["SPLIT_K", "NIBBLE"])
 def _w4a16_kernel(
     x_ptr, qw_ptr, s_ptr, z_ptr, c_ptr, bias_ptr, ws_ptr, cnt_ptr, M, N, K, SPLIT_K, NIBBLE,
-    stride_xm, stride_cm, stride_cn,
+    stride_xm, stride_cm, stride_cn, stride_q, stride_s,
     GROUP: tl.constexpr, HAS_BIAS: tl.constexpr, UPCAST: tl.constexpr, USE_DOT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SUB: tl.constexpr,
     GROUP_M: tl.constexpr, EVEN_N: tl.constexpr, PREFETCH: tl.constexpr, LOOP_STAGES: tl.constexpr,
+    USE_PDL: tl.constexpr = False,
 ):
     """Program (pid, pid_k): tile (pid_m, pid_n) of C over the pid_k-th contiguous slice of K.
 
@@ -477,17 +483,19 @@ def _w4a16_kernel(
         tl.static_assert(BLOCK_M == 1, "the FMA (GEMV) path takes one row")
         acc2 = tl.zeros((BKW, BLOCK_N), dtype=tl.float32)
     if PREFETCH:
-        words_n, s_n, z_n, kw_n = _w4_step_load(qw_ptr, s_ptr, z_ptr, step0, cols, N, K,
+        words_n, s_n, z_n, kw_n = _w4_step_load(qw_ptr, s_ptr, z_ptr, step0, cols, stride_q, stride_s, K,
                                                 BLOCK_K, GROUP, False)
+    wait_and_release(USE_PDL)  # (after the first step's weights, with PREFETCH: llmnote.ops._pdl)
     for it in tl.range(iters, num_stages=LOOP_STAGES):
         for sb in tl.static_range(SUB):
             step = step0 + it * SUB + sb
             if PREFETCH:
                 words, s, z, kw = words_n, s_n, z_n, kw_n
-                words_n, s_n, z_n, kw_n = _w4_step_load(qw_ptr, s_ptr, z_ptr, step + 1, cols, N, K,
+                words_n, s_n, z_n, kw_n = _w4_step_load(qw_ptr, s_ptr, z_ptr, step + 1, cols, stride_q, stride_s, K,
                                                         BLOCK_K, GROUP, False)
             else:
-                words, s, z, kw = _w4_step_load(qw_ptr, s_ptr, z_ptr, step, cols, N, K, BLOCK_K, GROUP, False)
+                words, s, z, kw = _w4_step_load(qw_ptr, s_ptr, z_ptr, step, cols, stride_q, stride_s, K, BLOCK_K, GROUP,
+                                                False)
             if USE_DOT:
                 w_hi = s * 16.0  # odd j: f = 1 + q / 16,  (q - z) s = 16 s f - (16 + z) s
                 c_hi = (z + 16.0) * s
@@ -540,10 +548,11 @@ def _w4a16_kernel(
 @triton.jit(do_not_specialize=["SPLIT_K", "NIBBLE"])
 def _w4a16_gemv_kernel(
     x_ptr, qw_ptr, s_ptr, z_ptr, c_ptr, bias_ptr, ws_ptr, cnt_ptr, M, N, K, SPLIT_K, NIBBLE,
-    stride_xm, stride_cm, stride_cn,
+    stride_xm, stride_cm, stride_cn, stride_q, stride_s, r_ptr, nw_ptr, h_ptr, eps,
     GROUP: tl.constexpr, HAS_BIAS: tl.constexpr, UPCAST: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr, EVEN_N: tl.constexpr, PREFETCH: tl.constexpr, LOOP_STAGES: tl.constexpr,
+    USE_PDL: tl.constexpr = False, PROLOGUE: tl.constexpr = 0,
 ):
     """Batch-1 W4A16 with long steps: program (pid, pid_k) reduces row pid_m of x against
     BLOCK_N columns of W over the pid_k-th slice of K, BLOCK_K channels per step.
@@ -557,6 +566,11 @@ def _w4a16_gemv_kernel(
     packed word, so the (NG, GW, BLOCK_N) accumulator is reduced once, after the loop.
     PREFETCH: the next step's words, scales and zeros are loaded before this step is
     decoded (a register double buffer); LOOP_STAGES > 1: Triton pipelines the loop.
+
+    PROLOGUE (batch 1, see :func:`_w4_x`): 1, x is ``add_rmsnorm(x, r, nw, eps)``'s normed
+    output, computed on the fly (``1 / rms`` over the whole row first; the programs of
+    the first column tile store ``h = x + r``); 2, x is ``swiglu`` of the two halves of a
+    gate/up row of length 2K.
     """
     GW: tl.constexpr = (GROUP if GROUP < BLOCK_K else BLOCK_K) // 8  # packed rows per block
     NG: tl.constexpr = BLOCK_K // (GW * 8)  # blocks per step
@@ -571,14 +585,23 @@ def _w4a16_gemv_kernel(
     x_row = x_ptr + pid_m.to(tl.int64) * stride_xm
     acc = tl.zeros((NG, GW, BLOCK_N), dtype=tl.float32)
     if PREFETCH:
-        words_n, s_n, z_n, kw_n = _w4_gemv_load(qw_ptr, s_ptr, z_ptr, lo, hi, cols, N, KW, GROUP, BLOCK_K, NG, GW)
+        words_n, s_n, z_n, kw_n = _w4_gemv_load(qw_ptr, s_ptr, z_ptr, lo, hi, cols, stride_q, stride_s, KW, GROUP,
+                                                BLOCK_K, NG, GW)
+    # With programmatic dependent launch (llmnote.ops._pdl) the first step's weights are
+    # requested (PREFETCH) while the kernel before this one still runs; x after the wait.
+    wait_and_release(USE_PDL)
+    DT: tl.constexpr = c_ptr.dtype.element_ty
+    rstd = 0.0
+    if PROLOGUE == 1:
+        rstd = _w4_rstd(x_row, r_ptr, K, eps, DT)
     for step in tl.range(lo, hi, num_stages=LOOP_STAGES):
         if PREFETCH:
             words, s, z, kw = words_n, s_n, z_n, kw_n
-            words_n, s_n, z_n, kw_n = _w4_gemv_load(qw_ptr, s_ptr, z_ptr, step + 1, hi, cols, N, KW, GROUP,
+            words_n, s_n, z_n, kw_n = _w4_gemv_load(qw_ptr, s_ptr, z_ptr, step + 1, hi, cols, stride_q, stride_s, KW, GROUP,
                                                     BLOCK_K, NG, GW)
         else:
-            words, s, z, kw = _w4_gemv_load(qw_ptr, s_ptr, z_ptr, step, hi, cols, N, KW, GROUP, BLOCK_K, NG, GW)
+            words, s, z, kw = _w4_gemv_load(qw_ptr, s_ptr, z_ptr, step, hi, cols, stride_q, stride_s, KW, GROUP,
+                                               BLOCK_K, NG, GW)
         t = tl.zeros((NG, GW, BLOCK_N), dtype=tl.float32)  # sum_j x_j f_j per word
         x_lo = tl.zeros((NG, GW), dtype=tl.float32)  # sum of x_j over even j, per word
         x_hi = tl.zeros((NG, GW), dtype=tl.float32)  # ... over odd j
@@ -591,7 +614,7 @@ def _w4a16_gemv_kernel(
                 f = ((sh & mask_lo) | 0x41800000).to(tl.float32, bitcast=True)  # 16 + q / 16
             else:
                 f = ((sh & mask_hi) | 0x3F800000).to(tl.float32, bitcast=True)  # 1 + q / 16
-            xf = tl.load(x_row + kw * 8 + j).to(tl.float32)  # (NG, GW)
+            xf = _w4_x(x_row, r_ptr, nw_ptr, h_ptr, kw * 8 + j, K, rstd, pid, PROLOGUE, DT)  # (NG, GW)
             t += xf[:, :, None] * f
             if j % 2 == 0:
                 x_lo += xf
@@ -605,7 +628,37 @@ def _w4a16_gemv_kernel(
 
 
 @triton.jit
-def _w4_gemv_load(qw_ptr, s_ptr, z_ptr, step, hi, cols, N, KW, GROUP: tl.constexpr, BLOCK_K: tl.constexpr,
+def _w4_rstd(x_row, r_row, K, eps, DT: tl.constexpr, BLOCK: tl.constexpr = 1024):
+    """``1 / rms(h)`` of ``h = x + r`` (rounded to DT as stored), over the row of length K,
+    as :func:`llmnote.ops.gemv.add_rmsnorm_gemv` computes it."""
+    ss = tl.zeros((BLOCK,), tl.float32)
+    for k0 in range(0, K, BLOCK):
+        offs = k0 + tl.arange(0, BLOCK)
+        m = offs < K
+        hv = (tl.load(x_row + offs, mask=m, other=0.0).to(tl.float32)
+              + tl.load(r_row + offs, mask=m, other=0.0).to(tl.float32)).to(DT).to(tl.float32)
+        ss += hv * hv
+    return 1.0 / tl.sqrt(tl.sum(ss, axis=0) / K + eps)
+
+
+@triton.jit
+def _w4_x(x_row, r_row, nw_ptr, h_row, offs, K, rstd, pid, PROLOGUE: tl.constexpr, DT: tl.constexpr):
+    """Activations at ``offs`` in fp32. PROLOGUE 0: ``x``; 1: ``add_rmsnorm``'s normed output
+    (rounded to DT, as that kernel stores it; program ``pid`` 0 also stores ``h = x + r``); 2:
+    ``swiglu(gate, up)`` with ``gate = x[offs]``, ``up = x[K + offs]`` (rounded to DT)."""
+    xv = tl.load(x_row + offs).to(tl.float32)
+    if PROLOGUE == 1:
+        hv = (xv + tl.load(r_row + offs).to(tl.float32)).to(DT)
+        tl.store(h_row + offs, hv, mask=(offs < K) & ((offs * 0 + pid) == 0))
+        xv = (hv.to(tl.float32) * rstd * tl.load(nw_ptr + offs).to(tl.float32)).to(DT).to(tl.float32)
+    elif PROLOGUE == 2:
+        uv = tl.load(x_row + K + offs).to(tl.float32)
+        xv = (xv * _fast_sigmoid(xv) * uv).to(DT).to(tl.float32)
+    return xv
+
+
+@triton.jit
+def _w4_gemv_load(qw_ptr, s_ptr, z_ptr, step, hi, cols, SQ, SS, KW, GROUP: tl.constexpr, BLOCK_K: tl.constexpr,
                   NG: tl.constexpr, GW: tl.constexpr):
     """Step ``step`` of :func:`_w4a16_gemv_kernel`: words (NG, GW, BN) int32, scales and zeros
     (NG, 1, BN) fp32, packed-row indices (NG, GW). Blocks past K read the last packed row
@@ -615,10 +668,10 @@ def _w4_gemv_load(qw_ptr, s_ptr, z_ptr, step, hi, cols, N, KW, GROUP: tl.constex
     live = (kb * 0 + step) < hi  # (NG,): the same for every block
     ok = kb < KW
     kw = tl.minimum(kb[:, None] + tl.arange(0, GW)[None, :], KW - 1)  # (NG, GW)
-    words = tl.load(qw_ptr + kw.to(tl.int64)[:, :, None] * N + cols[None, None, :], mask=live[:, None, None],
+    words = tl.load(qw_ptr + kw.to(tl.int64)[:, :, None] * SQ + cols[None, None, :], mask=live[:, None, None],
                     other=0)
     g = (tl.minimum(kb, KW - 1) * 8 // GROUP).to(tl.int64)
-    sz = g[:, None] * N + cols[None, :]
+    sz = g[:, None] * SS + cols[None, :]
     m = (ok & live)[:, None]
     s = tl.load(s_ptr + sz, mask=m, other=0.0).to(tl.float32)[:, None, :]
     z = tl.load(z_ptr + sz, mask=m, other=0.0).to(tl.float32)[:, None, :]
@@ -658,10 +711,10 @@ def _w4_store_tile(out, offs_m, offs_n, cols, pid, pid_k, c_ptr, bias_ptr, ws_pt
 @triton.jit(do_not_specialize=["SPLIT_K", "NIBBLE"])
 def _w4a16_tile_kernel(
     x_ptr, qw_ptr, s_ptr, z_ptr, c_ptr, bias_ptr, ws_ptr, cnt_ptr, M, N, K, SPLIT_K, NIBBLE,
-    stride_xm, stride_cm, stride_cn,
+    stride_xm, stride_cm, stride_cn, stride_q, stride_s,
     GROUP: tl.constexpr, HAS_BIAS: tl.constexpr, UPCAST: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    GROUP_M: tl.constexpr, EVEN_N: tl.constexpr, TRANS: tl.constexpr,
+    GROUP_M: tl.constexpr, EVEN_N: tl.constexpr, TRANS: tl.constexpr, USE_PDL: tl.constexpr = False,
 ):
     """Tensor-core W4A16: program (pid, pid_k) adds x[:, K slice] @ W[K slice, tile] with one
     ``tl.dot`` per step of BLOCK_K channels on a whole dequantized tile.
@@ -692,8 +745,10 @@ def _w4a16_tile_kernel(
     else:
         x_tile = x_ptr + rows.to(tl.int64)[:, None] * stride_xm + offs_k[None, :]  # (BM, BK)
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    wait_and_release(USE_PDL)  # (programmatic dependent launch: llmnote.ops._pdl)
     for step in range(lo, hi):  # software-pipelined by Triton (num_stages): loads run ahead
-        words, s, z, kw = _w4_step_load(qw_ptr, s_ptr, z_ptr, step, cols, N, K, BLOCK_K, GROUP, TRANS)
+        words, s, z, kw = _w4_step_load(qw_ptr, s_ptr, z_ptr, step, cols, stride_q, stride_s, K, BLOCK_K, GROUP,
+                                        TRANS)
         k0 = step * BLOCK_K
         if TRANS:
             xt = tl.load(x_tile + k0, mask=(k0 + offs_k < K)[:, None], other=0.0)
@@ -829,30 +884,60 @@ def w4a16_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, z
     c = torch.empty((M, N), dtype=x.dtype, device=x.device)
     if M == 0 or N == 0:
         return c.reshape(*lead, N)
-    qweight, scales, zeros = qweight.contiguous(), scales.contiguous(), zeros.contiguous()
+    _w4_run(x2, qweight, scales, zeros, group_size, bias, c, split_k, config)
+    return c.reshape(*lead, N)
+
+
+NONE, ADD_RMSNORM, SWIGLU = 0, 1, 2  # the PROLOGUE constexpr of _w4a16_gemv_kernel
+
+
+def _w4_run(x2: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
+            group_size: int, bias: torch.Tensor | None, c: torch.Tensor, split_k: int | None,
+            config: W4Config | None, prologue: int = NONE, pro_args: tuple = ()) -> None:
+    """Launch ``c = x2 @ dequant(W)^T (+ bias)`` (``x2 (M, K)``, rows contiguous), choosing the
+    kernel, tile and split by timing on the first call of a shape; with a ``prologue`` (batch
+    1, power-of-two group) only :func:`_w4a16_gemv_kernel`'s tiles, given ``pro_args = (r,
+    nw, h, eps)`` for ADD_RMSNORM."""
+    K, N = qweight.shape[0] * 8, qweight.shape[1]
+    M = x2.shape[0]
+    # column slices of wider tensors (a fused projection's parts) are read in place: the
+    # kernels take the row strides; anything else is made contiguous
+    if qweight.stride(1) != 1:
+        qweight = qweight.contiguous()
+    if scales.stride(1) != 1 or zeros.stride() != scales.stride():
+        scales, zeros = scales.contiguous(), zeros.contiguous()
     meta = dict(GROUP=group_size, HAS_BIAS=bias is not None, GROUP_M=8, EVEN_N=N % 16 == 0,
-                UPCAST=device.interpreting() and x.dtype == torch.bfloat16)
-    key = (triton.next_power_of_2(M), N, K, group_size, split_k, x.dtype, bias is not None, x.device)
+                UPCAST=device.interpreting() and x2.dtype == torch.bfloat16)
+    key = (triton.next_power_of_2(M), N, K, group_size, split_k, x2.dtype, bias is not None, x2.device, prologue)
     if config is not None:
-        if config.tile == 3 and not _gemv_ok(group_size):
+        if (config.tile == 3 or prologue) and not _gemv_ok(group_size):
             raise ValueError(f"config {config} (tile 3) needs a power-of-two group_size, got {group_size}")
+        if prologue and config.tile != 3:
+            raise ValueError(f"a fused prologue runs on tile 3 (_w4a16_gemv_kernel) only, got config {config}")
         config = config if config.dot else config._replace(bm=1)
-        cands = [(config, split_k or default_split_k(M, N, K, x.device, config))]
+        cands = [(config, split_k or default_split_k(M, N, K, x2.device, config))]
     elif key in _TUNED:
         cands = [_TUNED[key]]
     else:
-        cands = _candidates(M, N, K, group_size, x.device, split_k)
+        cands = [cs for cs in _candidates(M, N, K, group_size, x2.device, split_k)
+                 if not prologue or cs[0].tile == 3]
     max_split = max(s for _, s in cands)
-    ws, cnt = _workspace(x.device, max_split * M * N, M * triton.cdiv(N, 16) + 1)
+    ws, cnt = _workspace(x2.device, max_split * M * N, M * triton.cdiv(N, 16) + 1)
+    r, nw, h, eps = pro_args if prologue == ADD_RMSNORM else (x2, x2, c, 0.0)
 
     def launch(cfg: W4Config, split: int):
         bm = cfg.bm
         grid = (triton.cdiv(M, bm) * triton.cdiv(N, cfg.bn), split)
-        args = (x2, qweight, scales, zeros, c, bias if bias is not None else c, ws, cnt, M, N, K, split)
-        kernel = {0: _w4a16_kernel, 3: _w4a16_gemv_kernel}.get(cfg.tile, _w4a16_tile_kernel)
-        kernel[grid](*args, 0x78000, x2.stride(0), c.stride(0), c.stride(1), **meta, **cfg.meta())
+        args = (x2, qweight, scales, zeros, c, bias if bias is not None else c, ws, cnt, M, N, K, split, 0x78000,
+                x2.stride(0), c.stride(0), c.stride(1), qweight.stride(0), scales.stride(0))
+        pdl = dict(USE_PDL=_pdl.enabled(), **_pdl.launch_options())
+        if cfg.tile == 3:
+            _w4a16_gemv_kernel[grid](*args, r, nw, h, eps, **meta, **cfg.meta(), PROLOGUE=prologue, **pdl)
+        else:
+            kernel = _w4a16_kernel if cfg.tile == 0 else _w4a16_tile_kernel
+            kernel[grid](*args, **meta, **cfg.meta(), **pdl)
 
-    if len(cands) > 1 and W4_AUTOTUNE and x.is_cuda and not torch.cuda.is_current_stream_capturing():
+    if len(cands) > 1 and W4_AUTOTUNE and x2.is_cuda and not torch.cuda.is_current_stream_capturing():
         from triton.testing import do_bench
 
         best, best_t, err = None, float("inf"), None
@@ -871,4 +956,101 @@ def w4a16_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, z
     if config is None:
         _TUNED[key] = cands[0]
     launch(*cands[0])
-    return c.reshape(*lead, N)
+
+
+# ------------------------------------------------------------ W4A16 with the elementwise kernel before it
+def w4a16_add_rmsnorm_linear_ref(x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float,
+                                 qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
+                                 group_size: int, bias: torch.Tensor | None = None
+                                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``hs, h = add_rmsnorm_ref(x, residual, norm_weight, eps)``; ``(w4a16_linear_ref(hs, ...), h)``."""
+    from llmnote.ops.rmsnorm import add_rmsnorm_ref
+
+    hs, h = add_rmsnorm_ref(x, residual, norm_weight, eps)
+    return w4a16_linear_ref(hs, qweight, scales, zeros, group_size, bias), h
+
+
+def w4a16_swiglu_linear_ref(gate_up: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
+                            zeros: torch.Tensor, group_size: int, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``w4a16_linear_ref(swiglu_ref(gate, up), ...)`` with ``gate, up`` the halves of ``gate_up``."""
+    from llmnote.ops.swiglu import swiglu_ref
+
+    i = gate_up.shape[-1] // 2
+    return w4a16_linear_ref(swiglu_ref(gate_up[..., :i], gate_up[..., i:]), qweight, scales, zeros,
+                            group_size, bias)
+
+
+def _check_rows(name: str, x: object) -> torch.Tensor:
+    check_tensor(name, x, dtypes=HALF_DTYPES, ndim=2)
+    if x.stride(1) != 1:
+        raise ValueError(f"{name} must be contiguous along its last dimension, got strides {tuple(x.stride())}")
+    return x
+
+
+def w4a16_add_rmsnorm_linear(x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float,
+                             qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int,
+                             bias: torch.Tensor | None = None, *, config: W4Config | None = None
+                             ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``hs, h = add_rmsnorm(x, residual, norm_weight, eps)``; ``(w4a16_linear(hs, ...), h)``, at
+    batch 1 in one kernel launch (:func:`_w4a16_gemv_kernel` with the normalisation folded
+    into its activation loads, as :func:`llmnote.ops.gemv.add_rmsnorm_gemv` does for bf16).
+
+    ``x``, ``residual`` ``(M, K)`` fp16/bf16 of one dtype, stride 1 along K; ``norm_weight``
+    ``(K,)``; the W4A16 operands as :func:`w4a16_linear`. ``hs`` is rounded to the dtype
+    before the product, as the separate kernels store it; ``h`` is theirs bit for bit. Other
+    batches, or a group size that is not a power of two, run the two kernels one after the
+    other.
+    """
+    from llmnote.ops.rmsnorm import add_rmsnorm
+
+    _check_rows("x", x)
+    _check_rows("residual", residual)
+    check_same(("x", "residual"), x, residual, what=("shape", "dtype", "device"))
+    check_tensor("norm_weight", norm_weight, ndim=1)
+    if norm_weight.shape[0] != x.shape[1]:
+        raise ValueError(f"norm_weight must have shape ({x.shape[1]},) to match the last dimension of x "
+                         f"(shape {tuple(x.shape)}), got {tuple(norm_weight.shape)}")
+    from llmnote.ops._rowwise import check_eps
+
+    eps = check_eps(eps)
+    _check_w4a16(x, qweight, scales, zeros, group_size, bias)
+    if device.use_reference("w4a16_add_rmsnorm_linear", min_capability=(8, 0)):
+        return w4a16_add_rmsnorm_linear_ref(x, residual, norm_weight, eps, qweight, scales, zeros, group_size, bias)
+    if x.shape[0] != 1 or not _gemv_ok(group_size) or qweight.shape[1] == 0:
+        hs, h = add_rmsnorm(x, residual, norm_weight, eps)
+        return w4a16_linear(hs, qweight, scales, zeros, group_size, bias, config=config), h
+    for name, t in (("x", x), ("residual", residual), ("norm_weight", norm_weight), ("qweight", qweight)):
+        check_device(name, t)
+    y = torch.empty((1, qweight.shape[1]), dtype=x.dtype, device=x.device)
+    h = torch.empty_like(x)
+    _w4_run(x, qweight, scales.to(x.dtype), zeros.to(x.dtype), group_size, bias, y, None, config, ADD_RMSNORM,
+            (residual, norm_weight.contiguous(), h, eps))
+    return y, h
+
+
+def w4a16_swiglu_linear(gate_up: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
+                        group_size: int, bias: torch.Tensor | None = None, *, config: W4Config | None = None
+                        ) -> torch.Tensor:
+    """``w4a16_linear(swiglu(gate_up[:, :I], gate_up[:, I:]), ...)``, at batch 1 in one kernel
+    launch (SwiGLU computed in the activation loads, rounded to the dtype as
+    :func:`llmnote.ops.swiglu` stores it). ``gate_up`` ``(M, 2I)``, stride 1 along columns;
+    other batches, or a group size that is not a power of two, run the two kernels."""
+    from llmnote.ops.swiglu import swiglu
+
+    _check_rows("gate_up", gate_up)
+    if gate_up.shape[1] % 2:
+        raise ValueError(f"gate_up must have an even number of columns (gate and up halves), got shape "
+                         f"{tuple(gate_up.shape)}")
+    i = gate_up.shape[1] // 2
+    _check_w4a16(gate_up[:, :i], qweight, scales, zeros, group_size, bias)
+    if device.use_reference("w4a16_swiglu_linear", min_capability=(8, 0)):
+        return w4a16_swiglu_linear_ref(gate_up, qweight, scales, zeros, group_size, bias)
+    if gate_up.shape[0] != 1 or not _gemv_ok(group_size) or qweight.shape[1] == 0:
+        return w4a16_linear(swiglu(gate_up[:, :i], gate_up[:, i:]), qweight, scales, zeros, group_size, bias,
+                            config=config)
+    for name, t in (("gate_up", gate_up), ("qweight", qweight)):
+        check_device(name, t)
+    y = torch.empty((1, qweight.shape[1]), dtype=gate_up.dtype, device=gate_up.device)
+    _w4_run(gate_up, qweight, scales.to(gate_up.dtype), zeros.to(gate_up.dtype), group_size, bias, y, None, config,
+            SWIGLU)
+    return y

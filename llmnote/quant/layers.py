@@ -123,3 +123,58 @@ class W4A16Linear(nn.Module):
         if self.bias is not None:
             out = out + self.bias.float()
         return out.to(x.dtype)
+
+
+def fuse_linears(layers: list[nn.Module]) -> nn.Module | None:
+    """One quantized layer computing ``torch.cat([layer(x) for layer in layers], -1)``, or None.
+
+    For :class:`W4A16Linear` (equal ``in_features`` and group size) the packed words, scales
+    and zeros are concatenated along N; for :class:`W8A8Linear` (equal ``in_features`` and
+    activation scheme) the int8 rows are stacked and the weight scales made per channel. The
+    parts then read views of the fused buffers (a W4A16 part a column slice, which its kernel
+    takes in place), so no memory is added. The engine fuses a layer's q/k/v and gate/up
+    projections this way (one kernel, and for W8A8 one quantization of the input, instead of
+    three or two). None when the layers are not all of one such class, on one device and
+    dtype, all with a bias or all without.
+    """
+    kinds = {type(m) for m in layers}
+    if len(kinds) != 1 or kinds.pop() not in (W4A16Linear, W8A8Linear) or len(layers) < 2:
+        return None
+    first = layers[0]
+    biases = [m.bias for m in layers]
+    if len({b is None for b in biases}) != 1:
+        return None
+    if isinstance(first, W4A16Linear):
+        same = {(m.in_features, m.group_size, m.use_kernel, m.qweight.device, m.scales.dtype) for m in layers}
+        names = ("qweight", "scales", "zeros")
+        dim = 1  # (K // 8, N), (K // G, N): N is the column dimension
+    else:
+        same = {(m.in_features, m.act, m.use_kernel, m.w_q.device) for m in layers}
+        names = ("w_q",)
+        dim = 0  # (N, K)
+    if len(same) != 1:
+        return None
+    fused = object.__new__(type(first))
+    nn.Module.__init__(fused)
+    fused.__dict__.update({k: v for k, v in first.__dict__.items() if not k.startswith("_")})
+    with torch.no_grad():
+        for name in names:
+            fused.register_buffer(name, torch.cat([getattr(m, name) for m in layers], dim))
+        if isinstance(first, W8A8Linear):  # per-channel scales (a per-tensor one repeated)
+            fused.register_buffer("w_scale", torch.cat([m.w_scale.float().expand(m.out_features)
+                                                        for m in layers]))
+            fused.weight_granularity = "channel"
+        else:
+            fused._w_cache = None
+        fused.bias = None if biases[0] is None else nn.Parameter(torch.cat([b.detach() for b in biases]),
+                                                                 requires_grad=False)
+        fused.out_features = sum(m.out_features for m in layers)
+        start = 0
+        for m in layers:  # the parts now read views of the fused buffers
+            n = m.out_features
+            for name in names:
+                setattr(m, name, getattr(fused, name).narrow(dim, start, n))
+            if fused.bias is not None:
+                m.bias.data = fused.bias.data[start:start + n]
+            start += n
+    return fused
