@@ -27,7 +27,14 @@
   each program a slice of K; partial sums go to an fp32 workspace and the last
   program to finish a tile adds them and writes C (no memset, no second
   kernel). The first call per shape times a few tiles (with their split) and
-  keeps the fastest (:data:`TUNE_LOG`).
+  keeps the fastest (:data:`TUNE_LOG`). The packed words, scales and zeros may be
+  column slices of wider tensors (the kernels take their row strides), and inside
+  :func:`llmnote.ops._pdl.dependent_launches` the kernels request their first
+  weights before waiting for the kernel before them.
+* :func:`w4a16_add_rmsnorm_linear`, :func:`w4a16_swiglu_linear` — batch 1 with the
+  elementwise kernel before the projection folded into the activation loads of
+  :func:`_w4a16_gemv_kernel` (residual add + RMSNorm; SwiGLU), as
+  :mod:`llmnote.ops.gemv` does for bf16: the engine's int4 decode step.
 
 Rounding: the kernels round half away from zero (``floor(|v| + 0.5)``); the
 references do the same (``torch.round`` would round half to even).
