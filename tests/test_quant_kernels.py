@@ -379,3 +379,26 @@ def test_w4a16_prologues_bad_input(dev):
     with pytest.raises(ValueError, match="tile 3"):
         K.w4a16_swiglu_linear(torch.randn(1, 128, device=dev).half(), qw, s, z, 32,
                               config=K.W4Config(1, 16, 64, 1, 4, 1, False, 0))
+
+
+def test_w4a16_recorded_keys_and_set_config(dev):
+    """The keys of the launches made inside recorded_keys(), in order and once each; a config
+    set for a key is the one launched afterwards (the engine's graph tuning uses these)."""
+    qw, s, z = _w4(24, 128, 32, torch.float16, dev)
+    x = torch.randn(1, 128, device=dev).half()
+    gu = torch.randn(1, 256, device=dev).half()
+    nw = torch.ones(128, device=dev).half()
+    with K.recorded_keys() as keys:
+        K.w4a16_linear(x, qw, s, z, 32)
+        K.w4a16_swiglu_linear(gu, qw, s, z, 32)
+        K.w4a16_linear(x, qw, s, z, 32)
+        K.w4a16_add_rmsnorm_linear(x, x, nw, 1e-6, qw, s, z, 32)
+    assert [k[-1] for k in keys] == [K.NONE, K.SWIGLU, K.ADD_RMSNORM]
+    if device.on_gpu() or device.interpreting():
+        cands = K.tuning_candidates(keys[0])
+        assert cands and all(isinstance(c, K.W4Config) and split >= 1 for c, split in cands)
+        other = (TILE3[1], 1)
+        K.set_config(keys[0], other)
+        assert K._TUNED[keys[0]] == other
+        want = K.w4a16_linear_ref(x.float(), qw, s.float(), z.float(), 32)
+        assert_close_lowp(K.w4a16_linear(x, qw, s, z, 32), want, _lowp_ref(x, qw, s, z, 32), atol=1e-3)

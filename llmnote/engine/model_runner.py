@@ -549,7 +549,7 @@ class ModelRunner:
         self._rope = self._graph_rope()
         hkv = self.model.config.num_key_value_heads
         sizes = sorted({s for s in GRAPH_BATCH_SIZES if s < n} | {n}, reverse=True)
-        if self.use_gemv and self.config.tune_graph and 1 in sizes:
+        if (self.use_gemv or self.use_w4) and self.config.tune_graph and 1 in sizes:
             self._tune_batch1_graph(decode_splits(1, hkv, self.max_model_len, dev))
         pool = None
         for b in sizes:
@@ -574,13 +574,15 @@ class ModelRunner:
     def _tune_batch1_graph(self, splits: int, context: int = 512, replays: int = 20) -> None:
         """Choose the tiles of the batch-1 graph's GEMVs by timing the captured graph.
 
-        Each GEMV first picks its tile timed alone (:mod:`llmnote.ops.gemv`); then, one GEMV
-        (shape) after the other, the graph is captured with each of its candidates and
+        Each GEMV first picks its tile timed alone (:mod:`llmnote.ops.gemv`, or for an int4
+        model the W4A16 kernels' (tile, split), :mod:`llmnote.quant.kernels`); then, one
+        GEMV (shape) after the other, the graph is captured with each of its candidates and
         replayed, and the fastest is kept (coordinate descent, one pass). The replays read
         a synthetic context of ``context`` tokens from the first cache blocks (at start-up
         they hold nothing; the step writes one slot of them), so attention does the work of
         a typical step. ``self.graph_tuning`` keeps ``(key, [(ms, config), ...])`` per GEMV."""
-        from llmnote.ops.gemv import recorded_keys, set_config, tuning_candidates
+        from llmnote.ops import gemv
+        from llmnote.quant import kernels as w4
 
         bs = self.config.block_size
         c = max(1, min(context, self.max_model_len, self.num_blocks * bs))
@@ -601,21 +603,21 @@ class ModelRunner:
                 times.append(start.elapsed_time(end) / replays)
             return sorted(times)[1]
 
-        with recorded_keys() as keys:
+        with gemv.recorded_keys() as keys, w4.recorded_keys() as w4_keys:
             g, _ = self._capture(1, splits)
         self.graph_tuning = []
-        for key in keys:
-            cands = tuning_candidates(key)
+        for key, mod in [(k, gemv) for k in keys] + [(k, w4) for k in w4_keys]:
+            cands = mod.tuning_candidates(key)
             if len(cands) < 2:
                 continue
             timed = []
             for cand in cands:
-                set_config(key, cand)
+                mod.set_config(key, cand)
                 del g
                 g, _ = self._capture(1, splits)
                 timed.append((graph_ms(g), cand))
             timed.sort(key=lambda e: e[0])
-            set_config(key, timed[0][1])
+            mod.set_config(key, timed[0][1])
             self.graph_tuning.append((key, timed))
         del g
         self.g_tables[0].fill_(self.num_blocks)  # back to the scratch block, as capture left it

@@ -46,8 +46,10 @@ int32 matmul); bf16 tiles are upcast to fp32 there (``UPCAST``), as in
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
+from collections.abc import Iterator
 from typing import NamedTuple
 
 import torch
@@ -828,6 +830,34 @@ def _workspace(dev: torch.device, n_ws: int, n_cnt: int) -> tuple[torch.Tensor, 
 
 _TUNED: dict[tuple, tuple[W4Config, int]] = {}
 TUNE_LOG: dict[tuple, list[tuple[W4Config, int, float]]] = {}  # key -> (config, split, ms) as timed
+_recording: list[tuple] | None = None  # see recorded_keys
+
+
+@contextlib.contextmanager
+def recorded_keys() -> Iterator[list[tuple]]:
+    """Collect, in order, the tuning keys (shape, dtype, prologue) of the W4A16 launches made
+    inside the block; with :func:`tuning_candidates` and :func:`set_config` a caller can
+    choose the (tile, split) of each by timing its own sequence of kernels, as the engine
+    times its captured decode graph (the same interface as :mod:`llmnote.ops.gemv`'s)."""
+    global _recording
+    prev, _recording = _recording, []
+    try:
+        yield _recording
+    finally:
+        _recording = prev
+
+
+def tuning_candidates(key: tuple, best: int = 6) -> list[tuple[W4Config, int]]:
+    """The ``best`` fastest (tile, split) pairs ``key`` was timed with alone (only its
+    config when nothing was timed)."""
+    timed = sorted(TUNE_LOG.get(key, []), key=lambda e: e[2])
+    out = [(c, s) for c, s, _ in timed[:best]]
+    return out or ([_TUNED[key]] if key in _TUNED else [])
+
+
+def set_config(key: tuple, config: tuple[W4Config, int]) -> None:
+    """Launch ``config`` (tile, split) for ``key`` from now on."""
+    _TUNED[key] = config
 W4_AUTOTUNE = True  # False: take the first candidate (tests use this to keep GPU compile time small)
 
 
@@ -916,6 +946,8 @@ def _w4_run(x2: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros
     meta = dict(GROUP=group_size, HAS_BIAS=bias is not None, GROUP_M=8, EVEN_N=N % 16 == 0,
                 UPCAST=device.interpreting() and x2.dtype == torch.bfloat16)
     key = (triton.next_power_of_2(M), N, K, group_size, split_k, x2.dtype, bias is not None, x2.device, prologue)
+    if config is None and _recording is not None and key not in _recording:
+        _recording.append(key)
     if config is not None:
         if (config.tile == 3 or prologue) and not _gemv_ok(group_size):
             raise ValueError(f"config {config} (tile 3) needs a power-of-two group_size, got {group_size}")
