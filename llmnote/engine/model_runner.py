@@ -581,8 +581,10 @@ class ModelRunner:
         a synthetic context of ``context`` tokens from the first cache blocks (at start-up
         they hold nothing; the step writes one slot of them), so attention does the work of
         a typical step. ``self.graph_tuning`` keeps ``(key, [(ms, config), ...])`` per GEMV."""
-        from llmnote.ops import gemv
-        from llmnote.quant import kernels as w4
+        import importlib
+
+        gemv = importlib.import_module("llmnote.ops.gemv")  # (llmnote.ops.gemv is also the op's name)
+        w4 = importlib.import_module("llmnote.quant.kernels")
 
         bs = self.config.block_size
         c = max(1, min(context, self.max_model_len, self.num_blocks * bs))
