@@ -285,3 +285,24 @@ def test_refs_match_the_composition():
     y, h2 = add_rmsnorm_gemv_ref(x.cpu(), r.cpu(), nw, 1e-5, w)
     assert torch.equal(h, h2) and torch.equal(y, F.linear(hs, w))
     assert torch.equal(gemv_ref(x.cpu(), w), F.linear(x.cpu(), w))
+
+
+def test_recorded_keys_and_set_config():
+    """The keys of the GEMV launches made inside recorded_keys(), in order and once each (nested
+    blocks restore the outer one); a config set for a key is the one launched afterwards."""
+    import importlib
+
+    g = importlib.import_module("llmnote.ops.gemv")  # (llmnote.ops.gemv is also the op's name)
+    x, w = rows(1, 64, torch.float16), torch.randn(24, 64, device=dev(), dtype=torch.float16)
+    w2 = torch.randn(40, 64, device=dev(), dtype=torch.float16)
+    with g.recorded_keys() as outer:
+        g.gemv(x, w)
+        with g.recorded_keys() as inner:
+            g.gemv(x, w2)
+        g.gemv(x, w)
+        g.gemv(x, w2)
+    assert [k[1] for k in inner] == [40] and [k[1] for k in outer] == [24, 40]
+    other = g.tuning_candidates(outer[0])[0]._replace(block_n=8)
+    g.set_config(outer[0], other)
+    assert g.config_of(outer[0]) == other
+    check_product(g.gemv(x, w), x, w, None, "gemv after set_config")

@@ -122,7 +122,30 @@ COMBINE_CANDIDATES = [GemvConfig(32, 0), GemvConfig(64, 0), GemvConfig(128, 0), 
 _TUNED: dict[tuple, GemvConfig] = {}
 TUNE_LOG: dict[tuple, list[tuple[GemvConfig, float]]] = {}  # key -> (config, ms) as timed
 _CANDIDATES: dict[tuple, list[GemvConfig]] = {}  # key -> the configs it was chosen among
-_recording: list[tuple] | None = None  # see recorded_keys
+
+
+class KeyRecorder:
+    """The tuning keys of the launches made inside :meth:`recorded`, in order and once each
+    (kernels call :meth:`note` with the key of every launch; nothing is kept outside the
+    block). Shared by the GEMV and W4A16 modules for the engine's graph-timed tuning."""
+
+    def __init__(self) -> None:
+        self._keys: list[tuple] | None = None
+
+    def note(self, key: tuple) -> None:
+        if self._keys is not None and key not in self._keys:
+            self._keys.append(key)
+
+    @contextlib.contextmanager
+    def recorded(self) -> Iterator[list[tuple]]:
+        prev, self._keys = self._keys, []
+        try:
+            yield self._keys
+        finally:
+            self._keys = prev
+
+
+_recorder = KeyRecorder()
 
 
 # ----------------------------------------------------------------- references
@@ -333,12 +356,8 @@ def recorded_keys() -> Iterator[list[tuple]]:
     choose the configs by timing its own sequence of kernels (the engine's decode graph: a
     GEMV timed alone and the same GEMV between its neighbours, under programmatic dependent
     launch, do not rank the tiles alike)."""
-    global _recording
-    prev, _recording = _recording, []
-    try:
-        yield _recording
-    finally:
-        _recording = prev
+    with _recorder.recorded() as keys:
+        yield keys
 
 
 def tuning_candidates(key: tuple) -> list[GemvConfig]:
@@ -359,8 +378,7 @@ def set_config(key: tuple, config: GemvConfig) -> None:
 def _tuned(key: tuple, cands: list[GemvConfig], launch, on_cuda: bool) -> GemvConfig:
     """The config of ``key``: chosen on its first call by timing ``launch(config)`` for each
     candidate (on a GPU, outside graph capture), then remembered in ``_TUNED``."""
-    if _recording is not None and key not in _recording:
-        _recording.append(key)
+    _recorder.note(key)
     cfg = _TUNED.get(key)
     if cfg is not None:
         return cfg

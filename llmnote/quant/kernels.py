@@ -49,7 +49,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
-from collections.abc import Iterator
 from typing import NamedTuple
 
 import torch
@@ -59,7 +58,7 @@ import triton.language as tl
 from llmnote import device
 from llmnote.ops import _pdl
 from llmnote.ops._pdl import wait_and_release
-from llmnote.ops.gemv import _fast_sigmoid
+from llmnote.ops.gemv import KeyRecorder, _fast_sigmoid
 from llmnote.ops._validate import check_device, check_same
 from llmnote.quant.primitives import check_tensor
 from llmnote.ops.matmul import (
@@ -830,21 +829,15 @@ def _workspace(dev: torch.device, n_ws: int, n_cnt: int) -> tuple[torch.Tensor, 
 
 _TUNED: dict[tuple, tuple[W4Config, int]] = {}
 TUNE_LOG: dict[tuple, list[tuple[W4Config, int, float]]] = {}  # key -> (config, split, ms) as timed
-_recording: list[tuple] | None = None  # see recorded_keys
+_recorder = KeyRecorder()
 
 
-@contextlib.contextmanager
-def recorded_keys() -> Iterator[list[tuple]]:
+def recorded_keys() -> contextlib.AbstractContextManager[list[tuple]]:
     """Collect, in order, the tuning keys (shape, dtype, prologue) of the W4A16 launches made
     inside the block; with :func:`tuning_candidates` and :func:`set_config` a caller can
     choose the (tile, split) of each by timing its own sequence of kernels, as the engine
     times its captured decode graph (the same interface as :mod:`llmnote.ops.gemv`'s)."""
-    global _recording
-    prev, _recording = _recording, []
-    try:
-        yield _recording
-    finally:
-        _recording = prev
+    return _recorder.recorded()
 
 
 def tuning_candidates(key: tuple, best: int = 6) -> list[tuple[W4Config, int]]:
@@ -946,8 +939,8 @@ def _w4_run(x2: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros
     meta = dict(GROUP=group_size, HAS_BIAS=bias is not None, GROUP_M=8, EVEN_N=N % 16 == 0,
                 UPCAST=device.interpreting() and x2.dtype == torch.bfloat16)
     key = (triton.next_power_of_2(M), N, K, group_size, split_k, x2.dtype, bias is not None, x2.device, prologue)
-    if config is None and _recording is not None and key not in _recording:
-        _recording.append(key)
+    if config is None:
+        _recorder.note(key)
     if config is not None:
         if (config.tile == 3 or prologue) and not _gemv_ok(group_size):
             raise ValueError(f"config {config} (tile 3) needs a power-of-two group_size, got {group_size}")
