@@ -328,9 +328,10 @@ class ModelRunner:
     def _gemv_ready(self) -> bool:
         """Whether one-token steps can take :meth:`_gemv_layer`: the model runs llmnote's
         kernels (on a GPU, or the interpreter on the CPU), every layer's projections are
-        fused plain ``nn.Linear`` (not quantized layers), RoPE is tabulated; and ``EngineConfig.gemv`` asks for it
-        (``None``: hidden size at most :data:`GEMV_MAX_HIDDEN`, where the fused prologues'
-        re-read of the input rows stays small against the weights)."""
+        fused plain ``nn.Linear`` (not quantized layers), RoPE is tabulated; and
+        ``EngineConfig.gemv`` asks for it (``None``: hidden size at most
+        :data:`GEMV_MAX_HIDDEN`, where the fused prologues' re-read of the input rows stays
+        small against the weights)."""
         from llmnote.ops.rmsnorm import add_rmsnorm
         from llmnote.ops.swiglu import swiglu
 
@@ -366,8 +367,10 @@ class ModelRunner:
         """Decoder layer ``i`` of a batch-1 step of an int4 model: the residual add and
         RMSNorm folded into the fused q/k/v and gate/up W4A16 kernels, SwiGLU into the down
         projection's (:func:`llmnote.quant.kernels.w4a16_add_rmsnorm_linear`,
-        :func:`~llmnote.quant.kernels.w4a16_swiglu_linear`): six kernels, as the bf16 GEMV
-        path (:meth:`_gemv_layer`) has, instead of nine."""
+        :func:`~llmnote.quant.kernels.w4a16_swiglu_linear`): seven kernels (the four
+        projections, the fused q/k kernel, attention's split and combine) instead of ten;
+        the bf16 GEMV path (:meth:`_gemv_layer`) has six, its combine folded into the
+        output projection."""
         from llmnote.quant.kernels import w4a16_add_rmsnorm_linear, w4a16_swiglu_linear
 
         def w4(m):  # a W4A16Linear's operands
