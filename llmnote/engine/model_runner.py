@@ -373,8 +373,8 @@ class ModelRunner:
         output projection."""
         from llmnote.quant.kernels import w4a16_add_rmsnorm_linear, w4a16_swiglu_linear
 
-        def w4(m):  # a W4A16Linear's operands
-            return m.qweight, m.scales.to(self.dtype), m.zeros.to(self.dtype), m.group_size, m.bias
+        def w4(m):  # a W4A16Linear's operands (the kernels cast scales and zeros to x's dtype)
+            return m.qweight, m.scales, m.zeros, m.group_size, m.bias
 
         layer = self.model.model.layers[i]
         a, mlp = layer.self_attn, layer.mlp

@@ -59,6 +59,7 @@ from llmnote import device
 from llmnote.ops import _pdl
 from llmnote.ops._pdl import wait_and_release
 from llmnote.ops.gemv import KeyRecorder, _fast_sigmoid
+from llmnote.ops._rowwise import check_eps
 from llmnote.ops._validate import check_device, check_same
 from llmnote.quant.primitives import check_tensor
 from llmnote.ops.matmul import (
@@ -1042,8 +1043,6 @@ def w4a16_add_rmsnorm_linear(x: torch.Tensor, residual: torch.Tensor, norm_weigh
     if norm_weight.shape[0] != x.shape[1]:
         raise ValueError(f"norm_weight must have shape ({x.shape[1]},) to match the last dimension of x "
                          f"(shape {tuple(x.shape)}), got {tuple(norm_weight.shape)}")
-    from llmnote.ops._rowwise import check_eps
-
     eps = check_eps(eps)
     _check_w4a16(x, qweight, scales, zeros, group_size, bias)
     if device.use_reference("w4a16_add_rmsnorm_linear", min_capability=(8, 0)):
