@@ -239,11 +239,12 @@ def test_w4a16_split_k_many_programs(seed, dev):
 # interpreter one small tile per code path (FMA: plain, pipelined loop, prefetch; tensor-core tiles
 # W^T (swap AB) and W, with one step of 32 or 64 codes; the per-slice dots of _w4a16_kernel).
 _C = K.W4Config
-W4_VARIANTS = (K.W4_GEMV_GPU + K.W4_GEMM_GPU + [_C(16, 64, 128, 2, 4, 3, True), _C(16, 64, 128, 1, 4, 3, True, 1)]
+W4_VARIANTS = (K.W4_GEMV_GPU + K.W4_GEMM_GPU + K.W4_GEMM_LARGE_GPU
+               + [_C(16, 64, 128, 2, 4, 3, True), _C(16, 64, 128, 1, 4, 3, True, 1)]
                if device.on_gpu() else
                [_C(1, 16, 32, 2, 4, 1, False), _C(1, 16, 32, 1, 4, 3, False), _C(1, 16, 64, 1, 4, 1, False, 0, True),
                 _C(1, 16, 64, 1, 4, 1, False, 3), _C(1, 16, 256, 1, 4, 2, False, 3, True),
-                _C(16, 16, 64, 1, 4, 1, True, 2), _C(16, 16, 32, 1, 4, 1, True, 2),
+                _C(16, 16, 64, 1, 4, 1, True, 2), _C(16, 16, 32, 1, 4, 1, True, 2), _C(32, 16, 64, 1, 4, 1, True, 2),
                 _C(16, 16, 64, 1, 4, 1, True, 1), _C(16, 16, 128, 1, 4, 1, True)])
 
 
@@ -273,6 +274,9 @@ def test_w4a16_full_size_every_candidate(seed, dev, m):
     ref32 = K.w4a16_linear_ref(x.float(), qw, s.float(), z.float(), 128)
     lowp = _lowp_ref(x, qw, s, z, 128)
     cands = K._candidates(m, 4096, 4096, 128, x.device, None)
+    if m >= K.LARGE_MIN_M:  # the large tiles are among them, and no split whose fp32 partials
+        assert any(c in K.W4_GEMM_LARGE_GPU for c, _ in cands)  # outweigh the packed weights
+        assert all(split == 1 or 2 * split * m * 64 <= 4096 for _, split in cands)
     for cfg, split in cands + [(c, 1) for c, _ in cands]:
         out = K.w4a16_linear(x, qw, s, z, 128, split_k=split, config=cfg)
         assert_close_lowp(out, ref32, lowp, atol=1e-3, name=f"w4a16 m={m} {cfg} split={split}")

@@ -335,19 +335,22 @@ W4_GEMV_GPU = [_G(1, 64, 256, 1, 4, 1, False, 3, True), _G(1, 64, 128, 1, 4, 1, 
                _G(1, 64, 256, 1, 4, 3, False), _G(1, 64, 512, 1, 4, 2, False),
                _G(1, 32, 256, 1, 4, 1, False, 0, True)]
 # GEMM (batch > 1): whole dequantized tiles on the tensor cores, software-pipelined (stages),
-# swap AB (tile 2: W^T x^T, the weight columns on the MMA's M side), 16 tokens per tile.
-# Not listed: the per-slice dots of _w4a16_kernel (USE_DOT; 1.6-2.6x slower than tile 2 at
-# batch 4 and 16 on the H100), and tiles of 32-128 tokens (tile 2) or the plain W tile
-# (tile 1): with those among the candidates the full-size check of the quant benchmark failed
-# at batch 64 (K = N = 4096, max error 0.23) although they pass the small-size tests (GPU and
-# interpreter); the cause was not found. Larger batches therefore run several 16-row tiles.
-# (Re-run in isolation, session 3 helper w4c: tiles 32-64-128 / 64-64-128 / 64-128-64 (tile 2)
-# and 32-128-128 / 64-128-128 (tile 1) at batch 64, K = N = 4096, split 1 and 4, gave max error
-# 0.031 and bit-identical outputs over four runs each: not reproduced, so they stay off.)
+# swap AB (tile 2: W^T x^T, the weight columns on the MMA's M side). W4_GEMM_GPU: 16 tokens per
+# tile, for batches up to 32; W4_GEMM_LARGE_GPU: 64-256 tokens per tile from batch 64, so that
+# each decoded weight tile feeds that many rows instead of being decoded again for every 16.
+# H100, CUDA-graph timing, split 1 (session 10; the 16-row tile at batch 256 / 1024 took 87 /
+# 335 us on the 4096 x 4096 shape, the best large tile 32 / 69 us; 300 / 1132 vs 74 / 270 us on
+# 4096 x 14336). History: large tiles were once dropped after a full-size check failed at batch
+# 64 (max error 0.23) in a run that could not be reproduced (re-runs: max error 0.031,
+# bit-identical over repeats); test_w4a16_full_size_every_candidate now checks every listed
+# candidate at batch 64 and 256 on the GPU, at its default split and at split 1.
 W4_GEMM_GPU = [_G(16, 64, 128, 1, 4, 3, True, 2), _G(16, 128, 128, 1, 4, 3, True, 2),
                _G(16, 64, 128, 1, 4, 4, True, 2), _G(16, 128, 128, 1, 8, 3, True, 2),
                _G(16, 32, 128, 1, 4, 3, True, 2), _G(16, 64, 64, 1, 4, 4, True, 2),
                _G(16, 64, 128, 1, 4, 5, True, 2)]
+W4_GEMM_LARGE_GPU = [_G(64, 64, 128, 1, 4, 3, True, 2), _G(128, 64, 64, 1, 4, 3, True, 2),
+                     _G(128, 128, 128, 1, 8, 3, True, 2), _G(256, 128, 64, 1, 8, 3, True, 2)]
+LARGE_MIN_M = 64  # from this batch the candidates are W4_GEMM_LARGE_GPU and the first two 16-row tiles
 W4_GEMV_INTERPRETER = [W4Config(1, 16, 64, 1, 4, 1, False, 3), W4Config(1, 16, 32, 2, 4, 1, False)]
 W4_GEMM_INTERPRETER = [W4Config(16, 16, 64, 1, 4, 1, True, 2)]
 
@@ -787,13 +790,16 @@ def _w4a16_tile_kernel(
 
 
 MAX_SPLIT = 32
-SPLIT_MAX_M = 16  # default_split_k splits K up to this batch (split_k=... still works above)
+SPLIT_MAX_M = 256  # default_split_k splits K up to this batch (split_k=... still works above)
 
 
 def default_split_k(M: int, N: int, K: int, dev: torch.device, cfg: W4Config | None = None) -> int:
     """Split K (in powers of two) until the launch has about four programs per SM, as long
-    as every slice keeps at least two loop iterations. Batch > 16 (see the note above
-    :data:`W4_GEMM_GPU`), or the interpreter: 1.
+    as every slice keeps at least two loop iterations (a batch of 64 on the 14336 x 4096
+    down projection has only 64 tiles of 64 x 64). Above batch 16 also while the fp32
+    partials (``split * M * N * 4`` bytes written, then read) stay within about a quarter
+    of the packed weight bytes (``K * N / 2``): ``2 * split * M * 64 <= K``.
+    Batch > SPLIT_MAX_M, or the interpreter: 1.
 
     ``cfg`` gives the tile; None: the smallest listed GEMV/GEMM tile for this M.
     """
@@ -805,7 +811,8 @@ def default_split_k(M: int, N: int, K: int, dev: torch.device, cfg: W4Config | N
     tiles = triton.cdiv(M, bm) * triton.cdiv(N, cfg.bn)
     target = 4 * _num_sms(dev)
     split = 1
-    while tiles * split < target and K // (split * 2) >= 2 * cfg.bk * cfg.sub and split < MAX_SPLIT:
+    while (tiles * split < target and K // (split * 2) >= 2 * cfg.bk * cfg.sub and split < MAX_SPLIT
+           and (M <= 16 or 2 * split * M * 64 <= K)):
         split *= 2
     return split
 
@@ -864,8 +871,12 @@ def _candidates(M: int, N: int, K: int, group: int, dev, split_k: int | None) ->
     gemv = M <= GEMV_MAX_M
     if device.interpreting():
         configs = W4_GEMV_INTERPRETER if gemv else W4_GEMM_INTERPRETER
+    elif gemv:
+        configs = W4_GEMV_GPU
+    elif M >= LARGE_MIN_M:
+        configs = W4_GEMM_GPU[:2] + W4_GEMM_LARGE_GPU
     else:
-        configs = W4_GEMV_GPU if gemv else W4_GEMM_GPU
+        configs = W4_GEMM_GPU
     bm_cap = max(16, triton.next_power_of_2(M))
     out = []
     for c in configs:
