@@ -150,8 +150,13 @@ def test_no_point_above_its_roof():
     ratio = pts.flops_per_s / roof
     # decode attention only reads (the cache) and writes one row: HBM serves a read-only stream
     # faster than the copy's even mix of reads and writes that defines the slope (its H100
-    # records reach 6% above it); an accounting error would be off by a factor, not by that
-    limit = pts.kernel.map(lambda k: 1.10 if k == "decode attention" else 1.05)
+    # records reach 6% above it). Compute-bound points are compared with a peak measured in
+    # another run at 8192^3, a size at which the H100 runs slower than at 4096^3 (cuBLAS 678
+    # vs 766 TFLOP/s in the matmul recording at ae3fe8d, 6.5% above that peak; the power
+    # limit lowers the clocks on the larger product). An accounting error would be off by a
+    # factor, not by that.
+    compute_bound = [i * c["copy"] > peaks[r] for i, r in zip(pts.intensity, pts.roof)]
+    limit = [1.10 if k == "decode attention" or cb else 1.05 for k, cb in zip(pts.kernel, compute_bound)]
     bad = ratio > limit
     assert not bad.any(), pts.assign(ratio=ratio)[bad][["kernel", "provider", "ratio"]]
 
