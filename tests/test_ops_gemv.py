@@ -306,3 +306,31 @@ def test_recorded_keys_and_set_config():
     g.set_config(outer[0], other)
     assert g.config_of(outer[0]) == other
     check_product(g.gemv(x, w), x, w, None, "gemv after set_config")
+
+
+def test_benchmark_prints_the_tuning_of_every_recorded_key(capsys):
+    """The GEMV benchmark's tuning report reads the keys the ops really record (their layout
+    grew once and broke the report on the GPU only, where tuning runs)."""
+    import importlib
+
+    from llmnote.bench.suites import gemv as suite
+
+    g = importlib.import_module("llmnote.ops.gemv")
+    x, w = rows(1, 64, torch.float16), torch.randn(24, 64, device=dev(), dtype=torch.float16)
+    part, lpart = split_partials(2, 3, 16, empty_splits=(), empty_heads=())
+    wo = torch.randn(8, 32, device=dev(), dtype=torch.float16)
+    with g.recorded_keys() as keys:
+        g.gemv(x, w)
+        g.combine_gemv(part, lpart, wo, torch.zeros(1, 8, device=dev()))
+    assert len(keys) == 2 and keys[1][0] == "combine"
+    saved = dict(g.TUNE_LOG)
+    try:
+        g.TUNE_LOG.clear()
+        for key in keys:
+            g.TUNE_LOG[key] = [(g.tuning_candidates(key)[0], 1e-3)]
+        suite._print_tuning("test")
+    finally:
+        g.TUNE_LOG.clear()
+        g.TUNE_LOG.update(saved)
+    out = capsys.readouterr().out
+    assert "tune test prologue=0 M=1 N=24 K=64" in out and "tune test combine N=8 heads=2 splits=3 D=16" in out

@@ -71,10 +71,14 @@ def _cfg(c) -> str:
 
 def _print_tuning(label: str) -> None:
     for key, log in list(TUNE_LOG.items()):
-        m, n, k, dtype, prologue, has_bias, _ = key
+        if key[0] == "combine":  # ("combine", n, heads, splits, head_dim, ...): combine_gemv
+            what = f"combine N={key[1]} heads={key[2]} splits={key[3]} D={key[4]}"
+        else:  # (m, n, k, dtype, prologue, ...): gemv and its fused variants
+            m, n, k, _, prologue = key[:5]
+            what = f"prologue={prologue} M={m} N={n} K={k}"
         best = min(log, key=lambda e: e[1])
         cells = ", ".join(f"{_cfg(c)} {t * 1e3:.1f}" for c, t in log)
-        print(f"tune {label} prologue={prologue} M={m} N={n} K={k}: chosen {_cfg(_TUNED.get(key))}; "
+        print(f"tune {label} {what}: chosen {_cfg(_TUNED.get(key))}; "
               f"fastest first timing {_cfg(best[0])} {best[1] * 1e3:.1f} us | {cells}")
     TUNE_LOG.clear()
 
