@@ -16,8 +16,9 @@ ceilings (``bench = "ceiling"``: copy bandwidth, bf16 matmul rate):
 * ``quant-w4a16``, ``x_name = "M"`` (batch 1 ... 256) for each Llama-3-8B
   linear shape (K x N: 4096 x 4096 q/o, 4096 x 14336 gate/up, 14336 x 4096
   down): ``llmnote-w4a16`` (int4 g128 with zero points, bf16 activations; tile
-  and split-K chosen by timing candidates on the first call, split-K up to batch 16),
-  ``llmnote-w4a16-splitk1`` (batch <= 16: split-K off) and ``torch-bf16``
+  and split-K chosen by timing candidates on the first call, split-K up to batch
+  ``SPLIT_MAX_M`` = 256), ``llmnote-w4a16-splitk1`` (the same batches, split-K off) and
+  ``torch-bf16``
   (``F.linear`` with the bf16 weight). Metrics: ``weight_bandwidth`` = packed
   int4 bytes (K N / 2; for bf16 its 2 K N bytes) / time, ``bandwidth`` = all
   bytes moved (weights, scales, zeros, x, y) / time. Targets: >= 3x torch-bf16 and
