@@ -193,3 +193,84 @@ def describe() -> str:
             "cores); ops that need sm_80 use their PyTorch reference"
         )
     return line
+
+
+# ---------------------------------------------------------------- where models go
+FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def placement(device: str | torch.device | None = None, dtype: torch.dtype | None = None,
+              *, cpu_dtype: torch.dtype | None = None) -> tuple[torch.device, torch.dtype | None]:
+    """Where a model goes and in which dtype, with the fast path as the default.
+
+    ``device=None``: :func:`default_device` (the GPU when kernels run compiled).
+    ``dtype=None``: on a GPU :func:`default_dtype` (bf16, or fp16 without bf16), on the CPU
+    ``cpu_dtype`` (a caller's own default; ``None`` keeps what the weights have). Raises
+    ``ValueError`` for a device that does not exist here or a dtype this GPU cannot run,
+    ``TypeError`` for a dtype that is not a floating torch dtype.
+    """
+    try:
+        dev = default_device() if device is None else torch.device(device)
+    except (RuntimeError, TypeError) as e:
+        raise ValueError(f"device must be 'cpu', 'cuda' or 'cuda:N', got {device!r}") from e
+    if dev.type not in ("cpu", "cuda"):
+        raise ValueError(f"device must be 'cpu', 'cuda' or 'cuda:N', got {device!r}")
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"device={device!r} but this machine has no CUDA GPU "
+                             "(torch.cuda.is_available() is False); leave device out or pass 'cpu'")
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise ValueError(f"device={device!r} but this machine has "
+                             f"{torch.cuda.device_count()} CUDA GPU(s)")
+    if dtype is not None:
+        if not isinstance(dtype, torch.dtype) or dtype not in FLOAT_DTYPES:
+            raise TypeError("dtype must be torch.float32, torch.float16 or torch.bfloat16, got "
+                            f"{dtype!r}")
+        if dev.type == "cuda" and dtype == torch.bfloat16 and not torch.cuda.is_bf16_supported():
+            cap = torch.cuda.get_device_capability(dev)
+            raise ValueError(f"dtype=torch.bfloat16 but this GPU (sm_{cap[0]}{cap[1]}) has no "
+                             "bf16; pass torch.float16 or leave dtype out")
+        return dev, dtype
+    if dev.type == "cuda":
+        return dev, default_dtype()
+    return dev, cpu_dtype
+
+
+MEMORY_CAP_ENV = "LLMNOTE_GPU_MEMORY_GB"
+
+
+def _apply_memory_cap() -> float | None:
+    """``LLMNOTE_GPU_MEMORY_GB=15`` caps this process's GPU memory at 15 GiB (a T4's), through
+    ``torch.cuda.set_per_process_memory_fraction``: ``make test-gpu`` runs every test and
+    chapter so, to check they fit Colab. Returns the fraction set, or None."""
+    raw = os.environ.get(MEMORY_CAP_ENV, "").strip()
+    if not raw or not torch.cuda.is_available():
+        return None
+    try:
+        gib = float(raw)
+    except ValueError as e:
+        raise ValueError(f"{MEMORY_CAP_ENV} must be a number of GiB, got {raw!r}") from e
+    if not gib > 0:
+        raise ValueError(f"{MEMORY_CAP_ENV} must be positive, got {raw!r}")
+    total = torch.cuda.get_device_properties(0).total_memory
+    fraction = min(1.0, gib * 2**30 / total)
+    for i in range(torch.cuda.device_count()):
+        torch.cuda.set_per_process_memory_fraction(fraction, i)
+    return fraction
+
+
+_MEMORY_FRACTION = _apply_memory_cap()
+
+
+def memory_available(dev: torch.device) -> int:
+    """Bytes this process can still allocate on GPU ``dev``: the device's free memory,
+    within the per-process cap when one is set (``torch.cuda.set_per_process_memory_fraction``
+    or :data:`MEMORY_CAP_ENV`); memory PyTorch caches but does not use counts as free."""
+    free, total = torch.cuda.mem_get_info(dev)
+    allocated = torch.cuda.memory_allocated(dev)
+    free += torch.cuda.memory_reserved(dev) - allocated  # cached by PyTorch, reusable
+    get_fraction = getattr(torch.cuda, "get_per_process_memory_fraction", None)
+    fraction = get_fraction(dev) if get_fraction is not None else (_MEMORY_FRACTION or 1.0)
+    if fraction < 1.0:
+        free = min(free, int(fraction * total) - allocated)
+    return max(0, free)

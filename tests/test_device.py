@@ -66,3 +66,52 @@ def test_triton_imported_first_falls_back_with_a_warning():
 def test_public_names():
     assert callable(llmnote.ops.softmax) and callable(llmnote.ops.softmax_ref)
     assert callable(llmnote.ops.vector_add) and callable(llmnote.ops.vector_add_ref)
+
+
+# ---------------------------------------------------------------- placement: the fast path by default
+def test_placement_defaults_to_the_fast_path():
+    dev, dt = device.placement()
+    if device.on_gpu():
+        assert dev.type == "cuda" and dt == device.default_dtype()
+        assert dt in (torch.bfloat16, torch.float16)
+    else:
+        assert dev.type == "cpu" and dt is None
+    assert device.placement("cpu", cpu_dtype=torch.float32) == (torch.device("cpu"), torch.float32)
+    assert device.placement("cpu", torch.float16)[1] == torch.float16
+
+
+@pytest.mark.parametrize("kw, err, match", [
+    (dict(device="tpu"), ValueError, "device must be 'cpu', 'cuda'"),
+    (dict(device="not a device"), ValueError, "device must be"),
+    (dict(dtype=torch.int8), TypeError, "dtype must be torch.float32, torch.float16 or torch.bfloat16"),
+    (dict(dtype="bf16"), TypeError, "dtype must be"),
+])
+def test_placement_refuses_bad_arguments(kw, err, match):
+    with pytest.raises(err, match=match):
+        device.placement(**kw)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without a CUDA GPU")
+def test_cuda_without_a_gpu_is_a_clear_error():
+    with pytest.raises(ValueError, match="device='cuda' but this machine has no CUDA GPU"):
+        device.placement("cuda")
+    from llmnote.engine import LLM
+
+    with pytest.raises(ValueError, match="no CUDA GPU"):
+        LLM("llama-tiny", device="cuda")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_memory_available_respects_the_per_process_cap():
+    dev = torch.device("cuda")
+    total = torch.cuda.get_device_properties(dev).total_memory
+    before = device.memory_available(dev)
+    get = getattr(torch.cuda, "get_per_process_memory_fraction", None)
+    old = get(dev) if get is not None else 1.0
+    try:
+        torch.cuda.set_per_process_memory_fraction(0.05, dev)
+        assert device.memory_available(dev) <= 0.05 * total
+    finally:
+        torch.cuda.set_per_process_memory_fraction(old, dev)
+    assert device.memory_available(dev) >= min(before, 0.05 * total)

@@ -29,7 +29,7 @@ def model():
 
 
 def make(model, **kw):
-    return LLM(model, config=EngineConfig(block_size=4, cpu_num_blocks=40, **kw))
+    return LLM(model, device="cpu", config=EngineConfig(block_size=4, cpu_num_blocks=40, **kw))
 
 
 @pytest.mark.parametrize("kw, match", [
@@ -57,13 +57,12 @@ def test_engine_config_is_checked(kw, match):
 
 def test_bad_requests_are_refused_and_others_unaffected(model):
     want = make(model).generate([[5, 6, 7, 8, 9]], GREEDY, use_tqdm=False)[0].token_ids
-    llm = make(model, max_model_len=200)
+    llm = make(model, max_model_len=150)
     good = llm.add_request([5, 6, 7, 8, 9], GREEDY)
     bad = [
         ([], GREEDY, "empty"),
-        (list(range(200)), GREEDY, "max_model_len = 200"),
+        (list(range(150)), GREEDY, "max_model_len = 150"),
         ([1, 256], GREEDY, r"\[0, 256\)"),
-        ([1, 2], SamplingParams(max_tokens=200), "KV blocks but the whole cache has 40"),
         ("some text", GREEDY, "tokenizer"),
         ([1, 2], {"max_tokens": 3}, "SamplingParams"),
     ]
@@ -98,7 +97,8 @@ def test_step_log_chunks_account_for_every_token(model):
     """``step_log[i]["chunks"]``: per sequence its new tokens and whether it prefilled or
     decoded; prompt chunks plus decodes add up to each request's tokens, preemption included."""
     prompts = [[3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5], [2, 7], [1, 8, 2, 8, 1, 8, 2, 8, 4, 5, 9, 0, 4]]
-    llm = LLM(model, config=EngineConfig(block_size=4, num_blocks=6, max_num_batched_tokens=5))
+    llm = LLM(model, device="cpu",
+              config=EngineConfig(block_size=4, num_blocks=6, max_num_batched_tokens=5))
     params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
     outs = llm.generate(prompts, params, use_tqdm=False)
     assert llm.scheduler.num_preemptions > 0  # 6 blocks of 4 cannot hold all three at once
@@ -146,7 +146,8 @@ def test_stop_tokens_and_eos(model):
     out = make(model).generate([[11, 12, 13]], SamplingParams(
         temperature=0, max_tokens=6, stop_token_ids=[stop]), use_tqdm=False)[0]
     assert out.token_ids == cut and out.finish_reason == "stop"
-    llm = LLM(model, config=EngineConfig(block_size=4, cpu_num_blocks=40), eos_token_id=stop)
+    llm = LLM(model, device="cpu", config=EngineConfig(block_size=4, cpu_num_blocks=40),
+              eos_token_id=stop)
     p = SamplingParams(temperature=0, max_tokens=6)
     out = llm.generate([[11, 12, 13]], p, use_tqdm=False)[0]
     assert out.token_ids == cut and out.finish_reason == "stop"
@@ -249,13 +250,13 @@ def test_batch1_paged_decode_leaves_the_combine_to_the_output_projection(monkeyp
 def test_load_by_name_and_folder():
     from llmnote.models.shakespeare import CHECKPOINT_DIR, has_checkpoint
 
-    llm = LLM("qwen3-tiny", cpu_num_blocks=8)
+    llm = LLM("qwen3-tiny", device="cpu", cpu_num_blocks=8)
     assert llm.model.config.architecture == "qwen3" and llm.runner.num_blocks == 8
     assert len(llm.runner.k_caches) == 2 and llm.runner.k_caches[0].shape == (8, 16, 2, 32)
     with pytest.raises(ValueError, match="neither a checkpoint folder"):
         LLM("no-such-model")
     if has_checkpoint():
-        llm = LLM(CHECKPOINT_DIR, cpu_num_blocks=16)
+        llm = LLM(CHECKPOINT_DIR, device="cpu", cpu_num_blocks=16)
         assert llm.eos_token_ids == {0}
         out = llm.generate("ROMEO:", SamplingParams(temperature=0, max_tokens=5), use_tqdm=False)
         assert isinstance(out[0].text, str) and len(out[0].token_ids) <= 5
@@ -351,3 +352,25 @@ def test_fused_weights_are_views_of_the_models_parameters():
     with torch.no_grad():
         assert torch.equal(m(ids), want)
     assert all(torch.equal(v, state[k]) for k, v in m.state_dict().items())
+
+
+def test_a_cache_too_small_for_max_model_len_is_refused_at_construction(model):
+    # 40 blocks of 4 tokens hold 160 tokens: an explicit max_model_len of 200 cannot fit
+    with pytest.raises(ValueError, match=r"cpu_num_blocks=40.*max_model_len=200"):
+        make(model, max_model_len=200)
+    with pytest.raises(ValueError, match=r"num_blocks=10.*max_model_len=64"):
+        make(model, num_blocks=10, max_model_len=64)
+    # without one, max_model_len is what the whole cache holds
+    assert make(model).max_model_len == 160
+    assert make(model, num_blocks=10).max_model_len == 40
+
+
+def test_close_frees_the_engine_and_refuses_later_use(model):
+    with make(model) as llm:
+        out = llm.generate([[5, 6, 7]], GREEDY, use_tqdm=False)[0]
+        assert out.token_ids
+    assert not hasattr(llm, "runner")
+    with pytest.raises(RuntimeError, match="closed"):
+        llm.generate([[5, 6, 7]], GREEDY, use_tqdm=False)
+    llm.close()  # twice is fine
+    assert model(torch.tensor([[5, 6, 7]])).shape == (1, 3, 256)  # the model stays usable

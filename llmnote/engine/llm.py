@@ -17,8 +17,10 @@ unaffected.
 
 from __future__ import annotations
 
+import gc
 import json
 import time
+import warnings
 from collections.abc import Iterator, Sequence as Seq
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,7 +32,7 @@ from llmnote.engine.model_runner import DecodeRun, ModelRunner
 from llmnote.engine.sampling_params import SamplingParams
 from llmnote.engine.scheduler import ScheduledBatch, Scheduler
 from llmnote.engine.sequence import Sequence
-from llmnote.models.llama import Llama
+from llmnote.models.llama import Llama, LlamaOps
 from llmnote.models.presets import PRESETS
 
 
@@ -58,22 +60,39 @@ class StreamEvent:
     finish_reason: str | None
 
 
-def _load(model: object, dtype: torch.dtype | None, device: str | torch.device | None, seed: int):
-    """(Llama, tokenizer or None, end-of-text ids)."""
+def _load(model: object, dtype: torch.dtype | None, device: str | torch.device | None,
+          ops: LlamaOps | None, seed: int):
+    """(Llama, tokenizer or None, end-of-text ids), on the fast path unless told otherwise:
+    on a CUDA GPU the model goes to the GPU in bf16 (fp16 without bf16) with llmnote's
+    kernels; on the CPU checkpoints keep their dtype, the rest is fp32."""
+    from llmnote.device import placement
+
     if isinstance(model, Llama):
-        return model, None, []
+        p = next(model.parameters())
+        default_dev, default_dt = placement()
+        if device is None and p.device.type == "cpu" and default_dev.type == "cuda":
+            dev, dt = placement(default_dev, dtype or default_dt)  # the fast path: move it
+            warnings.warn(f"LLM: moving the model to {dev} in {str(dt).removeprefix('torch.')} "
+                          "(in place); pass device='cpu' to keep it where it is", stacklevel=3)
+        else:  # where its owner put it, or where the caller says
+            dev, dt = placement(p.device if device is None else device, dtype or p.dtype)
+        if dev != p.device or dt != p.dtype:
+            model.to(device=dev, dtype=dt)
+        if ops is not None:
+            model.use_ops(ops)
+        return model.eval(), None, []
     if not isinstance(model, (str, Path)):
         raise TypeError(f"model must be a Llama, a checkpoint folder or a preset name, "
                         f"got {type(model).__name__}")
     if str(model) == "shakespeare":
         from llmnote.models.shakespeare import EOS_TOKEN, load_shakespeare
 
-        m, tok = load_shakespeare(dtype=dtype or torch.float32, device=device)
+        m, tok = load_shakespeare(dtype=dtype, device=device, ops=ops)
         return m, tok, [tok.token_to_id(EOS_TOKEN)]
     if Path(model).is_dir():
         from llmnote.models.loader import load_pretrained
 
-        m = load_pretrained(model, dtype=dtype, device=device)
+        m = load_pretrained(model, dtype=dtype, device=device, ops=ops)
         tok = None
         if (Path(model) / "tokenizer.json").is_file():
             import tokenizers
@@ -83,9 +102,11 @@ def _load(model: object, dtype: torch.dtype | None, device: str | torch.device |
         eos = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
         return m, tok, eos
     if str(model) in PRESETS:
+        dev, dt = placement(device, dtype, cpu_dtype=torch.float32)
         torch.manual_seed(seed)
-        m = Llama(PRESETS[str(model)]).to(device=device or "cpu", dtype=dtype or torch.float32)
-        return m.eval(), None, []
+        with torch.device(dev):  # random weights made where they will live
+            m = Llama(PRESETS[str(model)], ops=ops)
+        return m.to(dtype=dt).eval(), None, []
     raise ValueError(f"model {str(model)!r} is neither a checkpoint folder, 'shakespeare' nor a "
                      f"preset (presets: {sorted(PRESETS)})")
 
@@ -94,18 +115,21 @@ class LLM:
     def __init__(self, model: Llama | str | Path, tokenizer: object | None = None,
                  config: EngineConfig | None = None, eos_token_id: int | list[int] | None = None,
                  dtype: torch.dtype | None = None, device: str | torch.device | None = None,
-                 **overrides: object) -> None:
+                 ops: LlamaOps | None = None, **overrides: object) -> None:
         config = config or EngineConfig()
         config = config.replace(**overrides) if overrides else config
         self.config = config
-        self.model, tok, eos = _load(model, dtype, device, config.seed)
+        self._closed = False
+        if torch.cuda.is_available():
+            gc.collect()  # engines dropped without close() hold reference cycles:
+            torch.cuda.empty_cache()  # give their GPU memory back before this one sizes its own
+        self.model, tok, eos = _load(model, dtype, device, ops, config.seed)
         self.tokenizer = tokenizer if tokenizer is not None else tok
         if eos_token_id is not None:
             eos = [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id)
         self.eos_token_ids = frozenset(eos)
-        self.max_model_len = min(config.max_model_len or 10**12,
-                                 self.model.config.max_position_embeddings)
         self.runner = ModelRunner(self.model, config)
+        self.max_model_len = self.runner.max_model_len
         self.scheduler = Scheduler(config, self.runner.num_blocks, self.max_model_len)
         self._next_id = 0
         self.requests: dict[int, Sequence] = {}  # every submitted request, by id
@@ -113,6 +137,32 @@ class LLM:
         self.step_log: list[dict] = []
         self._pending: DecodeRun | None = None  # a run queued ahead (async scheduling)
         self.num_runs_ahead = 0  # decode runs queued before the tokens of the one before were read
+
+    # ------------------------------------------------------------ lifetime
+    def close(self) -> None:
+        """Give the engine's GPU memory back (KV cache, CUDA graphs, buffers) and drop
+        its requests; the engine cannot be used afterwards. A model passed in as a
+        ``Llama`` stays usable. ``with LLM(...) as llm:`` closes on leaving the block."""
+        if self._closed:
+            return
+        self._closed = True
+        self._pending = None
+        self.runner.close()
+        self.requests.clear()
+        del self.runner, self.scheduler
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("this LLM was closed (LLM.close()); create a new one")
 
     # ------------------------------------------------------------ requests
     def _encode(self, prompt: object, where: str) -> tuple[list[int], str | None]:
@@ -160,11 +210,13 @@ class LLM:
 
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None) -> int:
         """Queue one request; returns its id. Raises before queueing anything if it is invalid."""
+        self._check_open()
         seq = self._make(prompt, params or SamplingParams(), "request")
         self._queue(seq)
         return seq.seq_id
 
     def _add_all(self, prompts: object, params: object) -> list[Sequence]:
+        self._check_open()
         if isinstance(prompts, str) or (isinstance(prompts, list) and prompts
                                         and isinstance(prompts[0], int)):
             prompts = [prompts]
@@ -183,6 +235,7 @@ class LLM:
         when the step ran several decode steps back to back, see
         :meth:`Scheduler.decode_steps`). With async scheduling a step may instead read the
         run the step before queued ahead (and queue the next one)."""
+        self._check_open()
         if self._pending is not None:  # a run queued by the last step (async scheduling)
             run, self._pending = self._pending, None
             return self._read_run(run, fresh=False)

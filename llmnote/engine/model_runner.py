@@ -104,21 +104,37 @@ def kv_bytes_per_block(model: Llama, block_size: int, dtype: torch.dtype) -> int
 
 
 def choose_num_blocks(model: Llama, config: EngineConfig, dtype: torch.dtype,
-                      dev: torch.device) -> int:
+                      dev: torch.device, max_model_len: int) -> int:
+    """KV cache blocks: ``config.num_blocks`` if given; on the CPU ``cpu_num_blocks``; on a GPU
+    what ``max_num_seqs`` sequences of ``max_model_len`` tokens need, capped by
+    ``gpu_memory_utilization`` of the memory still available (within a per-process cap)
+    less a step's activations. Raises ``ValueError`` when the cache cannot hold one sequence
+    of an explicit ``max_model_len``; without one the engine's ``max_model_len`` becomes what
+    the cache holds (:class:`ModelRunner`)."""
+    from llmnote.device import memory_available
+
+    bs = config.block_size
+    per_seq = -(-max_model_len // bs)  # blocks of one sequence of max_model_len tokens
     if config.num_blocks is not None:
-        return config.num_blocks
-    if dev.type != "cuda":
-        return config.cpu_num_blocks
-    c, t = model.config, config.max_num_batched_tokens
-    elem = torch.empty((), dtype=dtype).element_size()
-    act = t * (6 * c.hidden_size + 3 * c.intermediate_size
-               + 3 * c.num_attention_heads * c.head_dim) * elem  # a step's activations, roughly
-    act += config.max_num_seqs * c.vocab_size * 4 * 3  # fp32 logits, sorted copy, probabilities
-    free, _ = torch.cuda.mem_get_info(dev)
-    per_block = kv_bytes_per_block(model, config.block_size, dtype)
-    n = int((free * config.gpu_memory_utilization - act) // per_block)
-    if n < 1:
-        raise RuntimeError(f"no GPU memory left for the KV cache ({free / 2**30:.2f} GiB free)")
+        n, why = config.num_blocks, f"num_blocks={config.num_blocks}"
+    elif dev.type != "cuda":
+        n, why = config.cpu_num_blocks, f"cpu_num_blocks={config.cpu_num_blocks} (on the CPU)"
+    else:
+        c, t = model.config, config.max_num_batched_tokens
+        elem = torch.empty((), dtype=dtype).element_size()
+        act = t * (6 * c.hidden_size + 3 * c.intermediate_size
+                   + 3 * c.num_attention_heads * c.head_dim) * elem  # a step's activations, roughly
+        act += config.max_num_seqs * c.vocab_size * 4 * 3  # fp32 logits, sorted copy, probabilities
+        free = memory_available(dev)
+        fit = int((free * config.gpu_memory_utilization - act) // kv_bytes_per_block(model, bs, dtype))
+        n = min(config.max_num_seqs * per_seq, fit)
+        why = (f"gpu_memory_utilization={config.gpu_memory_utilization} of the "
+               f"{free / 2**30:.2f} GiB available ({max(fit, 0)} blocks fit)")
+    if n < 1 or (n < per_seq and config.max_model_len is not None):
+        raise ValueError(
+            f"the KV cache ({why}; {max(n, 0)} blocks of block_size={bs} = {max(n, 0) * bs} token "
+            f"slots) cannot hold one sequence of max_model_len={max_model_len} tokens; pass a "
+            f"smaller max_model_len, or more memory or blocks")
     return n
 
 
@@ -164,6 +180,8 @@ def _project(x: torch.Tensor, fused: tuple[torch.Tensor, torch.Tensor | None] | 
 
 
 GRAPH_BATCH_SIZES = tuple(2**i for i in range(16))  # captured: those < max_num_seqs, and it
+# batch-1 graph tuning done in this process: ModelRunner._tuning_key -> its graph_tuning
+_GRAPH_TUNING: dict[tuple, list] = {}
 
 
 class ModelRunner:
@@ -171,6 +189,7 @@ class ModelRunner:
         self.model, self.config = model.eval(), config
         p = next(model.parameters())
         self.device, self.dtype = p.device, p.dtype
+        self.ops = model.ops.for_device(self.device)  # the concrete ops this device runs
         c = model.config
         self.max_model_len = min(config.max_model_len or 10**12, c.max_position_embeddings)
         is_cuda = self.device.type == "cuda" and not device.interpreting()
@@ -181,7 +200,10 @@ class ModelRunner:
         self.use_graphs = is_cuda and config.cuda_graphs is not False
         # multi-step decoding: the most decode steps one call of launch_steps may take
         self.decode_steps = config.decode_steps or (GRAPH_DECODE_STEPS if self.use_graphs else 1)
-        self.num_blocks = choose_num_blocks(model, config, self.dtype, self.device)
+        self.num_blocks = choose_num_blocks(model, config, self.dtype, self.device,
+                                            self.max_model_len)
+        # no max_model_len asked for: the longest sequence the whole cache can hold
+        self.max_model_len = min(self.max_model_len, self.num_blocks * config.block_size)
         # with graphs, one more block: the scratch block that padded rows write to
         shape = (self.num_blocks + self.use_graphs, config.block_size, c.num_key_value_heads,
                  c.head_dim)
@@ -211,7 +233,7 @@ class ModelRunner:
             self._o_acc = torch.zeros((c.num_hidden_layers, 1, c.hidden_size), dtype=torch.float32,
                                       device=self.device)
         if self.use_graphs:
-            self.capture()
+            self._init_graphs()
 
     # ------------------------------------------------------------ inputs
     def _long(self, xs: list[int]) -> torch.Tensor:
@@ -262,7 +284,7 @@ class ModelRunner:
         a = self.model.model.layers[0].self_attn
         theta, _, scaling = a.rope_args
         sc = as_rope_scaling(scaling)
-        if a.ops.rope not in (rope_ref, rope_kernel) or (sc is not None and sc.rope_type == "dynamic"):
+        if self.ops.rope not in (rope_ref, rope_kernel) or (sc is not None and sc.rope_type == "dynamic"):
             return None
         pos = torch.arange(self.max_model_len, device=self.device)
         return rope_cos_sin(pos, a.head_dim, theta, sc)
@@ -298,7 +320,7 @@ class ModelRunner:
         same ops one by one where the model runs the reference ops)."""
         a = self.model.model.layers[i].self_attn
         norms = (a.q_norm.weight, a.k_norm.weight, a.q_norm.eps) if a.qk_norm else (None, None, 1e-6)
-        fn = qk_norm_rope_write_ref if a.ops.rope is rope_ref else qk_norm_rope_write
+        fn = qk_norm_rope_write_ref if self.ops.rope is rope_ref else qk_norm_rope_write
         return fn(qkv, positions, slot_mapping, *self.rope_table, self.k_caches[i],
                   self.v_caches[i], a.n_heads, a.n_kv, *norms, interleaved=a.rope_args[1])
 
@@ -336,7 +358,7 @@ class ModelRunner:
         from llmnote.ops.swiglu import swiglu
 
         layers = self.model.model.layers
-        ops = self.model.ops
+        ops = self.ops
         on_kernels = self.device.type == "cuda" or device.interpreting()  # (CPU: the interpreter)
         wanted = self.config.gemv
         if wanted is None:  # see GEMV_MAX_HIDDEN
@@ -357,7 +379,7 @@ class ModelRunner:
         from llmnote.quant.layers import W4A16Linear, _use_kernel
 
         mods = self.fused_qkv + self.fused_gate_up + [l.mlp.down_proj for l in self.model.model.layers]
-        ops = self.model.ops
+        ops = self.ops
         return (self.dtype in (torch.float16, torch.bfloat16) and self.rope_table is not None
                 and ops.add_rmsnorm is add_rmsnorm and ops.swiglu is swiglu
                 and all(type(f) is W4A16Linear and _use_kernel(f.use_kernel) for f in mods))
@@ -406,7 +428,7 @@ class ModelRunner:
         ``attend_parts(layer, q) -> (part, lpart)``, if given, leaves attention in split-KV
         partials that the output projection merges (see :meth:`_gemv_layer`)."""
         decoder = self.model.model
-        ops = self.model.ops
+        ops = self.ops
         x = decoder.embed_tokens(ids)  # (T, h)
         t = ids.shape[0]
         residual = None
@@ -441,7 +463,7 @@ class ModelRunner:
         norm, head = self.model.model.norm, self.model.lm_head
         if x.shape[0] == 1 and (self.use_gemv or self.use_w4) and type(head) is nn.Linear:
             return add_rmsnorm_gemv(x, residual, norm.weight, norm.eps, head.weight, head.bias)[0]
-        return head(self.model.ops.add_rmsnorm(x, residual, norm.weight, norm.eps)[0])
+        return head(self.ops.add_rmsnorm(x, residual, norm.weight, norm.eps)[0])
 
     @torch.no_grad()
     def forward(self, ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
@@ -484,8 +506,8 @@ class ModelRunner:
         if sc is not None and sc.rope_type == "dynamic":
             raise ValueError("dynamic RoPE scaling reads max(position) on the host: it cannot be "
                              "captured; pass cuda_graphs=False")
-        if a.ops.rope is not rope_ref:
-            return a.ops.rope
+        if self.ops.rope is not rope_ref:
+            return self.ops.rope
         pos = torch.arange(self.max_model_len, device=self.device)
         cos, sin = rope_cos_sin(pos, a.head_dim, theta, sc)  # (L, D/2) fp32
 
@@ -516,23 +538,19 @@ class ModelRunner:
         greedy_tokens(logits, self.g_step)
         return logits
 
-    @torch.no_grad()
-    def capture(self) -> None:
-        """Capture the decode forward for every batch size of :data:`GRAPH_BATCH_SIZES`
-        below ``max_num_seqs``, and ``max_num_seqs``; largest first, one memory pool.
-        (A second graph per size with a single attention split for short contexts was
-        tried: at batch 1 one split is slower from 256 tokens of context on, 8.6 vs 6.1 us
-        per call on the H100, and only at 128 tokens faster, so there is one graph.)
+    def _init_graphs(self) -> None:
+        """The static input buffers the decode graphs read, and the batch sizes they may be
+        captured for: those of :data:`GRAPH_BATCH_SIZES` below the most sequences a step can
+        hold (``max_num_seqs``, and no more than the cache's blocks, each sequence holding
+        one at least), and that number. A size is captured the first time a step needs it
+        (:meth:`_graph`), so an engine starts without capturing sizes it never meets.
 
         The inputs live in one int32 buffer on the device, ``[ids | positions | slots |
         context lengths]`` (``n = max_num_seqs`` entries each) once per decode step of a
         multi-step run (``decode_steps`` times; the graph reads the first), then the block
         tables (``n x width``), filled from one pinned host buffer by one copy per run."""
-        from llmnote.engine.paged_kernel import decode_splits
-
         n, bs = self.config.max_num_seqs, self.config.block_size
         width = -(-self.max_model_len // bs)
-        scratch = self.num_blocks  # the extra block
         dev = self.device
         self.g_width = width
         self.g_cols = 4 * n * self.decode_steps  # the columns of every step, then the tables
@@ -542,24 +560,50 @@ class ModelRunner:
         self.copy_done = torch.cuda.Event()  # the last copy out of h_in
         self.g_ids, self.g_pos, self.g_slots, self.g_ctx = self.g_in[:4 * n].view(4, n)
         self.g_tables = self.g_in[self.g_cols:].view(n, width)
-        self.g_slots.fill_(scratch * bs)
-        self.g_tables.fill_(scratch)
-        self.g_ctx.fill_(1)
         self.g_step = StepBuffers(self.decode_steps, n, self.model.config.vocab_size, dev)
         self.h_tokens = [torch.zeros_like(self.g_step.tokens, device="cpu").pin_memory()
                          for _ in range(2)]
         self._flip = 0
         self._rope = self._graph_rope()
+        self._pool = None  # one memory pool for every captured size
+        reach = min(n, self.num_blocks)
+        self.graph_sizes = sorted({s for s in GRAPH_BATCH_SIZES if s < reach} | {reach})
+
+    def _scratch_inputs(self) -> None:
+        """Point every row of the static inputs at the scratch block (one token of context),
+        so that a warm-up or capture writes nothing a sequence reads."""
+        n, scratch = self.config.max_num_seqs, self.num_blocks
+        cols = self.g_in[:self.g_cols].view(-1, 4, n)
+        cols[:, 0:2].zero_()
+        cols[:, 2].fill_(scratch * self.config.block_size)
+        cols[:, 3].fill_(1)
+        self.g_tables.fill_(scratch)
+
+    @torch.no_grad()
+    def _graph(self, b: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+        """The decode graph of batch size ``b`` (one of :attr:`graph_sizes`), captured now if
+        this is the first step of that size; batch 1's GEMV tiles are first chosen by timing
+        the graph (``EngineConfig.tune_graph``, :meth:`_tune_batch1_graph`)."""
+        if b in self.graphs:
+            return self.graphs[b]
+        from llmnote.engine.paged_kernel import decode_splits
+
         hkv = self.model.config.num_key_value_heads
-        sizes = sorted({s for s in GRAPH_BATCH_SIZES if s < n} | {n}, reverse=True)
-        if (self.use_gemv or self.use_w4) and self.config.tune_graph and 1 in sizes:
-            self._tune_batch1_graph(decode_splits(1, hkv, self.max_model_len, dev))
-        pool = None
-        for b in sizes:
-            g, out = self._capture(b, decode_splits(b, hkv, self.max_model_len, dev), pool)
-            pool = g.pool() if pool is None else pool
-            self.graphs[b] = (g, out)
-        torch.cuda.synchronize(dev)
+        self._scratch_inputs()  # queued after whatever the GPU still runs: nothing in flight reads it
+        if b == 1 and (self.use_gemv or self.use_w4) and self.config.tune_graph:
+            self._tune_batch1_graph(decode_splits(1, hkv, self.max_model_len, self.device))
+            self._scratch_inputs()
+        g, out = self._capture(b, decode_splits(b, hkv, self.max_model_len, self.device), self._pool)
+        self._pool = g.pool() if self._pool is None else self._pool
+        self.graphs[b] = (g, out)
+        return g, out
+
+    def capture(self, sizes: list[int] | None = None) -> None:
+        """Capture the decode graphs of ``sizes`` now (default: every size of
+        :attr:`graph_sizes`) rather than at their first step."""
+        for b in sorted(sizes or self.graph_sizes, reverse=True):
+            self._graph(b)
+        torch.cuda.synchronize(self.device)
 
     def _capture(self, b: int, splits: int, pool=None) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
         """Warm up (Triton compiles, GEMVs tune, outside the capture) and capture the decode
@@ -608,6 +652,12 @@ class ModelRunner:
                 times.append(start.elapsed_time(end) / replays)
             return sorted(times)[1]
 
+        cache_key = self._tuning_key(splits, context)
+        if cache_key in _GRAPH_TUNING:  # tuned before in this process for these shapes
+            self.graph_tuning = _GRAPH_TUNING[cache_key]
+            for mod, key, timed in self.graph_tuning:
+                (w4 if mod == "w4a16" else gemv).set_config(key, timed[0][1])
+            return
         with gemv.recorded_keys() as keys, w4.recorded_keys() as w4_keys:
             g, _ = self._capture(1, splits)
         self.graph_tuning = []
@@ -623,19 +673,33 @@ class ModelRunner:
                 timed.append((graph_ms(g), cand))
             timed.sort(key=lambda e: e[0])
             mod.set_config(key, timed[0][1])
-            self.graph_tuning.append((key, timed))
+            self.graph_tuning.append(("w4a16" if mod is w4 else "gemv", key, timed))
+        _GRAPH_TUNING[cache_key] = self.graph_tuning
         del g
         self.g_tables[0].fill_(self.num_blocks)  # back to the scratch block, as capture left it
         self.g_ids[0], self.g_pos[0], self.g_slots[0], self.g_ctx[0] = 0, 0, self.num_blocks * bs, 1
         torch.cuda.synchronize(self.device)
 
+    def _tuning_key(self, splits: int, context: int) -> tuple:
+        """What the batch-1 graph's timing depends on: the GPU, the dtype, the shapes and
+        kinds of the projections, attention's splits and the synthetic context."""
+        def shape(m):
+            w = m[0] if isinstance(m, tuple) else getattr(m, "qweight", getattr(m, "weight", None))
+            return type(m).__name__, None if w is None else tuple(w.shape)
+
+        layer = self.model.model.layers[0]
+        mods = [self.fused_qkv[0], self.fused_gate_up[0], layer.self_attn.o_proj,
+                layer.mlp.down_proj, self.model.lm_head]
+        return (torch.cuda.get_device_name(self.device), self.dtype, self.model.config.num_hidden_layers,
+                tuple(shape(m) for m in mods), splits, context, self.config.dependent_launches)
+
     def _graph_size(self, batch: ScheduledBatch) -> int | None:
         """The captured batch size a one-token-per-sequence step replays, or None when
         the step needs the eager path."""
         b = len(batch.items)
-        if not self.graphs or b > self.config.max_num_seqs or any(k != 1 for _, k in batch.items):
+        if not self.use_graphs or b > self.graph_sizes[-1] or any(k != 1 for _, k in batch.items):
             return None
-        return min(s for s in self.graphs if s >= b)
+        return min(s for s in self.graph_sizes if s >= b)
 
     def _stage(self, batch: ScheduledBatch, size: int, steps: int, after: int = 0) -> None:
         """Copy the inputs of ``steps`` decode steps of ``batch`` to the graph's buffer: the
@@ -679,8 +743,8 @@ class ModelRunner:
         size = self._graph_size(batch)
         if size is None:
             return None
+        g, out = self._graph(size)
         self._stage(batch, size, 1)
-        g, out = self.graphs[size]
         g.replay()
         self.num_graph_steps += 1
         return out[:len(batch.items)]
@@ -707,10 +771,10 @@ class ModelRunner:
         if size is not None:
             # the graph feeds itself: its first kernel moves step t's columns and step
             # t - 1's tokens into place, its last writes the argmax to g_step.tokens[t]
+            g, out = self._graph(size)
             self._stage(batch, size, steps, after)
             if prev is not None:
                 self.g_ids[:b].copy_(prev.last)
-            g, out = self.graphs[size]
             for t in range(steps):
                 g.replay()
                 self.num_graph_steps += 1
@@ -768,6 +832,17 @@ class ModelRunner:
 
     def release(self, seq_id: int) -> None:
         self.generators.pop(seq_id, None)
+
+    def close(self) -> None:
+        """Drop the KV cache, the CUDA graphs and their buffers (the model stays)."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)  # nothing queued may still use them
+        self.graphs.clear()
+        self._pool = None
+        self.k_caches, self.v_caches = [], []
+        for name in ("g_in", "h_in", "h_np", "g_ids", "g_pos", "g_slots", "g_ctx", "g_tables",
+                     "g_step", "h_tokens", "_rope", "rope_table", "_o_acc", "_zero_row"):
+            self.__dict__.pop(name, None)
 
     def run(self, batch: ScheduledBatch) -> dict[int, int]:
         """Run one step; returns ``seq_id -> sampled token`` for the sequences that sample."""

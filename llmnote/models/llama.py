@@ -15,9 +15,9 @@ Module and parameter names match Hugging Face's checkpoints
 (``model.layers.0.self_attn.q_proj.weight``, ...), so loading is a copy by name.
 
 The four ops that kernels replace (RMSNorm, SwiGLU, RoPE, attention) are called
-through a :class:`LlamaOps` object: :func:`reference_ops` (plain PyTorch, the
-default), :func:`kernel_ops` (llmnote's Triton kernels where they exist) or
-your own. Attention tensors use SDPA's layout ``(batch, heads, seq, head_dim)``.
+through a :class:`LlamaOps` object: :func:`auto_ops` (the default: llmnote's
+Triton kernels for tensors on a CUDA GPU, plain PyTorch elsewhere),
+:func:`reference_ops` (plain PyTorch), :func:`kernel_ops` (the kernels) or your own. Attention tensors use SDPA's layout ``(batch, heads, seq, head_dim)``.
 """
 
 from __future__ import annotations
@@ -96,6 +96,15 @@ class LlamaOps:
     rope: Callable[..., tuple[torch.Tensor, torch.Tensor]] = rope_ref
     attention: Callable[..., torch.Tensor] = attention_torch
     name: str = "reference"
+    # auto_ops: the concrete ops for tensors on a CUDA GPU and for the rest
+    on_cuda: LlamaOps | None = None
+    off_cuda: LlamaOps | None = None
+
+    def for_device(self, dev: torch.device) -> LlamaOps:
+        """The ops that run for tensors on ``dev`` (``self`` unless these ops dispatch)."""
+        if self.on_cuda is None:
+            return self
+        return self.on_cuda if torch.device(dev).type == "cuda" else self.off_cuda
 
 
 def reference_ops() -> LlamaOps:
@@ -137,9 +146,29 @@ def kernel_ops() -> LlamaOps:
     )
 
 
+_OP_NAMES = ("rmsnorm", "add_rmsnorm", "swiglu", "rope", "attention")
+
+
 def auto_ops() -> LlamaOps:
-    """Kernels when they run compiled on a GPU; the PyTorch reference otherwise."""
-    return kernel_ops() if device.on_gpu() else reference_ops()
+    """The default: llmnote's compiled kernels for tensors on a CUDA GPU, PyTorch for
+    tensors elsewhere (a model kept on the CPU of a GPU machine). Without a GPU the
+    reference ops, which run the chapters fastest on a CPU."""
+    if not device.on_gpu():
+        return reference_ops()
+    gpu, cpu = kernel_ops(), reference_ops()
+
+    def dispatch(name: str) -> Callable:
+        fast, plain = getattr(gpu, name), getattr(cpu, name)
+
+        def op(x: torch.Tensor, *args, **kwargs):
+            return (fast if x.is_cuda else plain)(x, *args, **kwargs)
+
+        op.__name__ = op.__qualname__ = name
+        return op
+
+    return LlamaOps(**{n: dispatch(n) for n in _OP_NAMES},
+                    name=f"auto ({gpu.name} on the GPU; reference elsewhere)",
+                    on_cuda=gpu, off_cuda=cpu)
 
 
 # ---------------------------------------------------------------- the KV cache
@@ -272,7 +301,7 @@ class Llama(nn.Module):
     def __init__(self, config: LlamaConfig, ops: LlamaOps | None = None) -> None:
         super().__init__()
         self.config = config
-        self.ops = ops or reference_ops()
+        self.ops = ops or auto_ops()
         self.model = Decoder(config, self.ops)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.apply(self._init_weights)

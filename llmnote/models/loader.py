@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from llmnote.device import placement
 from llmnote.models.llama import Llama, LlamaOps
 from llmnote.models.presets import from_hf_config
 
@@ -99,7 +100,10 @@ def load_pretrained(
 ) -> Llama:
     """Build the model that ``path/config.json`` describes and load its safetensors weights.
 
-    ``dtype``: None keeps the checkpoint's floating dtype; ``device``: default CPU.
+    The defaults are the fast path: ``device=None`` puts the model on the GPU when there
+    is one (:func:`llmnote.device.placement`), where ``dtype=None`` means bf16 (fp16 on
+    GPUs without bf16); on the CPU ``dtype=None`` keeps the checkpoint's floating dtype.
+    ``ops=None``: :func:`~llmnote.models.llama.auto_ops` (llmnote's kernels on the GPU).
     Returns the model in eval mode. Raises :class:`CheckpointError` (a ``ValueError``)
     listing missing, unexpected or mis-shaped tensors, ``ValueError`` for an
     unsupported architecture or config value, ``FileNotFoundError`` for missing files.
@@ -108,7 +112,7 @@ def load_pretrained(
     if not folder.is_dir():
         raise FileNotFoundError(f"checkpoint folder {folder} does not exist")
     config = from_hf_config(folder / "config.json")
-    device = torch.device(device or "cpu")
+    device, dtype = placement(device, dtype)
     files = weight_files(folder)
 
     with torch.device("meta"):  # shapes only: no memory, no random init

@@ -31,6 +31,8 @@ from pathlib import Path
 
 import torch
 
+from llmnote.device import placement
+
 from llmnote.models.llama import Llama, LlamaOps
 from llmnote.models.loader import CheckpointError, load_pretrained, save_pretrained
 
@@ -197,15 +199,17 @@ def save_checkpoint(model: Llama, tokenizer, folder: str | Path) -> Path:
 
 def load_shakespeare(
     path: str | Path | None = None,
-    dtype: torch.dtype = torch.float32,
+    dtype: torch.dtype | None = None,
     device: str | torch.device | None = None,
     ops: LlamaOps | None = None,
     verify: bool = True,
 ) -> tuple[Llama, object]:
     """The shipped Shakespeare model and its tokenizer: ``(Llama, tokenizers.Tokenizer)``.
 
-    ``path``: another checkpoint folder (default: the package's). ``dtype``: the
-    weights are stored in bf16 and upcast exactly to fp32 by default. ``verify``:
+    ``path``: another checkpoint folder (default: the package's). ``device``, ``dtype``:
+    by default the GPU in bf16 (fp16 without bf16) when there is one, else the CPU in
+    fp32 (the weights are stored in bf16: the upcast is exact). ``ops``: by default
+    llmnote's kernels on the GPU (:func:`~llmnote.models.llama.auto_ops`). ``verify``:
     check the files against ``SHA256SUMS`` when the folder has one.
 
     Raises ``FileNotFoundError`` naming a missing file, ``CheckpointError`` (a
@@ -230,7 +234,8 @@ def load_shakespeare(
     tokenizer = load_tokenizer(folder)
     check_vocab(tokenizer, config.get("vocab_size"), config.get("eos_token_id"))
     try:
-        model = load_pretrained(folder, dtype=dtype, device=device, ops=ops)
+        dev, dtype = placement(device, dtype, cpu_dtype=torch.float32)
+        model = load_pretrained(folder, dtype=dtype, device=dev, ops=ops)
     except CheckpointError as e:
         raise CheckpointError(f"{folder / WEIGHTS}: {e}") from e
     return model, tokenizer
