@@ -64,3 +64,80 @@ def test_every_toc_entry_exists_and_every_chapter_is_listed():
         assert any((ROOT / f).with_suffix(s).exists() for s in (".md", ".ipynb")), f"_toc.yml lists missing {f}"
     for md in CHAPTERS:
         assert str(md.relative_to(ROOT).with_suffix("")) in files, f"{md.name} is not in _toc.yml"
+
+
+@pytest.mark.parametrize("md", CHAPTERS, ids=lambda p: p.stem)
+def test_colab_opens_it_on_a_gpu_with_its_kernel_named(md):
+    nb = nbformat.read(md.with_suffix(".ipynb"), as_version=4)
+    assert nb.metadata.get("accelerator") == "GPU", f"{md.name}: no accelerator metadata"
+    assert nb.metadata.get("colab", {}).get("gpuType"), f"{md.name}: no Colab GPU type"
+    assert nb.metadata.get("kernelspec", {}).get("name") == "python3"
+
+
+# ---------------------------------------------------------------- the setup cell, for real
+def _venv(path: Path) -> Path:
+    """A fresh virtualenv (its commands run with ``cwd`` outside the repository, so the
+    checkout's own ``llmnote/`` is not on their path)."""
+    import subprocess
+    import sys
+
+    subprocess.run([sys.executable, "-m", "venv", str(path)], check=True, timeout=300)
+    return path / "bin" / "python"
+
+
+def _stub_wheel(folder: Path, name: str, version: str) -> Path:
+    """A pure-Python wheel that only claims to be ``name`` ``version``: stands for the
+    torch or triton a GPU runtime already has (pip decides on names and versions)."""
+    import zipfile
+
+    whl = folder / f"{name}-{version}-py3-none-any.whl"
+    info = f"{name}-{version}.dist-info"
+    files = {f"{name}/__init__.py": f"__version__ = '{version}'\n",
+             f"{info}/METADATA": f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n",
+             f"{info}/WHEEL": "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\n"
+                              "Tag: py3-none-any\n"}
+    files[f"{info}/RECORD"] = "".join(f"{f},,\n" for f in files) + f"{info}/RECORD,,\n"
+    with zipfile.ZipFile(whl, "w") as z:
+        for f, text in files.items():
+            z.writestr(f, text)
+    return whl
+
+
+def _install_part(requirement: str) -> str:
+    """The setup cell up to ``import llmnote``, installing ``requirement``."""
+    cell = nbtools.setup_cell()
+    url, branch = nbtools.repository()
+    cell = cell.replace(f"llmnote @ git+{url}.git@{branch}", requirement)
+    return cell.split("import llmnote\n")[0]
+
+
+@pytest.mark.slow
+def test_setup_cell_installs_llmnote_and_keeps_the_runtimes_torch(tmp_path):
+    import subprocess
+
+    py = _venv(tmp_path / "venv")
+    stubs = [_stub_wheel(tmp_path, "torch", "2.5.0"), _stub_wheel(tmp_path, "triton", "3.1.0")]
+    subprocess.run([str(py), "-m", "pip", "install", "-q", *map(str, stubs)], check=True,
+                   timeout=300)
+    clone = tmp_path / "clone"
+    subprocess.run(["git", "clone", "-q", str(ROOT), str(clone)], check=True, timeout=300)
+    r = subprocess.run([str(py), "-c", _install_part(f"llmnote @ git+file://localhost{clone}")],
+                       capture_output=True, text=True, timeout=1200, cwd=tmp_path)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    show = subprocess.run([str(py), "-c", "import importlib.metadata as m; "
+                           "print(m.version('torch'), m.version('triton'), m.version('llmnote'))"],
+                          capture_output=True, text=True, timeout=60, cwd=tmp_path)
+    assert show.stdout.split() == ["2.5.0", "3.1.0", "0.1.0"], show.stdout + show.stderr
+
+
+def test_setup_cell_stops_cleanly_with_one_message_when_the_install_fails(tmp_path):
+    import subprocess
+
+    py = _venv(tmp_path / "venv")
+    bad = f"llmnote @ git+file://localhost{tmp_path / 'no-such-repository'}"
+    r = subprocess.run([str(py), "-c", _install_part(bad) + "\nprint('NOT REACHED')\n"],
+                       capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert r.returncode == 1 and "NOT REACHED" not in r.stdout
+    last = r.stderr.strip().splitlines()[-1]
+    assert last.startswith("Could not install llmnote @ git+file://localhost") and "repository.url" in last
+    assert "Traceback" not in r.stderr

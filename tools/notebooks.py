@@ -22,16 +22,34 @@ NOTEBOOKS = ROOT / "notebooks"
 FMT = "md:myst"
 
 SETUP_TEMPLATE = '''\
-# llmnote setup: installs llmnote when it is missing (Colab), then describes this machine.
+# llmnote setup: installs llmnote when it is missing (Colab), keeping the
+# runtime's own torch and triton, then describes this machine.
+import importlib.metadata
 import importlib.util
 import subprocess
 import sys
+import tempfile
 
+REQUIREMENT = "{requirement}"
 if importlib.util.find_spec("llmnote") is None:
-    subprocess.check_call([sys.executable, "-m", "pip", "install", "-q", "{requirement}"])
+    keep = [f"{p}=={importlib.metadata.version(p)}"
+            for p in ("torch", "triton") if importlib.util.find_spec(p)]
+    with tempfile.NamedTemporaryFile("w", suffix=".txt", delete=False) as pins:
+        pins.write("\\n".join(keep))  # pip may not replace these
+    cmd = [sys.executable, "-m", "pip", "install", "-q", "-c", pins.name,
+           REQUIREMENT]
+    if subprocess.run(cmd).returncode != 0:
+        raise SystemExit(
+            f"Could not install {REQUIREMENT} (pip's message is above). "
+            "Publishers: set repository.url in _config.yml, run `make sync`. "
+            "Readers: install llmnote by hand (pip install ...), then rerun.")
 import llmnote
 
 print(llmnote.device.describe())'''
+
+# What Colab reads: run on a GPU runtime; the kernel every chapter names.
+COLAB_METADATA = {"accelerator": "GPU", "colab": {"gpuType": "T4", "provenance": []}}
+KERNELSPEC = {"display_name": "Python 3", "language": "python", "name": "python3"}
 
 
 def repository() -> tuple[str, str]:
@@ -41,7 +59,7 @@ def repository() -> tuple[str, str]:
 
 def setup_cell() -> str:
     url, branch = repository()
-    return SETUP_TEMPLATE.format(requirement=f"llmnote @ git+{url}.git@{branch}")
+    return SETUP_TEMPLATE.replace("{requirement}", f"llmnote @ git+{url}.git@{branch}")
 
 
 def chapters() -> list[Path]:
@@ -61,6 +79,7 @@ def sync(md: Path) -> Path:
         raise ValueError(f"{md}: a chapter needs the setup cell as its first code cell")
     cell.source = setup_cell()
     nb.metadata.setdefault("jupytext", {})["formats"] = "ipynb,md:myst"
+    nb.metadata.update(COLAB_METADATA, kernelspec=KERNELSPEC)
     jupytext.write(nb, md, fmt=FMT)
     seen: dict[str, int] = {}
     for c in nb.cells:  # the committed .ipynb carries no outputs

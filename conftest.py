@@ -1,0 +1,31 @@
+"""Per-chapter wall time: with ``LLMNOTE_TIMINGS=path.csv`` set, the time nbval spends
+in each notebook (the sum of its cells' setup, call and teardown) is written there at
+the end of the run, one row per notebook with the hardware (the columns of
+``llmnote.bench.COLUMNS``). ``make test-gpu`` sets it; ``tools/chapter_times.py`` merges
+such files into ``llmnote/data/results/chapters.csv``."""
+
+from __future__ import annotations
+
+import os
+from collections import defaultdict
+from pathlib import Path
+
+_TIMES: dict[str, float] = defaultdict(float)
+_FAILED: set[str] = set()
+
+
+def pytest_runtest_logreport(report):
+    path = report.nodeid.split("::")[0]
+    if path.endswith(".ipynb"):
+        _TIMES[path] += report.duration
+        if report.failed:
+            _FAILED.add(path)
+
+
+def pytest_sessionfinish(session, exitstatus):
+    out = os.environ.get("LLMNOTE_TIMINGS")
+    if not out or not _TIMES:
+        return
+    from llmnote.bench.suites.chapters import timing_rows, write_rows
+
+    write_rows(timing_rows(dict(_TIMES), _FAILED), Path(out))
