@@ -1,11 +1,11 @@
-# The two commands of the README:  `make book`  and  `make test`.
+# The two commands of the README:  `make book`  and  `make test`; with a GPU, `make test-gpu`.
 # Each creates .venv and installs requirements.txt + llmnote (editable) when needed.
 PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: book test sync clean
+.PHONY: book test test-gpu sync clean
 
 $(STAMP): requirements.txt pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -21,6 +21,27 @@ book: $(STAMP)
 ## test: unit tests, every notebook through nbval, and a book build check
 test: $(STAMP)
 	$(BIN)/python -m pytest
+
+# With a CUDA GPU: no virtualenv (it would bring the CPU build of torch); the python3 that
+# has PyTorch with CUDA and Triton runs everything, given the tools below.
+GPU_PYTHON    ?= python3
+GPU_MEMORY_GB ?= 15
+GPU_TOOLS     := nbval pytest pytest-timeout ipykernel jupytext pyyaml pandas matplotlib tqdm \
+                 ipywidgets safetensors tokenizers transformers
+
+## test-gpu: the whole suite and every chapter and assignment through nbval, compiled on this
+##           machine's GPU capped at GPU_MEMORY_GB GiB (a T4 has 15); times per chapter go to
+##           _build/chapters-gpu.csv. PYTEST_ARGS="tests" or "notebooks" runs a part.
+test-gpu:
+	@$(GPU_PYTHON) -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else \
+	  'make test-gpu: $(GPU_PYTHON) sees no CUDA GPU (torch.cuda.is_available() is False)')"
+	@$(GPU_PYTHON) -c "import nbval, pytest_timeout, ipykernel, jupytext, yaml, pandas, \
+	  matplotlib, tqdm, ipywidgets, safetensors, tokenizers, transformers" 2>/dev/null \
+	  || $(GPU_PYTHON) -m pip install -q $(GPU_TOOLS)
+	mkdir -p _build
+	PYTHONPATH=$(CURDIR) LLMNOTE_GPU_MEMORY_GB=$(GPU_MEMORY_GB) \
+	  LLMNOTE_TIMINGS=$(CURDIR)/_build/chapters-gpu.csv \
+	  $(GPU_PYTHON) -m pytest -p no:cacheprovider --nbval-cell-timeout=600 $(PYTEST_ARGS)
 
 ## sync: stamp the standard setup cell into every chapter and re-pair .md <-> .ipynb
 sync: $(STAMP)

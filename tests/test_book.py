@@ -11,6 +11,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+pytest.importorskip("jupyter_book", reason="the book build needs jupyter-book (make test installs it)")
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
