@@ -28,8 +28,9 @@ in a decode step; ``keys`` = key positions each query attends to):
 Matmul FLOPs summed over the block equal :func:`llmnote.analysis.llm.prefill_flops`
 and :func:`~llmnote.analysis.llm.decode_flops` (the tests check it).
 
-Dtypes: ``bf16``, ``fp16``, ``fp8``, ``int8``, ``int4`` (4 bits plus one fp16
-scale per group of 128 weights). The matmul ceiling is the peak of the
+Dtypes: ``bf16``, ``fp16``, ``fp8``, ``int8``, ``int4`` (4 bits plus a 16-bit
+scale and zero point per group of 128 weights, as ``W4A16Linear`` stores them:
+4.25 bits). The matmul ceiling is the peak of the
 activation dtype, except W8A8 (``int8`` weights and activations) and FP8 (both
 ``fp8``), which use the int8 / fp8 tensor-core peak; weight-only int4/int8 runs
 at the bf16/fp16 peak after dequantisation.
@@ -46,7 +47,9 @@ from llmnote.analysis.hardware import Hardware, get_hardware
 from llmnote.analysis.llm import ConfigLike, activation_bytes, kv_cache_bytes, weight_bytes
 from llmnote.models.presets import as_config
 
-DTYPE_BYTES = {"fp32": 4.0, "bf16": 2.0, "fp16": 2.0, "fp8": 1.0, "int8": 1.0, "int4": 0.5 + 2 / 128}
+INT4_GROUP = 128  # the book's W4A16 format: 16-bit scale and zero point per 128 weights
+DTYPE_BYTES = {"fp32": 4.0, "bf16": 2.0, "fp16": 2.0, "fp8": 1.0, "int8": 1.0,
+               "int4": 0.5 + 2 * 2 / INT4_GROUP}  # 4.25 bits per weight
 COLUMNS = ["op", "kind", "count", "flops", "bytes", "intensity", "bound", "time_s", "compute_dtype"]
 
 
