@@ -90,7 +90,7 @@ def search_clip(x: torch.Tensor, w: torch.Tensor, group_size: int = 128, bits: i
         wc = wg[r0:r0 + rows]  # (n, G, gs)
         ref = torch.einsum("tgk,ngk->ntg", xg, wc)
         org = wc.abs().amax(-1, keepdim=True)  # (n, G, 1)
-        best_err = torch.full(org.shape[:2], float("inf"))
+        best_err = torch.full(org.shape[:2], float("inf"), device=wc.device)
         best = org.clone()
         for i in range(max(1, int(max_shrink * n_grid))):
             mx = org * (1 - i / n_grid)
