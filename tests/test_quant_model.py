@@ -112,8 +112,10 @@ def test_awq_clip_search_lowers_output_error(k, n, group, bits):
     assert mx.shape == full.shape and bool((mx <= full).all()) and bool((mx >= 0.5 * full - 1e-6).all())
     wc = awq.clip_weight(w, mx)
     assert bool((wc.abs().reshape(n, -1, group) <= mx[..., None] + 1e-6).all())
-    q = lambda v: fake_quantize(v, bits, symmetric=False, granularity="group", group_size=group)  # noqa: E731
     ref = x @ w.t()
+
+    def q(v):
+        return fake_quantize(v, bits, symmetric=False, granularity="group", group_size=group)
 
     def group_err(wq):  # (N, G): each group's share of the output error
         xg, d = x.reshape(len(x), -1, group), (wq - w).reshape(n, -1, group)
