@@ -114,3 +114,17 @@ def test_decode_latency_suite_runs_on_cpu():
     assert (d["p50"] > 0).all() and set(d["x_value"]) == {2}
     pred = d[d.provider == "roofline-datasheet"].set_index("x_value")["p50"]
     assert pred[2] == pytest.approx(decode_step_time("qwen3-tiny", batch=2, context_len=9) * 1e3)
+
+
+def test_int4_bytes_match_the_w4a16_storage():
+    """One definition of int4: the analysis counts what W4A16Linear stores."""
+    import torch
+    from torch import nn
+
+    from llmnote.quant import W4A16Linear
+
+    bf16 = nn.Linear(256, 96, bias=False).to(torch.bfloat16)  # a 16-bit model, as served
+    lin = W4A16Linear(bf16, group_size=128, use_kernel=False)
+    stored = sum(b.numel() * b.element_size() for b in (lin.qweight, lin.scales, lin.zeros))
+    assert lin.scales.dtype in (torch.float16, torch.bfloat16)
+    assert stored / (256 * 96) == DTYPE_BYTES["int4"]

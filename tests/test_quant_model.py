@@ -72,7 +72,7 @@ def test_awq_scaling_is_exact_and_search_beats_rtn(seed):
     x = ids()
     want = m(x)
     stats = collect_stats(m, [ids(4, 32)], sample_tokens=128)
-    res = awq.awq_scale_model(m, stats, group_size=32, n_grid=10)
+    res = awq.awq_scale_model(m, stats, group_size=32, n_grid=10, clip=False)
     assert_close(m(x), want, atol=1e-4, rtol=1e-4, name="AWQ-scaled logits (fp)")
     for r in res.values():
         assert r["errors"][int(r["ratio"] * 10)] == min(r["errors"])  # the chosen ratio is the best one
@@ -89,6 +89,71 @@ def test_awq_search_on_salient_channels(seed):
     assert r > 0 and min(errs) < 0.9 * errs[0]
     with pytest.raises(ValueError, match="empty"):
         awq.search_scales(torch.empty(0, k), x.abs().mean(0), [w])
+
+
+
+def _heavy_tailed(n, k, g):
+    """Weights with a few large entries per row, as trained models have."""
+    w = torch.randn(n, k, generator=g)
+    w += 6 * torch.randn(n, k, generator=g) * (torch.rand(n, k, generator=g) < 0.02)
+    return w
+
+
+@pytest.mark.parametrize("k, n, group, bits", [(64, 48, 32, 4), (96, 40, 32, 3), (128, 24, 64, 4)])
+def test_awq_clip_search_lowers_output_error(k, n, group, bits):
+    """Per (channel, group) the chosen threshold never does worse than no clipping (ratio 1 is
+    on the grid), and on these seeded layers the whole layer's output error drops."""
+    g = torch.Generator().manual_seed(k + n)
+    x = torch.randn(300, k, generator=g)
+    x[:, :3] *= 10
+    w = _heavy_tailed(n, k, g)
+    mx = awq.search_clip(x, w, group_size=group, bits=bits)
+    full = w.abs().reshape(n, k // group, group).amax(-1)
+    assert mx.shape == full.shape and bool((mx <= full).all()) and bool((mx >= 0.5 * full - 1e-6).all())
+    wc = awq.clip_weight(w, mx)
+    assert bool((wc.abs().reshape(n, -1, group) <= mx[..., None] + 1e-6).all())
+    ref = x @ w.t()
+
+    def q(v):
+        return fake_quantize(v, bits, symmetric=False, granularity="group", group_size=group)
+
+    def group_err(wq):  # (N, G): each group's share of the output error
+        xg, d = x.reshape(len(x), -1, group), (wq - w).reshape(n, -1, group)
+        return torch.einsum("tgk,ngk->ntg", xg, d).pow(2).mean(1)
+
+    assert bool((group_err(q(wc)) <= group_err(q(w)) * (1 + 1e-5) + 1e-9).all())
+    e0 = float((x @ q(w).t() - ref).pow(2).mean())
+    e1 = float((x @ q(wc).t() - ref).pow(2).mean())
+    assert e1 < 0.9 * e0, (e0, e1)
+
+
+def test_awq_clip_in_model_never_raises_layer_error(seed):
+    m = tiny()
+    stats = collect_stats(m, [ids(4, 32)], sample_tokens=128)
+    scaled = copy.deepcopy(m)
+    awq.awq_scale_model(scaled, stats, group_size=32, n_grid=10, clip=False)
+    res = awq.awq_scale_model(m, stats, group_size=32, n_grid=10, clip=True)
+    mods, ref_mods = dict(m.named_modules()), dict(scaled.named_modules())
+    clipped = {k: v for r in res.values() for k, v in r["clip"].items()}
+    assert clipped and not any(k.endswith(("q_proj", "k_proj")) for k in clipped)
+    assert all(after <= before for before, after in clipped.values())
+    assert any(after < before for before, after in clipped.values())
+    for name in clipped:  # the weights differ from the scales-only ones by clipping alone
+        w, w0 = mods[name].weight, ref_mods[name].weight
+        assert bool((w.abs() <= w0.abs() + 1e-6).all())
+        assert bool(((w == w0) | (w.abs() < w0.abs())).all())
+
+
+def test_awq_clip_bad_input():
+    w = torch.randn(8, 64)
+    with pytest.raises(ValueError, match="empty"):
+        awq.search_clip(torch.empty(0, 64), w, group_size=32)
+    with pytest.raises(ValueError, match="same K"):
+        awq.search_clip(torch.randn(4, 32), w, group_size=32)
+    with pytest.raises(ValueError, match="multiple of group_size=48"):
+        awq.search_clip(torch.randn(4, 64), w, group_size=48)
+    with pytest.raises(ValueError, match="max_shrink"):
+        awq.search_clip(torch.randn(4, 64), w, group_size=32, max_shrink=1.5)
 
 
 @pytest.mark.parametrize("method", METHODS)

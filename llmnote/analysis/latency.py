@@ -1,38 +1,30 @@
 """Roofline latency of LLM inference, per layer, for prefill and decode.
 
-In the spirit of LLM-Viewer (Yuan et al., 2024): every operator of a Llama-family
-block gets its FLOPs and the bytes it must move between DRAM and the chip (its
-weights, its inputs and outputs; nothing assumed to stay in cache between
-operators), hence its arithmetic intensity and its roofline time
-``max(FLOPs / peak, bytes / bandwidth)`` on a GPU of
-:mod:`llmnote.analysis.hardware`. Summing gives the time of a prefill (TTFT) and
-of a decode step (TPOT); the memory plan reuses :mod:`llmnote.analysis.llm`.
+In the spirit of LLM-Viewer (Yuan et al., 2024): every operator of a
+Llama-family block gets its FLOPs and the bytes it must move between DRAM and
+the chip (weights, inputs, outputs; nothing assumed to stay in cache), hence
+its intensity and roofline time ``max(FLOPs / peak, bytes / bandwidth)`` on a
+GPU of :mod:`llmnote.analysis.hardware`. Summing gives a prefill's time (TTFT)
+and a decode step's (TPOT); the memory plan reuses :mod:`llmnote.analysis.llm`.
 
-Counting (``T`` tokens in the pass: ``batch * prompt_len`` in prefill, ``batch``
-in a decode step; ``keys`` = key positions each query attends to):
+Counting (``T`` tokens in the pass: ``batch * prompt_len`` in prefill,
+``batch`` in decode; ``keys`` = key positions each query attends to):
 
-* linear ``in -> out``: ``2 T in out`` FLOPs; bytes = weight (``in out`` in the
-  weight dtype) + input + output activations. ``k_proj``/``v_proj`` write their
-  output into the KV cache (KV dtype).
+* linear ``in -> out``: ``2 T in out`` FLOPs; bytes = weight + input + output
+  (``k_proj``/``v_proj`` write into the KV cache, in its dtype).
 * attention, FlashAttention: ``4 H D`` FLOPs per (query, key) pair, causal in
-  prefill; bytes = Q and O once, K and V of the context once (a lower bound:
-  a real kernel re-reads K/V once per query tile in prefill).
-* attention, materialised: ``qk`` writes the score matrix ``B H n keys`` to
-  DRAM, ``softmax`` reads and writes it, ``pv`` reads it again (activation dtype).
-* norms, RoPE, SwiGLU, residual adds: elementwise FLOPs as in
-  :data:`llmnote.analysis.roofline.KERNEL_FLOPS`; they run on the CUDA cores,
-  so their compute ceiling is the fp32 peak (they are memory-bound anyway).
-* ``lm_head``: the last position of each sequence in prefill (what a serving
-  engine computes; ``all_logits=True`` for every position), each token in decode.
+  prefill; bytes = Q, O and the context's K, V once (a lower bound).
+* attention, materialised: the ``B H n keys`` scores are written by ``qk``,
+  read and written by ``softmax`` and read by ``pv``.
+* norms, RoPE, SwiGLU, residual adds: FLOPs of
+  :data:`llmnote.analysis.roofline.KERNEL_FLOPS`, against the fp32 peak.
+* ``lm_head``: the last position of each sequence in prefill
+  (``all_logits=True``: every position), each token in decode.
 
-Matmul FLOPs summed over the block equal :func:`llmnote.analysis.llm.prefill_flops`
-and :func:`~llmnote.analysis.llm.decode_flops` (the tests check it).
-
-Dtypes: ``bf16``, ``fp16``, ``fp8``, ``int8``, ``int4`` (4 bits plus one fp16
-scale per group of 128 weights). The matmul ceiling is the peak of the
-activation dtype, except W8A8 (``int8`` weights and activations) and FP8 (both
-``fp8``), which use the int8 / fp8 tensor-core peak; weight-only int4/int8 runs
-at the bf16/fp16 peak after dequantisation.
+Dtypes: ``bf16``, ``fp16``, ``fp8``, ``int8``, ``int4`` (4 bits plus a 16-bit
+scale and zero point per 128 weights, as ``W4A16Linear`` stores them: 4.25
+bits). Matmuls run at the activation dtype's peak, W8A8 (``int8``) and FP8 at
+the int8 / fp8 tensor-core peak; weight-only int4/int8 at bf16/fp16's.
 """
 
 from __future__ import annotations
@@ -46,7 +38,9 @@ from llmnote.analysis.hardware import Hardware, get_hardware
 from llmnote.analysis.llm import ConfigLike, activation_bytes, kv_cache_bytes, weight_bytes
 from llmnote.models.presets import as_config
 
-DTYPE_BYTES = {"fp32": 4.0, "bf16": 2.0, "fp16": 2.0, "fp8": 1.0, "int8": 1.0, "int4": 0.5 + 2 / 128}
+INT4_GROUP = 128  # the book's W4A16 format: 16-bit scale and zero point per 128 weights
+DTYPE_BYTES = {"fp32": 4.0, "bf16": 2.0, "fp16": 2.0, "fp8": 1.0, "int8": 1.0,
+               "int4": 0.5 + 2 * 2 / INT4_GROUP}  # 4.25 bits per weight
 COLUMNS = ["op", "kind", "count", "flops", "bytes", "intensity", "bound", "time_s", "compute_dtype"]
 
 

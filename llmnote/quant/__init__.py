@@ -14,8 +14,9 @@ Methods (the linear layers of the decoder layers are replaced; embeddings and
   given, default per token / per channel).
 * ``"rtn-int4"``: 4-bit weights, asymmetric, one scale and zero point per
   ``group_size`` input channels, rounded to nearest; 16-bit activations.
-* ``"awq"``: :func:`~llmnote.quant.awq.awq_scale_model` on ``calibration``,
-  then the same int4 format.
+* ``"awq"``: :func:`~llmnote.quant.awq.awq_scale_model` on ``calibration``
+  (scales, then the weight-clipping search unless ``clip=False``), then the
+  same int4 format.
 """
 
 from __future__ import annotations
@@ -50,12 +51,13 @@ def _linears(model: nn.Module) -> list[tuple[nn.Module, str, nn.Linear]]:
 
 def quantize_model(model: nn.Module, method: str = "smoothquant", calibration=None, *, alpha: float = 0.5,
                    act: str | None = None, weight: str | None = None, group_size: int = 128,
-                   n_grid: int = 20, use_kernel: bool | None = None) -> nn.Module:
+                   n_grid: int = 20, clip: bool = True, use_kernel: bool | None = None) -> nn.Module:
     """Replace the decoder's ``nn.Linear`` layers with quantized ones, in place; returns ``model``.
 
     ``calibration``: token ids (``(B, S)`` tensor or a list of them), required
     by "smoothquant" and "awq". ``act``/``weight``: W8A8 granularities
-    ("token"/"tensor", "channel"/"tensor"). ``use_kernel``: see
+    ("token"/"tensor", "channel"/"tensor"). ``clip``: AWQ's clipping search
+    ("awq" only). ``use_kernel``: see
     :mod:`llmnote.quant.layers`.
     """
     if method not in METHODS:
@@ -72,7 +74,8 @@ def quantize_model(model: nn.Module, method: str = "smoothquant", calibration=No
     if method == "smoothquant":
         smoothquant.smooth_model(model, alpha=alpha, calibration=calibration)
     elif method == "awq":
-        awq.awq_scale_model(model, calibration=calibration, group_size=group_size, n_grid=n_grid)
+        awq.awq_scale_model(model, calibration=calibration, group_size=group_size, n_grid=n_grid,
+                            clip=clip)
     for parent, name, lin in targets:
         if method in ("rtn-int4", "awq"):
             new = W4A16Linear(lin, group_size, use_kernel=use_kernel)

@@ -30,7 +30,8 @@ DEFAULT_CONFIGS: list[tuple[str, str | None, dict]] = [
       for a in (0.25, 0.5, 0.75, 0.9)],
     *[(f"SmoothQuant a={a} (per-token A)", "smoothquant", {"alpha": a}) for a in (0.5, 0.75)],
     ("RTN int4 g128", "rtn-int4", {}),
-    ("AWQ int4 g128", "awq", {}),
+    ("AWQ int4 g128 (scales only)", "awq", {"clip": False}),
+    ("AWQ int4 g128 (scales + clip)", "awq", {}),
 ]
 
 

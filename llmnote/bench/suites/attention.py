@@ -1,49 +1,33 @@
-"""Attention: llmnote's FlashAttention-2 (and the FlashAttention-1 loop order)
-against PyTorch SDPA's flash, cuDNN and memory-efficient backends, FlexAttention
-compiled, and the naive reference; split-KV decoding; peak memory.
+"""Attention: llmnote's FlashAttention-2 (and FlashAttention-1's loop order)
+against PyTorch SDPA's flash, cuDNN and memory-efficient backends,
+FlexAttention and the naive reference; split-KV decoding; peak memory.
 
-Four parts (``run(parts=...)``), every provider timed in the same run:
+Parts (``run(parts=...)``), every provider timed in the same run:
 
 ``fwd`` / ``bwd`` (bench ``attention``, ``x_name = "N"``)
-    The FlashAttention papers' set-up: B * N = 16k tokens and H * D = 2048, so
-    ``B = 16384 / N`` and ``H = 2048 / D``; N from 512 to 16k, D = 64 and 128,
-    causal and not, bf16. Throughput = 4 B H N^2 D / time, halved when causal,
-    times 2.5 for the backward (two products forward, five backward). The
-    backward is timed as ``torch.autograd.grad`` of the outputs (graph kept),
-    the same for every provider. Providers: ``llmnote``, ``llmnote-fa1``
-    (forward only), ``sdpa-flash``, ``sdpa-cudnn``, ``sdpa-efficient``
-    (``torch.nn.attention.sdpa_kernel``), ``flex`` (``torch.compile`` of
-    ``flex_attention``, at N = 1k, 4k, 16k only: compiling dominates the run)
-    and ``torch-naive`` (``flash_attention_ref``: skipped where its
-    ``N x N`` scores would not fit in memory).
+    The FlashAttention papers' set-up: B N = 16k tokens, H D = 2048, N from
+    512 to 16k, D = 64 and 128, causal and not, bf16. Throughput = 4 B H N^2 D
+    / time (halved when causal; x2.5 for the backward, timed as
+    ``torch.autograd.grad``). Providers: ``llmnote``, ``llmnote-fa1`` (fwd),
+    ``sdpa-flash``, ``sdpa-cudnn``, ``sdpa-efficient``, ``flex`` (N = 1k, 4k,
+    16k) and ``torch-naive`` (where its N x N scores fit).
 ``decode`` (bench ``attention-decode``, ``x_name = "context"``)
-    One query token per sequence, batch 16 and 64, 32 query heads over 8 kv
-    heads, D = 128, every sequence ``context`` long. Bandwidth = KV bytes
-    (``2 * B * kv_heads * context * D * 2``) / time, against the copy ceiling
-    measured in the same run. Providers: ``llmnote`` (split-KV, heuristic
-    splits), ``llmnote-nosplit`` (one split), SDPA on the same cache
-    (``enable_gqa``): ``sdpa`` (its own choice of backend) and each backend
-    that accepts the call, ``torch-naive``.
+    One query per sequence, batch 16 and 64, 32 query / 8 kv heads, D = 128.
+    Bandwidth = KV bytes / time, against the copy ceiling. Providers:
+    ``llmnote`` (split-KV), ``llmnote-nosplit``, SDPA (``enable_gqa``; its
+    own choice and each backend that accepts the call), ``torch-naive``.
     Bench ``attention-decode-splits`` sweeps ``num_splits`` at one shape.
 ``fa3`` (bench ``attention-fa3``, ``x_name = "N"``)
-    FlashAttention-3 ideas (``flash3.py``), forward only, the ``fwd`` set-up
-    from N = 1k: ``llmnote`` (FlashAttention-2), ``fa3`` (bf16, TMA
-    descriptors, warp specialisation and pipelining depth autotuned),
-    ``fa3-fp8`` (the FP8 kernel on inputs quantised beforehand, as FP8
-    inference keeps them), ``fa3-fp8-quant`` (the same plus quantising Q, K, V
-    in PyTorch inside the timed call), ``sdpa-flash``, ``sdpa-cudnn``. FP8
-    throughput counts the same FLOPs. ``fa3-fp8`` is checked against
-    ``flash_attention_fp8_ref`` within ``fp8_p_rounding_bound`` before timing.
+    ``flash3.py``, forward, the ``fwd`` set-up from N = 1k: ``fa3`` (bf16),
+    ``fa3-fp8`` (inputs already FP8, checked against
+    ``flash_attention_fp8_ref`` first), ``fa3-fp8-quant`` (quantising Q, K, V
+    inside the timed call), beside ``llmnote``, ``sdpa-flash``, ``sdpa-cudnn``.
 ``memory`` (bench ``attention-memory``, ``x_name = "N"``)
-    Peak memory allocated by one forward beyond its inputs, B = 1, H = 16,
-    D = 128, metric ``peak_memory`` in MiB (GPU only).
+    Peak memory of one forward beyond its inputs (MiB), B = 1, H = 16, D = 128.
 
-Before any timing, llmnote's results at the full size are checked against the
-fp32 reference on sequence 0 and its first two heads (the rows a head's
-output and gradients depend on), with the low-precision rule of
-:mod:`llmnote.testing`. Without a GPU, ``quick=True`` runs the same code at
-tiny sizes in the interpreter (SDPA and compiled peers skipped): a smoke test,
-not a measurement.
+llmnote's results are checked at full size against the fp32 reference (first
+sequence, two heads) before timing. Without a GPU, ``quick=True`` runs tiny
+sizes in the interpreter: a smoke test, not a measurement.
 """
 
 from __future__ import annotations

@@ -1,45 +1,31 @@
 """The serving engine end to end (Part V): throughput against Hugging Face
-``generate``, batch-1 decode against the weight-read roofline, prefix caching on
-and off, and how much of the KV cache holds live tokens.
+``generate``, batch-1 decode against the weight-read roofline, prefix caching,
+and how much of the KV cache holds live tokens.
 
-Workloads (all random token ids, ``ignore_eos``, so every request runs to its
-length; weights random in bf16 with the Qwen3-0.6B shapes of
-:data:`llmnote.models.presets.PRESETS`):
+Workloads: random token ids, ``ignore_eos``, random bf16 weights with the
+Qwen3-0.6B shapes of :data:`llmnote.models.presets.PRESETS`.
 
-* ``throughput``: nano-vllm's ``bench.py``: 256 requests, prompt and output
-  lengths uniform in 100..1024, ids uniform in 0..10000, temperature 0.6.
-  Throughput = output tokens / wall time of the whole run (``llmnote-<backend>``,
-  one row per attention backend of :mod:`llmnote.engine.attention`: ``flash``,
-  gather + FlashAttention-2 varlen; ``paged``, the kernel reading blocks in place).
-  Peer ``hf-static-<B>``: transformers ``generate`` on the same requests in
-  static batches of ``B`` (left-padded; each batch runs to its longest output;
-  only the tokens each request asked for are counted), for the batch sizes
-  given. Rows ``kv_live_fraction`` (live token slots / slots in blocks held by
-  running sequences, averaged over steps, weighted by slots) and
+* ``throughput`` (nano-vllm's ``bench.py``): 256 requests, prompt and output
+  lengths uniform in 100..1024, temperature 0.6; output tokens / wall time.
+  ``llmnote-<backend>``: one row per attention backend of
+  :mod:`llmnote.engine.attention`; ``hf-static-<B>``: transformers
+  ``generate`` in static batches of ``B`` (left-padded, only requested tokens
+  counted). Rows ``kv_live_fraction`` (live slots / slots in held blocks) and
   ``contiguous_live_fraction`` (live slots / the ``prompt + max_tokens`` slots
-  a contiguous per-request allocation would reserve for the same running set).
+  a contiguous allocation would reserve).
 * ``decode-b1``: one request, 128-token prompt, 512 new tokens (64 for the
-  ``-eager`` rows): decode
-  tokens/s = 1 / time per output token, and its fraction of the weight-read
-  roofline, copy bandwidth (bytes read + written per second, measured in the
-  same run) / weight bytes.
-  ``llmnote-<backend>`` replays CUDA graphs (the default on a GPU; extra column
-  ``cuda_graphs``), ``llmnote-<backend>-eager`` launches every kernel from
-  Python (``cuda_graphs=False``): the gap is the launch overhead.
-* ``decode-b1-quant`` (``quant=True``, on a GPU): the same batch-1 decode of
-  the Qwen3-0.6B-shaped model (random weights) after
+  ``-eager`` rows, which launch every kernel from Python): tokens/s and its
+  fraction of the weight-read roofline (copy bandwidth / weight bytes).
+* ``decode-b1-quant`` (``quant=True``, GPU): the same after
   :func:`llmnote.quant.quantize_model` (``llmnote-w8a8``: SmoothQuant W8A8;
-  ``llmnote-w4a16``: AWQ int4 g128; calibration: random token ids, fine for
-  speed) against ``llmnote-bf16``; the LM head and embedding stay bf16.
-  Extra columns ``weight_bytes`` (what one decode step reads) and ``cuda_graphs``.
+  ``llmnote-w4a16``: AWQ int4 g128, random calibration ids) against
+  ``llmnote-bf16``; extra column ``weight_bytes``.
 * ``prefix``: 64 requests sharing a 1024-token system prompt plus 32 own
-  tokens, 64 new tokens each, prefix caching on and off: mean TTFT and
-  throughput.
+  tokens, 64 new tokens each, prefix caching on and off: TTFT and throughput.
 * ``hf-check``: the Shakespeare model in fp32, 8 prompts, 32 greedy tokens:
   the fraction of requests whose tokens equal transformers ``generate``.
 
-CUDA graphs are on for every engine row on a GPU (the default of
-:class:`~llmnote.engine.EngineConfig`) except the ``-eager`` rows.
+CUDA graphs are on for every engine row on a GPU except the ``-eager`` rows.
 """
 
 from __future__ import annotations

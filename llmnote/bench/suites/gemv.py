@@ -178,7 +178,8 @@ def run(quick: bool = False, shapes: dict | None = None, batches: list[int] | No
 
 
 def summary(df: pd.DataFrame) -> pd.DataFrame:
-    """The targets, computed from a result frame: one row per check."""
+    """Headline ratios of a result frame, one row per check, with the level a
+    good kernel reaches (``target``; ``met``: reached or not)."""
     from llmnote.bench.results import ceiling
 
     g = df[(df.bench == BENCH) & (df.metric == "time")]

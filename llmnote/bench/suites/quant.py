@@ -1,40 +1,30 @@
 """Quantized linear layers: llmnote's int8 and int4 Triton kernels vs bf16 cuBLAS.
 
-Benches (column ``bench``), every provider timed in the same run as the
-ceilings (``bench = "ceiling"``: copy bandwidth, bf16 matmul rate):
+Benches (column ``bench``), timed in the same run as the ceilings
+(``bench = "ceiling"``: copy bandwidth, bf16 matmul rate):
 
-* ``quant-int8``, ``x_name = "M=N=K"`` (1024 ... 8192): ``llmnote-int8`` is
-  :func:`~llmnote.quant.kernels.int8_gemm` on pre-quantized operands (int8 x
-  int8 -> int32, per-token x per-channel dequantization fused, bf16 out);
-  ``llmnote-w8a8`` adds the dynamic per-token activation quantization
-  (:func:`~llmnote.quant.kernels.quantize_per_token`), i.e. the whole W8A8
-  linear; ``torch-int8`` is ``torch._int_mm`` (int32 out, no dequant) for
-  reference; ``torch-bf16`` is ``torch.matmul(x, w.T)`` in bf16.
-  Metric: TFLOP/s = 2 M N K / time. Target: llmnote-int8 >= 1.6x torch-bf16 at 8192.
-* ``quant-quantize``: the per-token quantization kernel alone, K = 4096,
-  bandwidth = (2 + 1) M K bytes / time.
-* ``quant-w4a16``, ``x_name = "M"`` (batch 1 ... 256) for each Llama-3-8B
-  linear shape (K x N: 4096 x 4096 q/o, 4096 x 14336 gate/up, 14336 x 4096
-  down): ``llmnote-w4a16`` (int4 g128 with zero points, bf16 activations; tile
-  and split-K chosen by timing candidates on the first call, split-K up to batch
-  ``SPLIT_MAX_M`` = 256), ``llmnote-w4a16-splitk1`` (the same batches, split-K off) and
-  ``torch-bf16``
-  (``F.linear`` with the bf16 weight). Metrics: ``weight_bandwidth`` = packed
-  int4 bytes (K N / 2; for bf16 its 2 K N bytes) / time, ``bandwidth`` = all
-  bytes moved (weights, scales, zeros, x, y) / time. Targets: >= 3x torch-bf16 and
-  >= 75% of the copy bandwidth (weight bytes) at batch 1, >= 2x at batch 16.
+* ``quant-int8``, ``x_name = "M=N=K"`` (1024 ... 8192): ``llmnote-int8``,
+  :func:`~llmnote.quant.kernels.int8_gemm` on pre-quantized operands
+  (per-token x per-channel dequantization fused, bf16 out); ``llmnote-w8a8``
+  adds the per-token activation quantization (the whole W8A8 linear);
+  ``torch-int8`` is ``torch._int_mm`` (int32 out); ``torch-bf16`` is
+  ``torch.matmul(x, w.T)``. Metric: TFLOP/s = 2 M N K / time.
+* ``quant-quantize``: the per-token quantizer alone, K = 4096,
+  bandwidth = 3 M K bytes / time.
+* ``quant-w4a16``, ``x_name = "M"`` (batch 1 ... 256) on each Llama-3-8B
+  linear shape (K x N: 4096 x 4096, 4096 x 14336, 14336 x 4096):
+  ``llmnote-w4a16`` (int4 g128 with zero points, bf16 activations; tile and
+  split-K, up to batch ``SPLIT_MAX_M``, timed on the first call),
+  ``llmnote-w4a16-splitk1`` (split-K off) and ``torch-bf16`` (``F.linear``).
+  ``weight_bandwidth`` = weight bytes (packed: K N / 2) / time; ``bandwidth``
+  = all bytes moved / time. Each provider is captured in a CUDA graph of
+  ``R`` calls on different weight copies (together >= 2x the L2), timed with
+  ``do_bench`` and divided by ``R``; ``(eager)`` rows time plain calls.
 
-Timing of ``quant-w4a16`` on a GPU: a microsecond-scale GEMV is shorter than
-the Python launch path, so each provider is captured in a CUDA graph of
-``R`` back-to-back calls, each on a different copy of the weights (together
->= 2x the L2 cache, so that no call finds its weights in L2); the graph is
-timed with ``do_bench`` and divided by ``R``. Rows with provider suffix
-``(eager)`` time plain calls, launch overhead included.
-
-Every llmnote result is checked at full size before timing: the int8 GEMM
-against ``int8_gemm_ref`` (exact accumulation in fp64), the W8A8 output against
-fp32 ``x @ w.T`` (quantization error bound), W4A16 against the fp32 reference
-with the low-precision rule of :mod:`llmnote.testing`.
+Every llmnote result is checked at full size before timing (int8 GEMM against
+``int8_gemm_ref``, W8A8 against fp32 ``x @ w.T``, W4A16 with the
+low-precision rule of :mod:`llmnote.testing`). :func:`summary` gives the
+headline ratios with the level a good kernel reaches on each (``target``).
 """
 
 from __future__ import annotations
@@ -226,7 +216,8 @@ def run(quick: bool = False) -> pd.DataFrame:
 
 
 def summary(df: pd.DataFrame) -> pd.DataFrame:
-    """The targets of the issue, computed from a result frame: one row per check."""
+    """Headline ratios of a result frame, one row per check, with the level a
+    good kernel reaches (``target``; ``met``: reached or not)."""
     from llmnote.bench.results import ceiling
 
     out = []
