@@ -23,6 +23,12 @@ def test_engine_bench_smoke(tmp_path):
     assert got[(f"llmnote-{be}", "throughput", "contiguous_live_fraction")] <= 1
     assert got[("llmnote-prefix-cache", "prefix", "cached_prompt_fraction")] > 0.5
     assert got[("llmnote-no-cache", "prefix", "cached_prompt_fraction")] == 0
+    for label in ("shakespeare", "qwen3-tiny"):  # start-up, in fresh processes
+        for state in ("cold", "warm"):
+            startup = got[("llmnote", f"startup-{label}-{state}", "startup")]
+            parts = [got[("llmnote", f"startup-{label}-{state}", m)]
+                     for m in ("build", "first_request")]
+            assert startup > 0 and abs(startup - sum(parts)) < 1e-9
     save(df, "engine", tmp_path)
 
 

@@ -37,13 +37,13 @@ while the host reads and appends the tokens, instead of waiting for the host
 between runs; a sequence that did stop drops the tokens computed after its stop,
 and its blocks are freed when they are read. Same tokens either way (tested).
 
-``tune_graph`` (GPU, batch-1 GEMV path): each GEMV picks its tile by timing the
-candidates alone on its first call; inside the captured batch-1 decode graph,
-chained to its neighbours by programmatic dependent launch, the ranking differs
-(measured on the H100: the tiles picked alone gave 831 us per token, the same
-candidates timed in the graph 764). With ``tune_graph`` the runner times the
-captured graph once per candidate of each GEMV, one GEMV after the other, and
-keeps the fastest (a few seconds at start-up).
+``tune_graph`` (GPU, batch-1 GEMV path, off by default): each GEMV picks its tile
+by timing the candidates alone on its first call; inside the captured batch-1
+decode graph, chained to its neighbours by programmatic dependent launch, the
+ranking can differ. With ``tune_graph`` the runner times the captured graph once
+per candidate of each GEMV and keeps the fastest, once per process and model
+shape. It costs seconds at start-up (more on a cold Triton cache) for a few per
+cent of batch-1 decode time: the engine benchmark records both.
 
 ``dependent_launches``: inside the captured decode graphs, launch llmnote's
 kernels with programmatic dependent launch (Hopper and later, see
@@ -86,7 +86,7 @@ class EngineConfig:
     async_scheduling: bool = True  # queue the next decode run before reading this one
     dependent_launches: bool = True  # PDL between the graph's kernels (Hopper+; llmnote.ops._pdl)
     gemv: bool | None = None  # batch-1 steps through llmnote.ops.gemv; None: for hidden <= GEMV_MAX_HIDDEN
-    tune_graph: bool = True  # GEMV tiles of the batch-1 decode graph chosen by timing that graph
+    tune_graph: bool = False  # GEMV tiles of the batch-1 decode graph chosen by timing that graph
 
     def __post_init__(self) -> None:
         for name in ("block_size", "cpu_num_blocks", "max_num_batched_tokens", "max_num_seqs"):

@@ -171,12 +171,12 @@ def engine_rows(name: str, batches: list[int], context: int, env: dict, reps: in
                 budget: int = 8192) -> list[dict]:
     """``llmnote-engine`` rows for one model shape (one engine, graphs for every batch);
     ``budget``: the engine's tokens per step (prompts longer than it take several steps)."""
-    from llmnote.bench.suites.engine import random_model, use_kernels
+    from llmnote.bench.suites.engine import random_model
     from llmnote.engine import LLM, EngineConfig
     from llmnote.engine.config import GRAPH_DECODE_STEPS
 
-    model = random_model(name)
-    ops = use_kernels(model)
+    model = random_model(name)  # the weights LLM(name) builds, default ops
+    ops = model.ops.name
     bs = 16
     steps = GRAPH_DECODE_STEPS  # decode steps per LLM.step() with graphs (at most)
     longest = context + (reps + 3) * steps + 8 + prefill_steps(max(batches), context, budget)

@@ -43,7 +43,7 @@ from llmnote.bench.results import COLUMNS, environment
 
 BENCH = "engine"
 MODEL = "qwen3-0.6b"
-PARTS = ("check", "engine", "hf", "prefix", "quant")
+PARTS = ("startup", "check", "engine", "hf", "prefix", "quant")
 
 
 def _rows(provider: str, x_name: str, x_value, wall_s: float, values: dict[str, tuple[str, float]],
@@ -66,48 +66,24 @@ def nano_vllm_requests(n: int = 256, lo: int = 100, hi: int = 1024, seed: int = 
     return out
 
 
-def random_model(name: str = MODEL, dtype=torch.bfloat16):
+def random_model(name: str = MODEL):
+    """The model ``LLM(name)`` builds (seed 0, default device and dtype, default ops), for
+    the peers that need the weights themselves (transformers, quantization)."""
     from llmnote.models import Llama, get_preset
 
+    dev, dtype = device.placement(cpu_dtype=torch.float32)
     torch.manual_seed(0)
-    with torch.device(device.default_device()):
+    with torch.device(dev):
         model = Llama(get_preset(name))
     return model.to(dtype).eval()
 
 
-def use_kernels(model) -> str:
-    """Switch ``model`` to llmnote's kernels (RMSNorm, SwiGLU, RoPE) on a GPU if their
-    logits on a short input are as close to an fp32 forward as the reference ops' are
-    (a deep random model in bf16 drifts far from fp32 whatever computes it, so the two
-    low-precision forwards are each measured against fp32, not against each other);
-    returns the ops' name."""
-    from llmnote.models import kernel_ops, reference_ops
-
-    if not device.on_gpu():
-        return model.ops.name
-    ids = torch.randint(0, 1000, (1, 64), device=next(model.parameters()).device)
-    dtype = next(model.parameters()).dtype
-    try:
-        with torch.no_grad():
-            want = model.use_ops(reference_ops())(ids).float()
-            got = model.use_ops(kernel_ops())(ids).float()
-            exact = model.float().use_ops(reference_ops())(ids).float()
-        model.to(dtype)  # bf16 -> fp32 -> bf16 is exact
-        err_ref, err = (float((x - exact).abs().max()) for x in (want, got))
-        if err > 2 * err_ref + 0.01 * float(exact.abs().max()):
-            raise ValueError(f"kernel logits differ from fp32 by {err:.3g}, the reference's "
-                             f"by {err_ref:.3g}")
-        model.use_ops(kernel_ops())
-    except Exception as e:  # keep the benchmark running on the reference ops
-        print(f"kernel ops not used: {e}")
-        model.to(dtype).use_ops(reference_ops())
-    return model.ops.name
-
-
 def _engine(model, **kw):
-    from llmnote.engine import LLM, EngineConfig
+    """An engine as the README builds one: ``LLM("qwen3-0.6b", ...)`` (a preset: random
+    weights, the GPU, bf16 and llmnote's kernels by default) or ``LLM(model)``."""
+    from llmnote.engine import LLM
 
-    return LLM(model, config=EngineConfig(max_model_len=4096, **kw))
+    return LLM(model, max_model_len=kw.pop("max_model_len", 4096), **kw)
 
 
 def _free() -> None:
@@ -184,7 +160,7 @@ def hf_check(num_prompts: int = 8, new: int = 32, backend: str | None = None) ->
     from llmnote.models.shakespeare import CHECKPOINT_DIR
 
     dev = device.default_device()
-    llm = LLM("shakespeare", device=dev, max_model_len=512, num_blocks=512,
+    llm = LLM("shakespeare", device=dev, dtype=torch.float32, max_model_len=512, num_blocks=512,
               attention_backend=backend)
     hf = transformers.AutoModelForCausalLM.from_pretrained(CHECKPOINT_DIR, dtype=torch.float32)
     hf = hf.to(dev).eval()
@@ -203,12 +179,14 @@ def hf_check(num_prompts: int = 8, new: int = 32, backend: str | None = None) ->
     return same / num_prompts
 
 
-def _throughput_and_decode(model, backend: str, requests, vocab: int, max_len: int, quick: bool,
-                           bw: float, ops: str) -> list[dict]:
-    """The nano-vllm workload, then one batch-1 decode, on one attention backend."""
+def _throughput_and_decode(model_name: str, backend: str, requests, vocab: int, max_len: int,
+                           quick: bool, bw: float) -> list[dict]:
+    """The nano-vllm workload, then one batch-1 decode, on one attention backend; then the
+    batch-1 decode with graph-timed tuning (``-tuned``) and without CUDA graphs (``-eager``)."""
     rows: list[dict] = []
     name = f"llmnote-{backend}"
-    llm = _engine(model, attention_backend=backend)
+    llm = _engine(model_name, attention_backend=backend)
+    model, ops = llm.model, llm.model.ops.name
     warm = nano_vllm_requests(4, 8, 32, seed=1, vocab=vocab)
     run_engine(llm, warm)  # warm-up: Triton compiles, allocator
     outs, wall = run_engine(llm, requests)
@@ -227,12 +205,21 @@ def _throughput_and_decode(model, backend: str, requests, vocab: int, max_len: i
                "cuda_graphs": bool(llm.runner.graphs)})
 
     rows += _decode_b1(llm, model, name, vocab, max_len, quick, bw, ops)
-    del llm
+    on_cuda = _on_cuda(model)
+    llm.close()
+    del llm, model
     _free()
-    if _on_cuda(model):  # the same decode without graphs: launch overhead
-        eager = _engine(model, attention_backend=backend, cuda_graphs=False)
-        rows += _decode_b1(eager, model, f"{name}-eager", vocab, max_len, quick, bw, ops,
+    if on_cuda and not quick:  # graph-timed GEMV tiles (EngineConfig.tune_graph): what they buy
+        tuned = _engine(model_name, attention_backend=backend, tune_graph=True)
+        rows += _decode_b1(tuned, tuned.model, f"{name}-tuned", vocab, max_len, quick, bw, ops)
+        tuned.close()
+        del tuned
+        _free()
+    if on_cuda:  # the same decode without graphs: launch overhead
+        eager = _engine(model_name, attention_backend=backend, cuda_graphs=False)
+        rows += _decode_b1(eager, eager.model, f"{name}-eager", vocab, max_len, quick, bw, ops,
                            new=max_len // 16)  # slow: fewer tokens, the rate is what counts
+        eager.close()
         del eager
         _free()
     return rows
@@ -294,7 +281,7 @@ def quant_decode(bw: float, max_len: int = 1024, quick: bool = False,
     for method, name in ((None, "llmnote-bf16"), ("smoothquant", "llmnote-w8a8"),
                          ("awq", "llmnote-w4a16")):
         model = random_model(model_name)
-        ops = use_kernels(model)
+        ops = model.ops.name
         vocab = min(10000, model.config.vocab_size)
         try:
             if method is not None:
@@ -315,6 +302,59 @@ def quant_decode(bw: float, max_len: int = 1024, quick: bool = False,
             print(f"{name}: failed: {e!r}")
         del model
         _free()
+    return rows
+
+
+_STARTUP = """
+import json, sys, time
+t0 = time.perf_counter()
+import torch
+from llmnote.engine import LLM, SamplingParams
+if torch.cuda.is_available():  # the CUDA context, as a notebook's setup cell makes it
+    torch.zeros(1, device="cuda")
+    torch.cuda.synchronize()
+t1 = time.perf_counter()
+llm = LLM(sys.argv[1], **json.loads(sys.argv[2]))
+t2 = time.perf_counter()
+params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+llm.generate([list(range(1, 17))], params, use_tqdm=False)
+t3 = time.perf_counter()
+print(json.dumps(dict(import_and_cuda=t1 - t0, build=t2 - t1, first_request=t3 - t2)))
+"""
+
+
+def startup_rows(model_name: str = MODEL) -> list[dict]:
+    """Start-up of an engine as a notebook meets it, each in a fresh process once CUDA is up:
+    ``LLM(...)`` built, then its first request (16 prompt tokens, 8 new) served, which
+    compiles and captures what that request needs. ``cold``: Triton's kernel cache empty
+    (a new Colab runtime); ``warm``: the same cache again (a second run)."""
+    import json
+    import os
+    import subprocess
+    import sys
+    import tempfile
+
+    rows: list[dict] = []
+    engines = [("shakespeare", "shakespeare", {}), (model_name, model_name, {"max_model_len": 4096})]
+    with tempfile.TemporaryDirectory() as cache:
+        for label, model, kw in engines:
+            env = {**os.environ, "TRITON_CACHE_DIR": os.path.join(cache, label)}
+            for state in ("cold", "warm"):
+                r = subprocess.run([sys.executable, "-c", _STARTUP, model, json.dumps(kw)],
+                                   capture_output=True, text=True, env=env, timeout=900)
+                if r.returncode != 0:
+                    print(f"startup {label} {state}: failed: {r.stderr[-2000:]}")
+                    break
+                t = json.loads(r.stdout.strip().splitlines()[-1])
+                total = t["build"] + t["first_request"]
+                print(f"startup {label} ({state} Triton cache): {total:.2f} s = build "
+                      f"{t['build']:.2f} + first request {t['first_request']:.2f} "
+                      f"(import + CUDA context {t['import_and_cuda']:.2f} s before it)")
+                rows += _rows("llmnote", "workload", f"startup-{label}-{state}", total,
+                              {"startup": ("s", total), "build": ("s", t["build"]),
+                               "first_request": ("s", t["first_request"]),
+                               "import_and_cuda": ("s", t["import_and_cuda"])},
+                              extra={"model": label, "triton_cache": state})
     return rows
 
 
@@ -355,15 +395,16 @@ def run(quick: bool = False, *, model_name: str = MODEL, max_len: int = 1024,
         rows += _rows(f"llmnote-{be}", "workload", "hf-check", 0.0,
                       {"hf_match_fraction": ("", frac)})
 
-    model = random_model(model_name)
-    ops = use_kernels(model)
-    print(f"model ops: {ops}")
-    vocab = min(10000, model.config.vocab_size)
+    if "startup" in parts:
+        rows += startup_rows(model_name)
+    from llmnote.models import get_preset
+
+    vocab = min(10000, get_preset(model_name).vocab_size)
     requests = nano_vllm_requests(n, max(1, max_len // 10), max_len, vocab=vocab)
     working = [] if "engine" in parts else list(backends)
     for be in backends if "engine" in parts else ():
         try:
-            rows += _throughput_and_decode(model, be, requests, vocab, max_len, quick, bw, ops)
+            rows += _throughput_and_decode(model_name, be, requests, vocab, max_len, quick, bw)
             working.append(be)
         except Exception as e:
             print(f"engine with {be}: failed: {e!r}")
@@ -371,6 +412,7 @@ def run(quick: bool = False, *, model_name: str = MODEL, max_len: int = 1024,
 
     # the peer: transformers generate in static batches
     useful = sum(o for _, o in requests)
+    model = random_model(model_name) if "hf" in parts else None
     for b in hf_batches if "hf" in parts else ():
         try:
             w = hf_static(model, requests, b)
@@ -395,8 +437,10 @@ def run(quick: bool = False, *, model_name: str = MODEL, max_len: int = 1024,
     # the timed ones): kernels compiled for these shapes outside the timed run
     other = torch.randint(0, vocab, (max_len,), generator=g).tolist()
     warm = [(other + r[len(system):], n) for r, n in reqs[:4]]
+    del model
+    _free()
     for caching in (True, False) if "prefix" in parts else ():
-        llm = _engine(model, enable_prefix_caching=caching, attention_backend=working[0])
+        llm = _engine(model_name, enable_prefix_caching=caching, attention_backend=working[0])
         run_engine(llm, warm, temperature=0.0)
         outs, w = run_engine(llm, reqs, temperature=0.0)
         ttft = sum(o.ttft for o in outs) / len(outs)

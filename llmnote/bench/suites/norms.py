@@ -176,7 +176,7 @@ def run(
     directions: tuple[str, ...] = ("fwd", "bwd"),
     cases: list[tuple[str, str, torch.dtype]] | None = None,
 ) -> pd.DataFrame:
-    """The norms benchmark (quick: bf16, three sizes, llmnote vs torch, no ceilings).
+    """The norms benchmark (quick: bf16, two sizes, llmnote vs torch, no ceilings).
 
     ``dtypes``, ``ops`` and ``directions`` select a part of the sweep (to
     re-record some rows in the same run as the ceilings); ``cases``, a list of
@@ -188,7 +188,7 @@ def run(
     the others are timed.
     """
     dtypes = dtypes or ((torch.bfloat16,) if quick else (torch.bfloat16, torch.float32))
-    ns = [1024, 4096, 16384] if quick else [1024, 2048, 4096, 8192, 16384]
+    ns = [1024, 16384] if quick else [1024, 2048, 4096, 8192, 16384]
     frames = [] if quick else [measure_ceilings()]
     cases = cases or [(op, d, dt) for op in ops or tuple(OPS) for d in directions for dt in dtypes]
     for peers in ("eager", "compiled"):
@@ -202,7 +202,8 @@ def run(
             if not sizes:
                 continue
             frames.append(sweep(
-                BENCH, "N", sizes, chosen,
+                BENCH, "N", sizes, chosen, warmup_ms=10 if quick else 25,
+                rep_ms=30 if quick else 100,
                 {"bandwidth": ("GB/s", lambda n, ms, t=tensors: t * TOTAL / (ms * 1e-3) / 1e9)},
                 extra=lambda n, op=op, d=direction, dt=dtype, es=es: {
                     "op": op, "direction": d, "dtype": dtype_name(dt),
