@@ -202,9 +202,9 @@ def run(
             if not sizes:
                 continue
             frames.append(sweep(
-                BENCH, "N", sizes, chosen, warmup_ms=10 if quick else 25,
-                rep_ms=30 if quick else 100,
+                BENCH, "N", sizes, chosen,
                 {"bandwidth": ("GB/s", lambda n, ms, t=tensors: t * TOTAL / (ms * 1e-3) / 1e9)},
+                warmup_ms=10 if quick else 25, rep_ms=30 if quick else 100,
                 extra=lambda n, op=op, d=direction, dt=dtype, es=es: {
                     "op": op, "direction": d, "dtype": dtype_name(dt),
                     "M": TOTAL // (n * es), "N": n,
