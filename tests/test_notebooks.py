@@ -141,3 +141,23 @@ def test_setup_cell_stops_cleanly_with_one_message_when_the_install_fails(tmp_pa
     last = r.stderr.strip().splitlines()[-1]
     assert last.startswith("Could not install llmnote @ git+file://localhost") and "repository.url" in last
     assert "Traceback" not in r.stderr
+
+
+def test_setup_page_shows_the_recorded_chapter_times():
+    """book/setup.md's table is the one drawn from chapters.csv, which covers every
+    chapter and assignment on the CPU and on a GPU."""
+    spec = importlib.util.spec_from_file_location("chapter_times", ROOT / "tools" / "chapter_times.py")
+    ct = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(ct)
+    text = (ROOT / "book" / "setup.md").read_text()
+    shown = text.split(ct.START, 1)[1].split(ct.END, 1)[0].strip()
+    assert shown == ct.markdown_table(), "run `python tools/chapter_times.py` to redraw the table"
+    import pandas as pd
+
+    df = pd.read_csv(ct.CSV)
+    recorded = {p.removesuffix(".ipynb") for p in df["x_value"]}
+    chapters = {str(md.relative_to(ROOT)).removesuffix(".md") for md in CHAPTERS}
+    for provider in ("interpreter", "triton"):
+        have = {p.removesuffix(".ipynb") for p in df[df.provider == provider]["x_value"]}
+        assert chapters <= have, f"{provider}: no time recorded for {sorted(chapters - have)}"
+    assert recorded <= chapters, f"times for notebooks that are gone: {sorted(recorded - chapters)}"
