@@ -124,6 +124,7 @@ class LLM:
             gc.collect()  # engines dropped without close() hold reference cycles:
             torch.cuda.empty_cache()  # give their GPU memory back before this one sizes its own
         self.model, tok, eos = _load(model, dtype, device, ops, config.seed)
+        self._owns_model = not isinstance(model, Llama)  # loaded here: close() drops it
         self.tokenizer = tokenizer if tokenizer is not None else tok
         if eos_token_id is not None:
             eos = [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id)
@@ -140,9 +141,9 @@ class LLM:
 
     # ------------------------------------------------------------ lifetime
     def close(self) -> None:
-        """Give the engine's GPU memory back (KV cache, CUDA graphs, buffers) and drop
-        its requests; the engine cannot be used afterwards. A model passed in as a
-        ``Llama`` stays usable. ``with LLM(...) as llm:`` closes on leaving the block."""
+        """Give the engine's GPU memory back (KV cache, CUDA graphs, buffers, and the model
+        if the engine loaded it) and drop its requests; the engine cannot be used
+        afterwards. A model passed in as a ``Llama`` stays usable. ``with LLM(...) as llm:`` closes on leaving the block."""
         if self._closed:
             return
         self._closed = True
@@ -150,6 +151,8 @@ class LLM:
         self.runner.close()
         self.requests.clear()
         del self.runner, self.scheduler
+        if self._owns_model:
+            self.model = None
         gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
