@@ -102,15 +102,19 @@ def test_impossible_settings():
     assert list(sw["fits"]) == [True, False] and math.isnan(sw["tpot_s"].iloc[1])
 
 
-def test_decode_latency_suite_runs_on_cpu():
+def test_decode_latency_suite_runs_end_to_end():
     """The validation benchmark end to end on a tiny shape: HF step timed (cache cropped back to the
-    context every step), the roofline prediction written beside it."""
+    context every step), the roofline prediction written beside it; on a GPU the engine too."""
     pytest.importorskip("transformers")
+    from llmnote import device
     from llmnote.bench.suites.decode_latency import run
 
     df = run(models=["qwen3-tiny"], batches=[2], context=8, reps=1)
     d = df[df.bench == "decode_latency"]  # on a GPU the run adds ceiling rows and a second prediction
-    assert {"hf", "roofline-datasheet"} <= set(d["provider"]) <= {"hf", "roofline-datasheet", "roofline-measured"}
+    providers = set(d["provider"])
+    assert {"hf", "roofline-datasheet"} <= providers
+    assert providers <= {"hf", "roofline-datasheet", "roofline-measured", "llmnote-engine"}
+    assert ("llmnote-engine" in providers) == device.on_gpu()
     assert (d["p50"] > 0).all() and set(d["x_value"]) == {2}
     pred = d[d.provider == "roofline-datasheet"].set_index("x_value")["p50"]
     assert pred[2] == pytest.approx(decode_step_time("qwen3-tiny", batch=2, context_len=9) * 1e3)

@@ -250,15 +250,29 @@ def fp8_p_rounding_bound(
 ) -> torch.Tensor:
     """Elementwise bound on ``|kernel - flash_attention_fp8_ref|`` for the FP8 kernel.
 
-    The kernel differs from the reference by rounding ``P`` to e4m3 before
-    ``P V``: each ``p`` moves by at most ``2^-4 p`` (round to nearest, 3
-    mantissa bits), so ``|dO_i| <= 2^-4 sum_j p_ij |v_j| / l_i``: attention of
-    the same scores over ``|V|``. Added: ``2^-7 |O|`` for the output's rounding
-    to bf16 and e4m3 subnormals, and ``2^-10 max|O|``. fp32, shaped like the output.
+    The kernel differs from the reference by rounding each tile's ``P`` to e4m3
+    before ``P V``. A tile's ``p = exp(s - m_run)`` lies in (0, 1] against the
+    running row maximum; rounded to nearest, a normal e4m3 value (``p >= 2^-6``)
+    moves by at most ``2^-4 p`` (3 mantissa bits), a subnormal one by at most half
+    the subnormal step, ``2^-10``. Rescaled to the final maximum (factor ``c <= 1``)
+    the error of ``p_ij`` is at most ``2^-4 p_ij``, plus ``2^-10`` where
+    ``p_ij < 2^-6`` (only such entries can have been subnormal in their tile). So
+    ``|dO_i| <= (2^-4 sum_j p_ij |v_j| + 2^-10 sum_{j: p_ij < 2^-6} |v_j|) / l_i``.
+    Added: ``2^-7 |O|`` for the output's rounding to bf16, and ``2^-10 max|O|``
+    for the accumulation order. fp32, shaped like the output.
     """
+    scale = 1.0 / math.sqrt(q.shape[-1]) if sm_scale is None else sm_scale
     qd = dequantize_fp8_blocks(*quantize_fp8_blocks(q, block), block)
     kd = dequantize_fp8_blocks(*quantize_fp8_blocks(k, block), block)
     vd = dequantize_fp8_channels(*quantize_fp8_channels(v))
-    o = flash_attention_ref(qd, kd, vd, causal=causal, sm_scale=sm_scale).abs()
-    spread = flash_attention_ref(qd, kd, vd.abs(), causal=causal, sm_scale=sm_scale)
-    return 2.0**-4 * spread + 2.0**-7 * o + 2.0**-10 * (float(o.max()) if o.numel() else 0.0)
+    va = _expand_kv(vd, q.shape[1], 1).abs()
+    s = torch.matmul(qd, _expand_kv(kd, q.shape[1], 1).transpose(-2, -1)) * scale
+    seen = causal_mask(q.shape[2], k.shape[2], q.device) if causal else torch.ones_like(s, dtype=torch.bool)
+    s = s.masked_fill(~seen, float("-inf"))
+    m = s.amax(dim=-1, keepdim=True)
+    p = torch.exp(s - torch.where(torch.isfinite(m), m, torch.zeros_like(m)))  # masked: 0
+    l = p.sum(dim=-1, keepdim=True).clamp_min(1e-30)
+    small = ((p < 2.0**-6) & seen).float()  # may have been subnormal e4m3 in its tile
+    o = (torch.matmul(p, _expand_kv(vd, q.shape[1], 1)) / l).abs()
+    bound = (2.0**-4 * torch.matmul(p, va) + 2.0**-10 * torch.matmul(small, va)) / l
+    return bound + 2.0**-7 * o + 2.0**-10 * (float(o.max()) if o.numel() else 0.0)
