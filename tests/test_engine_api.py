@@ -29,7 +29,8 @@ def model():
 
 
 def make(model, **kw):
-    return LLM(model, device="cpu", config=EngineConfig(block_size=4, cpu_num_blocks=40, **kw))
+    where = next(model.parameters()).device  # these tests run the engine where the model is
+    return LLM(model, device=where, config=EngineConfig(block_size=4, cpu_num_blocks=40, **kw))
 
 
 @pytest.mark.parametrize("kw, match", [

@@ -56,7 +56,7 @@ def case(request, tmp_path_factory):
     if request.param == "shakespeare":
         if not has_checkpoint():
             pytest.skip("the Shakespeare checkpoint is not shipped here")
-        ours, tok = load_shakespeare()
+        ours, tok = load_shakespeare(device="cpu")  # fp32, as the transformers oracle
         hf = transformers.AutoModelForCausalLM.from_pretrained(CHECKPOINT_DIR, dtype=torch.float32)
         texts = ["ROMEO:", "JULIET:\nO Romeo, Romeo! wherefore art thou Romeo?",
                  "First Citizen:\nBefore we proceed any further, hear me speak.\n\nAll:\n",
@@ -103,7 +103,7 @@ def test_greedy_tokens_match_hf(case, hf_tokens, mode):
     ours, _, prompts = case
     cfg = EngineConfig(block_size=BS, max_model_len=128, max_num_batched_tokens=128,
                        max_num_seqs=4, cpu_num_blocks=64).replace(**MODES[mode])
-    llm = LLM(ours, config=cfg)
+    llm = LLM(ours, device="cpu", config=cfg)
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
     outs = llm.generate(prompts, params, use_tqdm=False)
     assert [o.token_ids for o in outs] == hf_tokens
@@ -138,10 +138,11 @@ def test_greedy_tokens_match_hf_on_gpu(case, hf_tokens, mode, graphs, backend):
                        max_num_seqs=4, attention_backend=backend, cuda_graphs=graphs
                        ).replace(**settings)
     llm = LLM(ours, config=cfg)
-    assert bool(llm.runner.graphs) == graphs
+    assert llm.runner.use_graphs == graphs
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
     outs = llm.generate(case[2], params, use_tqdm=False)
     assert [o.token_ids for o in outs] == hf_tokens
+    assert bool(llm.runner.graphs) == graphs  # captured at the first step of each size
     if graphs:  # graph decode steps, several per run once every request is admitted
         assert llm.runner.num_graph_steps > 0
         assert llm.runner.num_decode_runs > 0 or mode == "preempt"

@@ -68,7 +68,7 @@ def pair(request, tmp_path_factory):
     sharded = "sharded" in case_id
     hf.save_pretrained(folder, max_shard_size="200KB" if sharded else "5GB")
     assert (folder / "model.safetensors.index.json").exists() == sharded
-    return hf, load_pretrained(folder), folder
+    return hf, load_pretrained(folder, device="cpu"), folder  # fp32 on the CPU, as hf
 
 
 def test_logits_match(pair):

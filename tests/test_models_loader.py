@@ -24,7 +24,7 @@ def rewrite(folder, change):
 
 def test_round_trip(ckpt):
     model, folder = ckpt
-    loaded = load_pretrained(folder)
+    loaded = load_pretrained(folder, device="cpu")
     ids = torch.randint(0, 256, (2, 9))
     with torch.no_grad():
         assert torch.equal(loaded(ids), model(ids))
@@ -37,7 +37,7 @@ def test_sharded_round_trip_dtype_and_tied(tmp_path, seed):
     index = json.loads((folder / INDEX_FILE).read_text())
     assert len(set(index["weight_map"].values())) > 2
     assert "lm_head.weight" not in index["weight_map"]
-    loaded = load_pretrained(folder, dtype=torch.bfloat16)
+    loaded = load_pretrained(folder, dtype=torch.bfloat16, device="cpu")
     assert loaded.lm_head.weight is loaded.model.embed_tokens.weight
     assert {p.dtype for p in loaded.parameters()} == {torch.bfloat16}
     for name, t in model.state_dict().items():

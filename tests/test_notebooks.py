@@ -81,8 +81,15 @@ def _venv(path: Path) -> Path:
     import subprocess
     import sys
 
-    subprocess.run([sys.executable, "-m", "venv", str(path)], check=True, timeout=300)
+    r = subprocess.run([sys.executable, "-m", "venv", str(path)], capture_output=True, text=True,
+                       timeout=300)
+    if r.returncode != 0:  # e.g. a system Python without ensurepip (the GPU image's)
+        pytest.skip(f"this Python cannot make a virtualenv: {r.stderr.strip()[-300:]}")
     return path / "bin" / "python"
+
+
+NO_NETWORK = ("Failed to establish a new connection", "Temporary failure in name resolution",
+              "Network is unreachable", "No matching distribution found")
 
 
 def _stub_wheel(folder: Path, name: str, version: str) -> Path:
@@ -117,12 +124,14 @@ def test_setup_cell_installs_llmnote_and_keeps_the_runtimes_torch(tmp_path):
 
     py = _venv(tmp_path / "venv")
     stubs = [_stub_wheel(tmp_path, "torch", "2.5.0"), _stub_wheel(tmp_path, "triton", "3.1.0")]
-    subprocess.run([str(py), "-m", "pip", "install", "-q", *map(str, stubs)], check=True,
-                   timeout=300)
+    subprocess.run([str(py), "-m", "pip", "install", "-q", "--no-index", *map(str, stubs)],
+                   check=True, timeout=300)
     clone = tmp_path / "clone"
     subprocess.run(["git", "clone", "-q", str(ROOT), str(clone)], check=True, timeout=300)
     r = subprocess.run([str(py), "-c", _install_part(f"llmnote @ git+file://localhost{clone}")],
                        capture_output=True, text=True, timeout=1200, cwd=tmp_path)
+    if r.returncode != 0 and any(m in r.stderr for m in NO_NETWORK):
+        pytest.skip("llmnote's dependencies cannot be fetched here (no package index)")
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     show = subprocess.run([str(py), "-c", "import importlib.metadata as m; "
                            "print(m.version('torch'), m.version('triton'), m.version('llmnote'))"],

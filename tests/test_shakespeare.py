@@ -225,11 +225,11 @@ def test_perplexity_bad_ids():
 
 # ---------------------------------------------------------------- loading
 def test_load_round_trip(ckpt, tok):
-    model, tok2 = load_shakespeare(ckpt)
+    model, tok2 = load_shakespeare(ckpt, device="cpu")  # the CPU default: fp32
     assert tok2.get_vocab_size() == model.config.vocab_size == tok.get_vocab_size()
     assert next(model.parameters()).dtype == torch.float32
     assert json.loads((ckpt / CONFIG).read_text())["eos_token_id"] == 0
-    saved, _ = load_shakespeare(ckpt, dtype=torch.bfloat16)
+    saved, _ = load_shakespeare(ckpt, dtype=torch.bfloat16, device="cpu")
     for (name, p), q in zip(model.named_parameters(), saved.parameters(), strict=True):
         assert torch.equal(p, q.float()), f"{name}: bf16 -> fp32 upcast is not exact"
 
@@ -298,7 +298,7 @@ def test_vocab_mismatch_refused(copy, tok):
 # ---------------------------------------------------------------- transformers
 def compare_with_hf(folder: Path, tok, prompt: str, new_tokens: int) -> None:
     transformers = pytest.importorskip("transformers")
-    ours, _ = load_shakespeare(folder)
+    ours, _ = load_shakespeare(folder, device="cpu")
     hf = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
     ids = torch.tensor([tok.encode(prompt).ids])
     with torch.no_grad():
@@ -419,7 +419,7 @@ def test_shipped_perplexity_full_matches_log():
 
 @shipped
 def test_shipped_generates_100_tokens_on_cpu_quickly():
-    model, tok = load_shakespeare()
+    model, tok = load_shakespeare(device="cpu")
     ids = torch.tensor([tok.encode("ROMEO.\n").ids])
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # one core: what any reader has, and no contention on a busy CI box
