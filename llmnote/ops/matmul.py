@@ -28,7 +28,7 @@ zero-fills past the edges), one tile per program or persistent. All three are
 autotuned over ``CONFIGS`` with the pruning rule in :func:`select_configs`, and
 share the fused epilogue (bias, ReLU / tanh-GELU / SiLU, in fp32). The first
 call for a problem size goes through the autotuner; later calls launch the
-tuned config directly (``_TUNED``), saving the autotuner's per-call Python.
+tuned config directly (``TUNING``), saving the autotuner's per-call Python.
 
 Interpreter. Triton's CPU interpreter computes bf16 ``tl.dot`` wrongly, so
 bf16 tiles are upcast to fp32 there (``UPCAST``, decided by
@@ -51,6 +51,7 @@ import triton
 import triton.language as tl
 
 from llmnote import device
+from llmnote.ops._tuning import TuneCache
 from llmnote.ops._validate import check_same, check_tensor
 
 try:  # host-side TMA descriptors: Triton >= 3.4
@@ -215,6 +216,28 @@ def _tile_coords(tile_id, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
 
 
 @triton.jit
+def _tile_offsets(tile_id, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+    """Tile ``tile_id`` of C in grouped order: its rows and columns (``offs_m``, ``offs_n``)
+    and the rows of A and columns of B it reads (``rows``, ``cols``). Rows and columns past
+    the edge read row or column 0 instead of being masked: the loads stay unmasked along M
+    and N, and the store drops those results."""
+    pid_m, pid_n = _tile_coords(tile_id, tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP_M)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows = tl.max_contiguous(tl.multiple_of(tl.where(offs_m < M, offs_m, 0), BLOCK_M), BLOCK_M)
+    cols = tl.max_contiguous(tl.multiple_of(tl.where(offs_n < N, offs_n, 0), BLOCK_N), BLOCK_N)
+    return offs_m, offs_n, rows, cols
+
+
+@triton.jit
+def _store_tile(c_ptr, acc, offs_m, offs_n, M, N, stride_cm, stride_cn):
+    """Round the fp32 tile to C's dtype and store the part inside C (write BM x BN once)."""
+    c_ptrs = c_ptr + offs_m.to(tl.int64)[:, None] * stride_cm + offs_n[None, :] * stride_cn
+    mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
+    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
 def _epilogue(acc, bias_ptr, offs_n, N, HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr):
     """Bias and activation on the fp32 accumulator (BLOCK_M, BLOCK_N), before rounding."""
     if HAS_BIAS:
@@ -245,18 +268,9 @@ def _matmul_kernel(
     HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr, UPCAST: tl.constexpr,
 ):
     """One program computes one (BLOCK_M, BLOCK_N) tile of C = A @ B."""
-    pid = tl.program_id(0)
-    num_pid_m = tl.cdiv(M, BLOCK_M)
-    num_pid_n = tl.cdiv(N, BLOCK_N)
-    pid_m, pid_n = _tile_coords(pid, num_pid_m, num_pid_n, GROUP_M)
-
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # rows of C (and A) of this tile
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # columns of C (and B)
+    # rows and columns of C (rows of A, columns of B) of this tile; past the edge, 0
+    offs_m, offs_n, rows, cols = _tile_offsets(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
     offs_k = tl.arange(0, BLOCK_K)
-    # Rows/columns past the edge read row/column 0 instead of being masked: the
-    # loads stay unmasked along M and N, and the store below drops those results.
-    rows = tl.max_contiguous(tl.multiple_of(tl.where(offs_m < M, offs_m, 0), BLOCK_M), BLOCK_M)
-    cols = tl.max_contiguous(tl.multiple_of(tl.where(offs_n < N, offs_n, 0), BLOCK_N), BLOCK_N)
     a_ptrs = a_ptr + rows.to(tl.int64)[:, None] * stride_am + offs_k[None, :] * stride_ak  # (BM, BK)
     b_ptrs = b_ptr + offs_k[:, None] * stride_bk + cols.to(tl.int64)[None, :] * stride_bn  # (BK, BN)
 
@@ -273,9 +287,7 @@ def _matmul_kernel(
         b_ptrs += BLOCK_K * stride_bk
 
     acc = _epilogue(acc, bias_ptr, offs_n, N, HAS_BIAS, ACTIVATION)
-    c_ptrs = c_ptr + offs_m.to(tl.int64)[:, None] * stride_cm + offs_n[None, :] * stride_cn
-    mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
-    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=mask)  # write BM x BN once
+    _store_tile(c_ptr, acc, offs_m, offs_n, M, N, stride_cm, stride_cn)  # write BM x BN once
 
 
 @_autotune(key=_POINTER_KEY)
@@ -294,11 +306,7 @@ def _matmul_persistent_kernel(
     # flatten=True: the compiler pipelines the tile loop and the K loop as one,
     # so the next tile's first loads are issued while this tile finishes.
     for tile_id in tl.range(tl.program_id(0), num_tiles, NUM_SMS, flatten=True):
-        pid_m, pid_n = _tile_coords(tile_id, num_pid_m, num_pid_n, GROUP_M)
-        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        rows = tl.max_contiguous(tl.multiple_of(tl.where(offs_m < M, offs_m, 0), BLOCK_M), BLOCK_M)
-        cols = tl.max_contiguous(tl.multiple_of(tl.where(offs_n < N, offs_n, 0), BLOCK_N), BLOCK_N)
+        offs_m, offs_n, rows, cols = _tile_offsets(tile_id, M, N, BLOCK_M, BLOCK_N, GROUP_M)
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for k in range(0, tl.cdiv(K, BLOCK_K)):
             kk = k * BLOCK_K + offs_k
@@ -311,9 +319,7 @@ def _matmul_persistent_kernel(
                 b = b.to(tl.float32)
             acc = tl.dot(a, b, acc)
         acc = _epilogue(acc, bias_ptr, offs_n, N, HAS_BIAS, ACTIVATION)
-        c_ptrs = c_ptr + offs_m.to(tl.int64)[:, None] * stride_cm + offs_n[None, :] * stride_cn
-        mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
-        tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=mask)
+        _store_tile(c_ptr, acc, offs_m, offs_n, M, N, stride_cm, stride_cn)
 
 
 @_autotune(key=_TMA_KEY)
@@ -509,7 +515,7 @@ def _use_reference(dtype: torch.dtype) -> bool:
 # (kernel, persistent, B row-major, M bucket, N, K, dtype) -> the config the autotuner chose. Later
 # calls with the same key launch the kernel directly: the autotuner's per-call dispatch
 # costs tens of microseconds of Python, as much as a small product takes on the GPU.
-_TUNED: dict[tuple, triton.Config] = {}
+TUNING = TuneCache("matmul")
 
 
 def _tuned_key(kernel, persistent: bool, b: torch.Tensor, m: int, a_dtype) -> tuple:
@@ -525,9 +531,9 @@ def _launch(a2, b, c, bias, activation, persistent, tma, config: triton.Config |
     meta = dict(HAS_BIAS=bias is not None, ACTIVATION=activation or "none",
                 UPCAST=device.interpreting() and a2.dtype == torch.bfloat16)
     key = _tuned_key(kernel, persistent, b, M, a2.dtype)
-    tuning = config is None and key not in _TUNED
+    tuning = config is None and TUNING.get(key) is None
     if not tuning:  # a known config: skip the autotuner
-        config = config or _TUNED[key]
+        config = config or TUNING.get(key)
         kernel = kernel.fn
         meta |= config.all_kwargs()
     bias_arg = bias if bias is not None else c  # never read when HAS_BIAS is False
@@ -554,7 +560,7 @@ def _launch(a2, b, c, bias, activation, persistent, tma, config: triton.Config |
         kernel[grid](a2, b, c, bias_arg, M, N, K, m_bucket, a2.stride(0), a2.stride(1), b.stride(0),
                      b.stride(1), c.stride(0), c.stride(1), **meta)
     if tuning:
-        _TUNED[key] = kernel.best_config
+        TUNING.set(key, kernel.best_config)
 
 
 def matmul_with_config(a: torch.Tensor, b: torch.Tensor, config: triton.Config, *,
@@ -583,7 +589,7 @@ def tuned(a: torch.Tensor, b: torch.Tensor, *, persistent: bool = False,
     the first such call)."""
     a2 = a.reshape(math.prod(a.shape[:-1]), b.shape[0])
     kernel = _plan(a2, b, persistent, tma)[0]
-    return _TUNED.get(_tuned_key(kernel, persistent, b, a2.shape[0], a.dtype))
+    return TUNING.get(_tuned_key(kernel, persistent, b, a2.shape[0], a.dtype))
 
 
 def tuned_config(a: torch.Tensor, b: torch.Tensor, *, persistent: bool = False,

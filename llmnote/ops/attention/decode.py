@@ -159,7 +159,7 @@ def merge_splits(lse, part):
     empty split, also the padding), ``part (S, D)`` normalised outputs -> ``(out (D,), m, den)``
     with ``out = sum_s 2^(lse_s - m) part_s / den``, ``m`` the largest finite ``lse_s`` (0 if
     none) and ``den = sum_s 2^(lse_s - m)`` (0: every split empty, ``out`` 0). Shared by the
-    combine kernel and :func:`llmnote.ops.gemv.combine_gemv`."""
+    combine kernel and :func:`llmnote.ops.attention.combine_gemv.combine_gemv`."""
     m = tl.max(lse, 0)
     m = tl.where(m == -float("inf"), 0.0, m)
     w = tl.math.exp2(lse - m)  # empty splits: 0
