@@ -45,3 +45,16 @@ def test_a_failing_block_closes_its_recording():
         with a.recorded():
             raise RuntimeError("boom")
     assert _tuning._open == []
+
+
+def test_kernel_source_unwraps_jit_and_autotune():
+    from llmnote.ops.matmul import _matmul_kernel, _tile_coords
+    from llmnote.source import kernel_source
+
+    src = kernel_source(_matmul_kernel)  # autotune -> jit -> function
+    assert src.startswith("@_autotune") and "def _matmul_kernel(" in src
+    assert src.rstrip().splitlines()[-1].lstrip().startswith("_store_tile(")  # the whole body
+    assert kernel_source(_tile_coords).startswith("@triton.jit\ndef _tile_coords(")
+    assert kernel_source(kernel_source).startswith("def kernel_source(")
+    with pytest.raises(TypeError, match="fn must be a function"):
+        kernel_source(3)

@@ -18,16 +18,14 @@ the tensor cores (``tl.dot``). Accumulation is fp32; the output has x's dtype.
 
 The tile shape is chosen per (M, N, K, dtype, prologue, bias) by timing a short
 list of candidates on the first call (``TUNING``, a
-:class:`llmnote.ops._tuning.TuneCache`; :data:`GEMV_AUTOTUNE`); later calls
-launch the chosen one without touching the host, so the op can be captured in a
-CUDA graph after one warm-up call. Variants that fold the element-wise kernel
+:class:`llmnote.ops._tuning.TuneCache`); later calls launch the chosen one
+directly, so the op can be captured in a CUDA graph after one warm-up call. Variants that fold the element-wise kernel
 before a projection into the GEMV live in :mod:`llmnote.ops.fused_gemv`
 (``add_rmsnorm_gemv``, ``swiglu_gemv``); the output projection over split-KV
 attention partials in :mod:`llmnote.ops.attention.combine_gemv`.
 
-Source: the memory-bound view of decode GEMV follows S. Williams, A. Waterman,
-D. Patterson, "Roofline: an insightful visual performance model for multicore
-architectures", CACM 52(4), 2009.
+Source: the memory-bound view follows Williams, Waterman, Patterson, "Roofline: an
+insightful visual performance model for multicore architectures", CACM 52(4), 2009.
 """
 
 from __future__ import annotations

@@ -7,14 +7,12 @@ Shapes (``N x K``, bf16): the linear layers of a Qwen3-0.6B decode step (qkv
 
 Providers (``bench = "gemv"``):
 
-* ``llmnote-gemv``: :func:`llmnote.ops.gemv` (tile chosen by timing on the first call);
+* ``llmnote-gemv``: :func:`llmnote.ops.gemv` (tile timed on the first call);
   ``torch-linear``: ``F.linear`` (cuBLAS);
-* on the qkv and gate_up shapes (their input is the RMSNorm of the residual stream):
-  ``llmnote-add_rmsnorm_gemv`` (one kernel) vs ``add_rmsnorm+linear``
-  (:func:`llmnote.ops.add_rmsnorm` then ``F.linear``);
-* on the down shape: ``llmnote-swiglu_gemv`` (one kernel, reading the fused
-  gate/up output) vs ``swiglu+linear`` (:func:`llmnote.ops.swiglu` on the two
-  halves, then ``F.linear``).
+* qkv and gate_up (input: the RMSNorm of the residual stream): ``llmnote-add_rmsnorm_gemv``
+  (:mod:`llmnote.ops.fused_gemv`, one kernel) vs ``add_rmsnorm+linear``;
+* down: ``llmnote-swiglu_gemv`` (one kernel, reading the fused gate/up output) vs
+  ``swiglu+linear`` (:func:`llmnote.ops.swiglu` on the two halves, then ``F.linear``).
 
 Timing on a GPU: a microsecond-scale GEMV is shorter than the Python launch
 path, so each provider is captured in a CUDA graph of ``R`` back-to-back calls,

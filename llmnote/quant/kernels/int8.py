@@ -23,7 +23,8 @@ import triton.language as tl
 
 from llmnote import device
 from llmnote.ops._validate import check_device, check_same
-from llmnote.ops.matmul import _config, _store_tile, _tile_offsets, prune_configs
+from llmnote.ops.matmul import _store_tile, _tile_offsets
+from llmnote.ops.matmul_configs import _config, prune_configs
 from llmnote.quant.primitives import check_tensor
 
 ACT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)

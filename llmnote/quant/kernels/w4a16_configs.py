@@ -23,7 +23,7 @@ import torch
 import triton
 
 from llmnote import device
-from llmnote.ops.matmul import _num_sms
+from llmnote.ops.matmul_configs import _num_sms
 
 
 @dataclass(frozen=True, kw_only=True)

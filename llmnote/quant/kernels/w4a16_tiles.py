@@ -11,7 +11,7 @@ memset and no second kernel are needed (:func:`_w4_store_tile`).
 import triton
 import triton.language as tl
 
-from llmnote.ops.matmul import _tile_coords
+from llmnote.ops.matmul_configs import _tile_coords
 
 
 @triton.jit
