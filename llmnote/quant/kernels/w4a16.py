@@ -17,7 +17,6 @@ the kernel a reader should start from: :mod:`~llmnote.quant.kernels.w4a16_basic`
 from __future__ import annotations
 
 import contextlib
-import math
 
 import torch
 import triton
@@ -35,7 +34,8 @@ from llmnote.quant.kernels.w4a16_configs import (
 from llmnote.quant.kernels.w4a16_gemv import _w4a16_gemv_kernel, _w4a16_row_kernel
 from llmnote.quant.kernels.w4a16_mma import _w4a16_mma_kernel
 from llmnote.quant.kernels.w4a16_ref import (
-    HALF_DTYPES, check_w4a16, w4a16_add_rmsnorm_linear_ref, w4a16_linear_ref, w4a16_swiglu_linear_ref,
+    HALF_DTYPES, check_w4a16, kernel_operands, w4a16_add_rmsnorm_linear_ref, w4a16_linear_ref,
+    w4a16_swiglu_linear_ref,
 )
 from llmnote.quant.primitives import check_tensor
 
@@ -99,14 +99,8 @@ def w4a16_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, z
         raise TypeError(f"config must be None, a GemvTile, RowTile or MmaTile, got {type(config).__name__}")
     if device.use_reference("w4a16_linear", min_capability=(8, 0)) or group_size % 8:
         return w4a16_linear_ref(x, qweight, scales, zeros, group_size, bias)
-    for name, t in (("x", x), ("qweight", qweight), ("scales", scales), ("zeros", zeros)):
-        check_device(name, t)
-    K, N = qweight.shape[0] * 8, qweight.shape[1]
-    lead = x.shape[:-1]
-    M = math.prod(lead)
-    x2 = x.reshape(M, K)
-    if x2.stride(1) != 1:  # the kernel reads rows of x as contiguous
-        x2 = x2.contiguous()
+    x2, lead = kernel_operands(x, qweight, scales, zeros)  # (M, K), rows contiguous
+    M, N = x2.shape[0], qweight.shape[1]
     c = torch.empty((M, N), dtype=x.dtype, device=x.device)
     if M == 0 or N == 0:
         return c.reshape(*lead, N)

@@ -22,15 +22,12 @@ the weight fills the tensor core's wide side, split-K, prefetching and tuned til
 
 from __future__ import annotations
 
-import math
-
 import torch
 import triton
 import triton.language as tl
 
 from llmnote import device
-from llmnote.ops._validate import check_device
-from llmnote.quant.kernels.w4a16_ref import HALF_DTYPES, check_w4a16, w4a16_linear_ref
+from llmnote.quant.kernels.w4a16_ref import HALF_DTYPES, check_w4a16, kernel_operands, w4a16_linear_ref
 
 
 @triton.jit
@@ -79,14 +76,8 @@ def w4a16_linear_basic(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Ten
         raise TypeError(f"x must be float16 or bfloat16 for the W4A16 kernel, got {x.dtype}")
     if device.use_reference("w4a16_linear_basic", min_capability=(8, 0)):
         return w4a16_linear_ref(x, qweight, scales, zeros, group_size, bias)
-    for name, t in (("x", x), ("qweight", qweight), ("scales", scales), ("zeros", zeros)):
-        check_device(name, t)
-    K, N = qweight.shape[0] * 8, qweight.shape[1]
-    lead = x.shape[:-1]
-    M = math.prod(lead)
-    x2 = x.reshape(M, K)
-    if x2.stride(1) != 1:
-        x2 = x2.contiguous()
+    x2, lead = kernel_operands(x, qweight, scales, zeros)  # (M, K), rows contiguous
+    (M, K), N = x2.shape, qweight.shape[1]
     qweight, scales, zeros = qweight.contiguous(), scales.contiguous(), zeros.contiguous()
     y = torch.empty((M, N), dtype=x.dtype, device=x.device)
     if M and N:

@@ -12,8 +12,11 @@ the kernels must match them within the low-precision rule of
 
 from __future__ import annotations
 
+import math
+
 import torch
 
+from llmnote.ops._validate import check_device
 from llmnote.quant.kernels.int8 import ACT_DTYPES
 from llmnote.quant.primitives import check_tensor, unpack_int4
 
@@ -60,6 +63,17 @@ def check_w4a16(x, qweight, scales, zeros, group_size, bias) -> None:
         check_tensor("bias", bias, dtypes=ACT_DTYPES, ndim=1)
         if bias.shape[0] != N:
             raise ValueError(f"bias must have shape (N,) = ({N},), got {tuple(bias.shape)}")
+
+
+def kernel_operands(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor
+                    ) -> tuple[torch.Tensor, tuple[int, ...]]:
+    """For a kernel launch: the operands on a device Triton runs on, and ``x (..., K)`` as
+    ``(M, K)`` rows with stride 1 along K, with its leading shape."""
+    for name, t in (("x", x), ("qweight", qweight), ("scales", scales), ("zeros", zeros)):
+        check_device(name, t)
+    lead = tuple(x.shape[:-1])
+    x2 = x.reshape(math.prod(lead), x.shape[-1])
+    return (x2 if x2.stride(1) == 1 else x2.contiguous()), lead
 
 
 def w4a16_add_rmsnorm_linear_ref(x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float,
