@@ -9,12 +9,15 @@ against the fp32 reference with the low-precision rule.
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 from llmnote import device
 from llmnote.quant import kernels as K
 from llmnote.quant.kernels import w4a16 as W4
 from llmnote.quant.kernels.w4a16_configs import candidates as w4_candidates
-from llmnote.quant.primitives import pack_int4, quantize
+from llmnote.quant.kernels.w4_decode import NIBBLE, decode_pair, dequant_pair
+from llmnote.quant.primitives import pack_int4, quantize, unpack_int4
 from llmnote.testing import MismatchError, assert_close, assert_close_lowp, interpreter_allowance
 
 ODD_MK = [(1, 1), (3, 17), (37, 100), (70, 33)]
@@ -137,8 +140,6 @@ def test_w4a16_basic_bad_input(dev):
 
 def _lowp_ref(x, qw, s, z, g):
     """PyTorch's own low-precision result: the dequantized weight rounded to x's dtype, matmul in x's dtype."""
-    from llmnote.quant.primitives import unpack_int4
-
     w = K.dequantize_int4_weight(unpack_int4(qw), s, z, g).to(x.dtype)
     return (x.float() @ w.float()).to(x.dtype)
 
@@ -437,3 +438,40 @@ def test_w4a16_recorded_keys_and_set_config(dev):
         assert K.TUNING.get(keys[0]) == other
         want = K.w4a16_linear_ref(x.float(), qw, s.float(), z.float(), 32)
         assert_close_lowp(K.w4a16_linear(x, qw, s, z, 32), want, _lowp_ref(x, qw, s, z, 32), atol=1e-3)
+
+
+
+@triton.jit
+def _decode_probe(w_ptr, out_ptr, s, z, nibble, N: tl.constexpr):
+    """Rows 5p .. 5p + 4 of out: decode_pair's (f_even, f_odd), f_even with EVEN_SIXTEEN, and
+    dequant_pair's two values, for the codes 2p and 2p + 1 of N words."""
+    offs = tl.arange(0, N)
+    words = tl.load(w_ptr + offs)
+    for p in tl.static_range(4):
+        e1, o1 = decode_pair(words, p, nibble, nibble << 4, False)
+        e16, _ = decode_pair(words, p, nibble, nibble << 4, True)
+        de, do = dequant_pair(words, p, nibble, nibble << 4, 256.0 * s, (256.0 + z) * s, 16.0 * s, (16.0 + z) * s)
+        tl.store(out_ptr + (5 * p) * N + offs, e1)
+        tl.store(out_ptr + (5 * p + 1) * N + offs, o1)
+        tl.store(out_ptr + (5 * p + 2) * N + offs, e16)
+        tl.store(out_ptr + (5 * p + 3) * N + offs, de)
+        tl.store(out_ptr + (5 * p + 4) * N + offs, do)
+
+
+def test_w4_decode_pair_every_code_in_every_position(dev):
+    """The two-codes-per-shift decoding (w4_decode): codes 0..15 in each of the eight nibbles
+    of a word (the sign bit included) come out as exactly 1 + q/256 or 16 + q/16 (even codes)
+    and 1 + q/16 (odd codes), and dequant_pair gives (q - z) s."""
+    q = torch.stack([(torch.arange(16) + 3 * j) % 16 for j in range(8)])  # (8, 16): every code everywhere
+    words = pack_int4(q).to(dev)  # (1, 16) int32
+    assert torch.equal(unpack_int4(words.cpu()), q)
+    out = torch.empty(20, 16, device=dev)
+    s, z = 0.37, 5.0
+    _decode_probe[(1,)](words, out, s, z, NIBBLE, N=16)
+    out, qf = out.cpu(), q.float()
+    for p in range(4):
+        even, odd = qf[2 * p], qf[2 * p + 1]
+        assert torch.equal(out[5 * p], 1 + even / 256) and torch.equal(out[5 * p + 2], 16 + even / 16)
+        assert torch.equal(out[5 * p + 1], 1 + odd / 16)
+        assert_close(out[5 * p + 3:5 * p + 5], (torch.stack([even, odd]) - z) * s, atol=1e-5, rtol=0,
+                     name=f"dequant_pair p={p}")
