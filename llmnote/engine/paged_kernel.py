@@ -240,7 +240,7 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     ``partials=True`` skips the combine and returns the splits' partials ``(part (batch,
     heads, splits, head_dim), lpart (batch, heads, splits))`` fp32 (normalised outputs,
     log-sum-exps in log2 units) for a consumer that merges them itself
-    (:func:`llmnote.ops.gemv.combine_gemv`)."""
+    (:func:`llmnote.ops.attention.combine_gemv.combine_gemv`)."""
     from llmnote.ops.attention.decode import combine_splits
 
     t, h, d = q.shape
