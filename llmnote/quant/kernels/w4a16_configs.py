@@ -11,8 +11,8 @@ A config's type says which kernel it runs:
 
 ``stages`` pipelines the K loop (``num_stages``; for the batch-1 kernels also
 ``tl.range(num_stages=...)``), ``prefetch`` loads step i + 1 before step i is
-computed (a register double buffer). The candidate lists were timed on the H100
-with CUDA-graph timing, as the benchmark times them (``benchmarks/logs/``).
+computed (a register double buffer). The candidate lists were chosen from sweeps
+on the H100 with CUDA-graph timing, as the quant benchmark times them.
 """
 
 from __future__ import annotations
