@@ -475,3 +475,17 @@ def test_w4_decode_pair_every_code_in_every_position(dev):
         assert torch.equal(out[5 * p + 1], 1 + odd / 16)
         assert_close(out[5 * p + 3:5 * p + 5], (torch.stack([even, odd]) - z) * s, atol=1e-5, rtol=0,
                      name=f"dequant_pair p={p}")
+
+
+def test_public_names_of_the_former_module_still_import():
+    """Everything a caller imported from the one-file llmnote.quant.kernels still imports
+    from the package (the package's submodules hold them now)."""
+    from llmnote.quant import kernels
+
+    for name in ("quantize_per_token", "quantize_per_token_ref", "int8_gemm", "int8_gemm_ref",
+                 "w4a16_linear", "w4a16_linear_ref", "dequantize_int4_weight", "w4a16_add_rmsnorm_linear",
+                 "w4a16_add_rmsnorm_linear_ref", "w4a16_swiglu_linear", "w4a16_swiglu_linear_ref",
+                 "recorded_keys", "tuning_candidates", "set_config", "default_split_k", "GEMV_MAX_M",
+                 "LARGE_MIN_M", "SPLIT_MAX_M", "MAX_SPLIT", "W4_GEMV_GPU", "W4_GEMM_GPU", "W4_GEMM_LARGE_GPU",
+                 "HALF_DTYPES", "ACT_DTYPES", "NONE", "ADD_RMSNORM", "SWIGLU", "_round_half_away"):
+        assert hasattr(kernels, name), name
