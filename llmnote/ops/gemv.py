@@ -71,8 +71,8 @@ FMA_CANDIDATES = [GemvConfig(2, 512), GemvConfig(4, 256), GemvConfig(4, 512), Ge
 FMA_MAX_ELEMENTS = 16384  # BLOCK_M * BLOCK_N * BLOCK_K
 DOT_CANDIDATES = [GemvConfig(16, 256, 4, True), GemvConfig(16, 512, 4, True),
                   GemvConfig(32, 256, 4, True), GemvConfig(32, 128, 4, True)]
-# Fused prologues (llmnote.ops.fused_gemv) at batch 2-16: every program recomputes the prologue over the full K, so
-# wider tiles (fewer programs, less repeated work) join the list.
+# Fused prologues (llmnote.ops.fused_gemv) at batch 2-16: every program recomputes the
+# prologue over the full K, so wider tiles (fewer programs, less repeated work) join the list.
 FUSED_EXTRA = [GemvConfig(16, 256), GemvConfig(32, 128), GemvConfig(64, 128, 4, True),
                GemvConfig(64, 256, 8, True), GemvConfig(128, 128, 8, True),
                GemvConfig(16, 256, 4, True, 1), GemvConfig(32, 128, 4, True, 1),
@@ -94,8 +94,8 @@ def gemv_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = 
 @triton.jit
 def _weight_tile(w_ptr, rows, ks, N, K, stride_wn):
     """Weight rows ``rows`` (BLOCK_N,) at columns ``ks`` (BLOCK_K,); zeros past N and K."""
-    return tl.load(w_ptr + rows[:, None] * stride_wn + ks[None, :], mask=(rows[:, None] < N) & (ks[None, :] < K),
-                   other=0.0)
+    return tl.load(w_ptr + rows[:, None] * stride_wn + ks[None, :],
+                   mask=(rows[:, None] < N) & (ks[None, :] < K), other=0.0)
 
 
 @triton.jit
