@@ -584,7 +584,10 @@ class ModelRunner:
         a synthetic context of ``context`` tokens from the first cache blocks (at start-up
         they hold nothing; the step writes one slot of them), so attention does the work of
         a typical step. ``self.graph_tuning`` keeps ``(key, [(ms, config), ...])`` per GEMV."""
-        from llmnote.ops import _tuning
+        import importlib
+
+        gemv = importlib.import_module("llmnote.ops.gemv")  # (llmnote.ops.gemv is also the op's name)
+        w4 = importlib.import_module("llmnote.quant.kernels")
 
         bs = self.config.block_size
         c = max(1, min(context, self.max_model_len, self.num_blocks * bs))
@@ -605,21 +608,21 @@ class ModelRunner:
                 times.append(start.elapsed_time(end) / replays)
             return sorted(times)[1]
 
-        with _tuning.recorded() as launches:  # (TuneCache, key) of every tuned GEMV in the graph
+        with gemv.recorded_keys() as keys, w4.recorded_keys() as w4_keys:
             g, _ = self._capture(1, splits)
         self.graph_tuning = []
-        for cache, key in launches:
-            cands = cache.candidates(key)
+        for key, mod in [(k, gemv) for k in keys] + [(k, w4) for k in w4_keys]:
+            cands = mod.tuning_candidates(key)
             if len(cands) < 2:
                 continue
             timed = []
             for cand in cands:
-                cache.set(key, cand)
+                mod.set_config(key, cand)
                 del g
                 g, _ = self._capture(1, splits)
                 timed.append((graph_ms(g), cand))
             timed.sort(key=lambda e: e[0])
-            cache.set(key, timed[0][1])
+            mod.set_config(key, timed[0][1])
             self.graph_tuning.append((key, timed))
         del g
         self.g_tables[0].fill_(self.num_blocks)  # back to the scratch block, as capture left it
