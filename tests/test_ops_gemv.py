@@ -334,3 +334,17 @@ def test_benchmark_prints_the_tuning_of_every_recorded_key(capsys):
         g.TUNE_LOG.update(saved)
     out = capsys.readouterr().out
     assert "tune test prologue=0 M=1 N=24 K=64" in out and "tune test combine N=8 heads=2 splits=3 D=16" in out
+
+
+def test_fused_variants_still_import_from_llmnote_ops_gemv():
+    """The fused GEMVs and combine_gemv live in their own modules and stay importable from
+    llmnote.ops.gemv, as the same objects."""
+    from llmnote.ops import fused_gemv
+    from llmnote.ops.attention import combine_gemv as combine_module
+
+    for name in ("add_rmsnorm_gemv", "add_rmsnorm_gemv_ref", "swiglu_gemv", "swiglu_gemv_ref", "Prologue"):
+        assert getattr(GEMV_MODULE, name) is getattr(fused_gemv, name)
+    for name in ("combine_gemv", "combine_gemv_ref"):
+        assert getattr(GEMV_MODULE, name) is getattr(combine_module, name)
+    with pytest.raises(AttributeError, match="no attribute 'nope'"):
+        GEMV_MODULE.nope

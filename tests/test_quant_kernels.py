@@ -9,10 +9,15 @@ against the fp32 reference with the low-precision rule.
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 from llmnote import device
 from llmnote.quant import kernels as K
-from llmnote.quant.primitives import pack_int4, quantize
+from llmnote.quant.kernels import w4a16 as W4
+from llmnote.quant.kernels.w4a16_configs import candidates as w4_candidates
+from llmnote.quant.kernels.w4_decode import NIBBLE, decode_pair, dequant_pair
+from llmnote.quant.primitives import pack_int4, quantize, unpack_int4
 from llmnote.testing import MismatchError, assert_close, assert_close_lowp, interpreter_allowance
 
 ODD_MK = [(1, 1), (3, 17), (37, 100), (70, 33)]
@@ -106,10 +111,35 @@ def test_w4a16(seed, dev, m, n, k, g, dtype):
     assert_close_lowp(out, ref32, _lowp_ref(x, qw, s, z, g), atol=1e-3, name="w4a16")
 
 
+@pytest.mark.parametrize("m,n,k,g", [(1, 1, 32, 32), (1, 40, 256, 128), (5, 33, 96, 32), (19, 45, 72, 24),
+                                     (37, 24, 256, 4)])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_w4a16_basic(seed, dev, m, n, k, g, dtype):
+    """The teaching kernel (one tile walking K) against the reference: K no multiple of its
+    32-channel step, a group size no power of two (24) and one below a word (4), N and M
+    no multiple of its 32 x 16 tile, with and without bias."""
+    qw, s, z = _w4(n, k, g, dtype, dev)
+    x = torch.randn(m, k, device=dev).to(dtype)
+    bias = torch.randn(n, device=dev).to(dtype) if m % 2 else None
+    out = K.w4a16_linear_basic(x, qw, s, z, g, bias)
+    b32 = None if bias is None else bias.float()
+    ref32 = K.w4a16_linear_ref(x.float(), qw, s.float(), z.float(), g, b32)
+    assert out.dtype == dtype and out.shape == (m, n)
+    lowp = _lowp_ref(x, qw, s, z, g) + (0 if bias is None else bias)
+    assert_close_lowp(out, ref32, lowp, atol=1e-3 + 2 * interpreter_allowance(dtype, ref32), name="w4a16 basic")
+
+
+def test_w4a16_basic_bad_input(dev):
+    qw, s, z = _w4(8, 64, 32, torch.float16, dev)
+    x = torch.randn(2, 64, device=dev).half()
+    with pytest.raises(TypeError, match="float16 or bfloat16"):
+        K.w4a16_linear_basic(x.float(), qw, s, z, 32)
+    with pytest.raises(ValueError, match="group_size must be a positive int dividing K"):
+        K.w4a16_linear_basic(x, qw, s, z, 48)
+
+
 def _lowp_ref(x, qw, s, z, g):
     """PyTorch's own low-precision result: the dequantized weight rounded to x's dtype, matmul in x's dtype."""
-    from llmnote.quant.primitives import unpack_int4
-
     w = K.dequantize_int4_weight(unpack_int4(qw), s, z, g).to(x.dtype)
     return (x.float() @ w.float()).to(x.dtype)
 
@@ -196,7 +226,7 @@ def test_w4a16_split_k_repeats_and_resets_counters(seed, dev):
     plain = K.w4a16_linear(x, qw, s, z, 32, split_k=1)
     assert torch.equal(first, again)
     assert_close(first.float(), plain.float(), atol=2e-3, rtol=2e-3)
-    _, cnt = K._WS[(x.device.type, x.device.index)]
+    _, cnt = W4._WS[(x.device.type, x.device.index)]
     assert int(cnt.abs().sum()) == 0
 
 
@@ -220,7 +250,7 @@ def test_w4a16_extreme_codes_and_group_fallback(dev):
 def _one_w4_candidate(monkeypatch):
     """No timing of W4A16 candidate tiles in the tests (each would compile on a GPU): the
     first candidate runs; the benchmark checks the tuned choice at full size."""
-    monkeypatch.setattr(K, "W4_AUTOTUNE", False)
+    monkeypatch.setattr(W4, "W4_AUTOTUNE", False)
 
 
 def test_w4a16_split_k_many_programs(seed, dev):
@@ -235,24 +265,26 @@ def test_w4a16_split_k_many_programs(seed, dev):
 
 
 # Every kernel variant and tile that w4a16_linear may choose, forced through ``config``: on a GPU
-# the listed candidates (the tuner may pick any of them), the per-slice dots and the W tile, on the
-# interpreter one small tile per code path (FMA: plain, pipelined loop, prefetch; tensor-core tiles
-# W^T (swap AB) and W, with one step of 32 or 64 codes; the per-slice dots of _w4a16_kernel).
-_C = K.W4Config
+# the listed candidates (the tuner may pick any of them), on the interpreter one small tile per
+# code path (row kernel: plain, pipelined loop, prefetch; GEMV kernel: plain, prefetch with a
+# pipelined loop; tensor-core tiles with one step of 32 or 64 codes and 16 or 32 tokens).
 W4_VARIANTS = (K.W4_GEMV_GPU + K.W4_GEMM_GPU + K.W4_GEMM_LARGE_GPU
-               + [_C(16, 64, 128, 2, 4, 3, True), _C(16, 64, 128, 1, 4, 3, True, 1)]
                if device.on_gpu() else
-               [_C(1, 16, 32, 2, 4, 1, False), _C(1, 16, 32, 1, 4, 3, False), _C(1, 16, 64, 1, 4, 1, False, 0, True),
-                _C(1, 16, 64, 1, 4, 1, False, 3), _C(1, 16, 256, 1, 4, 2, False, 3, True),
-                _C(16, 16, 64, 1, 4, 1, True, 2), _C(16, 16, 32, 1, 4, 1, True, 2), _C(32, 16, 64, 1, 4, 1, True, 2),
-                _C(16, 16, 64, 1, 4, 1, True, 1), _C(16, 16, 128, 1, 4, 1, True)])
+               [K.RowTile(bn=16, bk=32, sub=2), K.RowTile(bn=16, bk=32, stages=3),
+                K.RowTile(bn=16, bk=64, prefetch=True), K.GemvTile(bn=16, bk=64),
+                K.GemvTile(bn=16, bk=256, stages=2, prefetch=True), K.MmaTile(bm=16, bn=16, bk=64, stages=1),
+                K.MmaTile(bm=16, bn=16, bk=32, stages=1), K.MmaTile(bm=32, bn=16, bk=64, stages=1)])
 
 
-@pytest.mark.parametrize("cfg", W4_VARIANTS, ids=lambda c: "-".join(map(str, c)))
+def _cfg_id(c) -> str:
+    return type(c).__name__ + "-" + "-".join(f"{k}{v}" for k, v in vars(c).items())
+
+
+@pytest.mark.parametrize("cfg", W4_VARIANTS, ids=_cfg_id)
 def test_w4a16_every_variant(seed, dev, cfg):
     # (m, n, k, g, split): odd N (no wide loads), one group per step or a group per packed row,
     # K no multiple of the step (m = 3), more slices than steps, batch 1 and batches of 3 and 33.
-    cases = [(1 if not cfg.dot else 33, 37, 384, 128, 2), (3, 48, 200, 8, 1), (1, 48, 256, 32, 8)]
+    cases = [(33 if isinstance(cfg, K.MmaTile) else 1, 37, 384, 128, 2), (3, 48, 200, 8, 1), (1, 48, 256, 32, 8)]
     for m, n, k, g, split in cases:
         qw, s, z = _w4(n, k, g, torch.bfloat16, dev)
         x = torch.randn(m, k, device=dev).bfloat16()
@@ -273,7 +305,7 @@ def test_w4a16_full_size_every_candidate(seed, dev, m):
     x = torch.randn(m, 4096, device=dev).bfloat16()
     ref32 = K.w4a16_linear_ref(x.float(), qw, s.float(), z.float(), 128)
     lowp = _lowp_ref(x, qw, s, z, 128)
-    cands = K._candidates(m, 4096, 4096, 128, x.device, None)
+    cands = w4_candidates(m, 4096, 4096, 128, x.device, None)
     if m >= K.LARGE_MIN_M:  # the large tiles are among them, and no split whose fp32 partials
         assert any(c in K.W4_GEMM_LARGE_GPU for c, _ in cands)  # outweigh the packed weights
         assert all(split == 1 or 2 * split * m * 64 <= 4096 for _, split in cands)
@@ -283,7 +315,7 @@ def test_w4a16_full_size_every_candidate(seed, dev, m):
 
 
 # ------------------------------------------------------------ W4A16 with a fused prologue (batch 1)
-TILE3 = [K.W4Config(1, 16, 64, 1, 4, 1, False, 3, True), K.W4Config(1, 32, 128, 1, 4, 1, False, 3)]
+TILE3 = [K.GemvTile(bn=16, bk=64, prefetch=True), K.GemvTile(bn=32, bk=128)]
 
 
 def _check_w4_product(got, a, qw, s, z, g, bias, name):
@@ -349,12 +381,12 @@ def test_w4a16_prologues_with_split_k(seed, dev, split):
     x, r = _rows(1, k, dtype, dev), _rows(1, k, dtype, dev)
     nw = (1 + 0.1 * torch.randn(k, device=dev)).to(dtype)
     y, h = torch.empty(1, n, device=dev, dtype=dtype), torch.empty_like(x)
-    K._w4_run(x, qw, s, z, g, None, y, split, TILE3[0], K.ADD_RMSNORM, (r, nw, h, 1e-6))
+    W4._w4_run(x, qw, s, z, g, None, y, split, TILE3[0], K.ADD_RMSNORM, (r, nw, h, 1e-6))
     hs_ref, h_ref = add_rmsnorm_ref(x, r, nw, 1e-6)
     assert torch.equal(h, h_ref)
     _check_w4_product(y, hs_ref, qw, s, z, g, None, f"add_rmsnorm prologue, split {split}")
     gu = _rows(1, 2 * k, dtype, dev)
-    K._w4_run(gu, qw, s, z, g, None, y, split, TILE3[1], K.SWIGLU)
+    W4._w4_run(gu, qw, s, z, g, None, y, split, TILE3[1], K.SWIGLU)
     _check_w4_product(y, swiglu_ref(gu[:, :k], gu[:, k:]), qw, s, z, g, None, f"swiglu prologue, split {split}")
 
 
@@ -380,9 +412,9 @@ def test_w4a16_prologues_bad_input(dev):
         K.w4a16_swiglu_linear(torch.randn(1, 64, device=dev).half(), qw, s, z, 32)
     with pytest.raises(ValueError, match="contiguous along its last dimension"):
         K.w4a16_swiglu_linear(torch.randn(1, 256, device=dev).half()[:, ::2], qw, s, z, 32)
-    with pytest.raises(ValueError, match="tile 3"):
+    with pytest.raises(ValueError, match="runs on a GemvTile only"):
         K.w4a16_swiglu_linear(torch.randn(1, 128, device=dev).half(), qw, s, z, 32,
-                              config=K.W4Config(1, 16, 64, 1, 4, 1, False, 0))
+                              config=K.RowTile(bn=16, bk=64))
 
 
 def test_w4a16_recorded_keys_and_set_config(dev):
@@ -403,6 +435,57 @@ def test_w4a16_recorded_keys_and_set_config(dev):
         assert cands and all(isinstance(c, K.W4Config) and split >= 1 for c, split in cands)
         other = (TILE3[1], 1)
         K.set_config(keys[0], other)
-        assert K._TUNED[keys[0]] == other
+        assert K.TUNING.get(keys[0]) == other
         want = K.w4a16_linear_ref(x.float(), qw, s.float(), z.float(), 32)
         assert_close_lowp(K.w4a16_linear(x, qw, s, z, 32), want, _lowp_ref(x, qw, s, z, 32), atol=1e-3)
+
+
+
+@triton.jit
+def _decode_probe(w_ptr, out_ptr, s, z, nibble, N: tl.constexpr):
+    """Rows 5p .. 5p + 4 of out: decode_pair's (f_even, f_odd), f_even with EVEN_SIXTEEN, and
+    dequant_pair's two values, for the codes 2p and 2p + 1 of N words."""
+    offs = tl.arange(0, N)
+    words = tl.load(w_ptr + offs)
+    for p in tl.static_range(4):
+        e1, o1 = decode_pair(words, p, nibble, nibble << 4, False)
+        e16, _ = decode_pair(words, p, nibble, nibble << 4, True)
+        de, do = dequant_pair(words, p, nibble, nibble << 4, 256.0 * s, (256.0 + z) * s, 16.0 * s, (16.0 + z) * s)
+        tl.store(out_ptr + (5 * p) * N + offs, e1)
+        tl.store(out_ptr + (5 * p + 1) * N + offs, o1)
+        tl.store(out_ptr + (5 * p + 2) * N + offs, e16)
+        tl.store(out_ptr + (5 * p + 3) * N + offs, de)
+        tl.store(out_ptr + (5 * p + 4) * N + offs, do)
+
+
+def test_w4_decode_pair_every_code_in_every_position(dev):
+    """The two-codes-per-shift decoding (w4_decode): codes 0..15 in each of the eight nibbles
+    of a word (the sign bit included) come out as exactly 1 + q/256 or 16 + q/16 (even codes)
+    and 1 + q/16 (odd codes), and dequant_pair gives (q - z) s."""
+    q = torch.stack([(torch.arange(16) + 3 * j) % 16 for j in range(8)])  # (8, 16): every code everywhere
+    words = pack_int4(q).to(dev)  # (1, 16) int32
+    assert torch.equal(unpack_int4(words.cpu()), q)
+    out = torch.empty(20, 16, device=dev)
+    s, z = 0.37, 5.0
+    _decode_probe[(1,)](words, out, s, z, NIBBLE, N=16)
+    out, qf = out.cpu(), q.float()
+    for p in range(4):
+        even, odd = qf[2 * p], qf[2 * p + 1]
+        assert torch.equal(out[5 * p], 1 + even / 256) and torch.equal(out[5 * p + 2], 16 + even / 16)
+        assert torch.equal(out[5 * p + 1], 1 + odd / 16)
+        assert_close(out[5 * p + 3:5 * p + 5], (torch.stack([even, odd]) - z) * s, atol=1e-5, rtol=0,
+                     name=f"dequant_pair p={p}")
+
+
+def test_public_names_of_the_former_module_still_import():
+    """Everything a caller imported from the one-file llmnote.quant.kernels still imports
+    from the package (the package's submodules hold them now)."""
+    from llmnote.quant import kernels
+
+    for name in ("quantize_per_token", "quantize_per_token_ref", "int8_gemm", "int8_gemm_ref",
+                 "w4a16_linear", "w4a16_linear_ref", "dequantize_int4_weight", "w4a16_add_rmsnorm_linear",
+                 "w4a16_add_rmsnorm_linear_ref", "w4a16_swiglu_linear", "w4a16_swiglu_linear_ref",
+                 "recorded_keys", "tuning_candidates", "set_config", "default_split_k", "GEMV_MAX_M",
+                 "LARGE_MIN_M", "SPLIT_MAX_M", "MAX_SPLIT", "W4_GEMV_GPU", "W4_GEMM_GPU", "W4_GEMM_LARGE_GPU",
+                 "HALF_DTYPES", "ACT_DTYPES", "NONE", "ADD_RMSNORM", "SWIGLU", "_round_half_away"):
+        assert hasattr(kernels, name), name

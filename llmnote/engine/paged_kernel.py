@@ -36,6 +36,8 @@ from llmnote import device
 from llmnote.ops import _pdl
 from llmnote.ops._pdl import wait_and_release
 from llmnote.engine.attention import AttentionMetadata
+from llmnote.ops.attention._common import online_softmax_update
+from llmnote.ops.attention.decode import finish_split, kv_tile_step, store_split
 
 BLOCK_M = 16
 DECODE_BLOCK_N = 32 if device.interpreting() else 64  # keys per step of a decode program
@@ -66,7 +68,6 @@ def _paged_attn_kernel(
                     mask=m_ok[:, None], other=0.0)  # (M, D)
         if UPCAST:
             q = q.to(tl.float32)
-        q_pos = n_k - n_q + offs_m  # (M,) positions of the queries
         m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
         l_i = tl.zeros((BLOCK_M,), tl.float32)
         acc = tl.zeros((BLOCK_M, HEAD_DIM), tl.float32)
@@ -82,14 +83,11 @@ def _paged_attn_kernel(
             if UPCAST:
                 k = k.to(tl.float32)
                 v = v.to(tl.float32)
-            s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2  # (M, N)
-            s = tl.where((k_pos[None, :] <= q_pos[:, None]) & k_ok[None, :], s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            alpha = tl.exp2(m_i - m_new)
-            p = tl.exp2(s - m_new[:, None])
-            l_i = l_i * alpha + tl.sum(p, 1)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-            m_i = m_new
+            s = tl.dot(q, tl.trans(k), input_precision=PRECISION)  # (M, N)
+            # keys past the context or after the query (query i sits at n_k - n_q + i)
+            p, m_i, l_i, acc = online_softmax_update(s, m_i, l_i, acc, k_pos, offs_m, n_k, n_k - n_q, scale_log2,
+                                                     True, True)
+            acc += tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         out = acc / l_i[:, None]
         tl.store(O + rows[:, None] * stride_ot + h * stride_oh + offs_d[None, :],
                  out.to(O.dtype.element_ty), mask=m_ok[:, None])
@@ -154,24 +152,6 @@ def _kv_offsets(TABLES, b, hk, pos, valid, stride_tb, stride_kb, stride_ks, stri
 
 
 @triton.jit
-def _decode_tile(q, k, v, valid, m_i, l_i, acc, qk_scale, UPCAST: tl.constexpr,
-                 PRECISION: tl.constexpr):
-    """One tile of keys ``k`` and values ``v`` (N, D) of which ``valid`` (N,) count, folded
-    into the running max ``m_i``, sum ``l_i`` and output ``acc`` (online softmax, log2)."""
-    if UPCAST:
-        k = k.to(tl.float32)
-        v = v.to(tl.float32)
-    s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale  # (BH, N), log2 units
-    s = tl.where(valid[None, :], s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, 1))  # finite: the tile has a valid position
-    alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(s - m_new[:, None])
-    l_i = l_i * alpha + tl.sum(p, 1)
-    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-    return m_new, l_i, acc
-
-
-@triton.jit
 def _paged_decode_kernel(
     Q, KC, VC, TABLES, CTX, O_PART, L_PART, OUT, qk_scale,
     stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
@@ -222,7 +202,7 @@ def _paged_decode_kernel(
     l_i = tl.zeros((BLOCK_H,), tl.float32)
     acc = tl.zeros((BLOCK_H, HEAD_DIM), tl.float32)
     if lo < hi:
-        m_i, l_i, acc = _decode_tile(q, k, v, valid, m_i, l_i, acc, qk_scale, UPCAST, PRECISION)
+        m_i, l_i, acc = kv_tile_step(q, k, v, pos, hi, m_i, l_i, acc, qk_scale, UPCAST, PRECISION)
     for start in range(lo + BLOCK_N, hi, BLOCK_N):
         pos = start + offs_n  # (N,) positions in the sequence
         valid = pos < hi
@@ -230,18 +210,14 @@ def _paged_decode_kernel(
                                    stride_kh, stride_vb, stride_vs, stride_vh, BLOCK_SIZE)
         k = tl.load(KC + k_off[:, None] + offs_d[None, :], mask=valid[:, None], other=0.0)  # N x D
         v = tl.load(VC + v_off[:, None] + offs_d[None, :], mask=valid[:, None], other=0.0)
-        m_i, l_i, acc = _decode_tile(q, k, v, valid, m_i, l_i, acc, qk_scale, UPCAST, PRECISION)
-    empty = l_i == 0.0  # an empty chunk
-    l_safe = tl.where(empty, 1.0, l_i)
-    acc = acc / l_safe[:, None]
+        m_i, l_i, acc = kv_tile_step(q, k, v, pos, hi, m_i, l_i, acc, qk_scale, UPCAST, PRECISION)
+    acc, lse2 = finish_split(acc, m_i, l_i)
     if FINAL:
         tl.store(OUT + b * stride_ot + heads[:, None] * stride_oh + offs_d[None, :],
                  acc.to(OUT.dtype.element_ty), mask=g_ok[:, None])
     else:
-        lse2 = tl.where(empty, float("-inf"), m_i + tl.log2(l_safe))
-        p_off = b * stride_pb + heads * stride_ph + split * stride_ps  # (BH,)
-        tl.store(O_PART + p_off[:, None] + offs_d[None, :], acc, mask=g_ok[:, None])
-        tl.store(L_PART + b * stride_lb + heads * stride_lh + split, lse2, mask=g_ok)
+        store_split(O_PART, L_PART, acc, lse2, b, heads, split, g_ok, offs_d,
+                    stride_pb, stride_ph, stride_ps, stride_lb, stride_lh)
 
 
 def decode_splits(batch: int, kv_heads: int, context: int, dev: torch.device) -> int:
@@ -264,7 +240,7 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     ``partials=True`` skips the combine and returns the splits' partials ``(part (batch,
     heads, splits, head_dim), lpart (batch, heads, splits))`` fp32 (normalised outputs,
     log-sum-exps in log2 units) for a consumer that merges them itself
-    (:func:`llmnote.ops.gemv.combine_gemv`)."""
+    (:func:`llmnote.ops.attention.combine_gemv.combine_gemv`)."""
     from llmnote.ops.attention.decode import combine_splits
 
     t, h, d = q.shape

@@ -5,9 +5,8 @@ from llmnote.ops.attention import (
     decode_attention, decode_attention_ref, flash_attention, flash_attention_ref, flash_attention_v1,
     flash_attention_v1_ref, flash_attention_varlen, flash_attention_varlen_ref,
 )
-from llmnote.ops.gemv import (
-    GEMV_MAX_M, add_rmsnorm_gemv, add_rmsnorm_gemv_ref, gemv, gemv_ref, swiglu_gemv, swiglu_gemv_ref,
-)
+from llmnote.ops.fused_gemv import add_rmsnorm_gemv, add_rmsnorm_gemv_ref, swiglu_gemv, swiglu_gemv_ref
+from llmnote.ops.gemv import GEMV_MAX_M, gemv, gemv_ref
 from llmnote.ops.layernorm import layernorm, layernorm_ref
 from llmnote.ops.matmul import matmul, matmul_ref
 from llmnote.ops.rope import rope, rope_ref

@@ -2,44 +2,31 @@
 
 ``A`` is ``(M, K)`` (or ``(..., K)``), ``B`` is ``(K, N)``, both fp16 or bf16;
 products are accumulated in fp32 and ``C`` is rounded once, to the inputs'
-dtype. The product costs ``2 M N K`` floating-point operations and must move at
-least ``(M K + K N + M N)`` elements through device memory.
+dtype: ``2 M N K`` floating-point operations, at least ``(M K + K N + M N)``
+elements moved through device memory.
 
-Tiling. A program computes one ``BLOCK_M x BLOCK_N`` tile of ``C``: it walks
-``K`` in steps of ``BLOCK_K``, loading a ``(BLOCK_M, BLOCK_K)`` slab of ``A``
-and a ``(BLOCK_K, BLOCK_N)`` slab of ``B`` and multiplying them on the tensor
-cores (``tl.dot``: ``mma`` on Ampere, ``wgmma`` on Hopper). Each step loads
-``(BLOCK_M + BLOCK_N) BLOCK_K`` elements for ``2 BLOCK_M BLOCK_N BLOCK_K``
-operations, so the tile's arithmetic intensity is
-``2 BLOCK_M BLOCK_N / ((BLOCK_M + BLOCK_N) * element_size)`` FLOP per byte:
-the larger the tile, the more each loaded byte is reused.
-
-Program order. Programs that run at the same time share slabs of ``A`` and
-``B`` through the L2 cache. ``_tile_coords`` maps a program id to a tile in
-groups of ``GROUP_M`` tile-rows ("grouped" or "swizzled" order, from Triton's
-matrix multiplication tutorial): a wave of programs then covers a squarer patch
-of ``C`` and reads fewer distinct slabs than row-major order would.
+Tiling. A program computes one ``BLOCK_M x BLOCK_N`` tile of ``C``, walking
+``K`` in steps of ``BLOCK_K``: each step loads an A slab and a B slab and
+multiplies them on the tensor cores (``tl.dot``: ``mma`` on Ampere, ``wgmma``
+on Hopper), for an arithmetic intensity of ``2 BLOCK_M BLOCK_N / ((BLOCK_M +
+BLOCK_N) * element_size)`` FLOP per byte. Programs map to tiles in groups of
+``GROUP_M`` tile-rows (``_tile_coords``, Triton's tutorial's "grouped" order),
+so a wave of programs shares slabs through L2.
 
 Kernels. ``_matmul_kernel`` is the textbook kernel: pointers, one tile per
 program, any strides. ``_matmul_persistent_kernel`` launches one program per
 SM and loops over tiles. ``_matmul_tma_kernel`` (Hopper, sm_90+) loads and
-stores through TMA tensor descriptors (the copy engine computes addresses and
-zero-fills past the edges), one tile per program or persistent. All three are
-autotuned over ``CONFIGS`` with the pruning rule in :func:`select_configs`, and
-share the fused epilogue (bias, ReLU / tanh-GELU / SiLU, in fp32). The first
-call for a problem size goes through the autotuner; later calls launch the
-tuned config directly (``_TUNED``), saving the autotuner's per-call Python.
-
-Interpreter. Triton's CPU interpreter computes bf16 ``tl.dot`` wrongly, so
-bf16 tiles are upcast to fp32 there (``UPCAST``, decided by
-``llmnote.device.interpreting``); it runs one small configuration.
+stores through TMA tensor descriptors, one tile per program or persistent.
+All three are autotuned over the configs of :mod:`llmnote.ops.matmul_configs`
+and share the fused epilogue (bias, ReLU / tanh-GELU / SiLU, in fp32); later
+calls of a problem size launch the tuned config directly (``TUNING``).
+Interpreter: bf16 tiles are upcast to fp32 (``UPCAST``; its bf16 dot is wrong).
 
 Sources: Tillet et al. 2019 (Triton); Triton's tutorials 03 (matrix
 multiplication) and 09 (persistent matmul); NVIDIA's CUTLASS documentation
 (efficient GEMM: tiling, pipelining, swizzling); the H100 architecture
 whitepaper (wgmma, TMA).
 """
-
 from __future__ import annotations
 
 import functools
@@ -51,7 +38,12 @@ import triton
 import triton.language as tl
 
 from llmnote import device
+from llmnote.ops._tuning import TuneCache
 from llmnote.ops._validate import check_same, check_tensor
+from llmnote.ops.matmul_configs import (  # noqa: F401  (importable from here too)
+    CONFIGS, GPU_CONFIGS, INTERPRETER_CONFIGS, _config, _num_sms, _set_block_shapes, _tile_coords, config_name,
+    config_smem, program_tiles, prune_configs, select_configs,
+)
 
 try:  # host-side TMA descriptors: Triton >= 3.4
     from triton.tools.tensor_descriptor import TensorDescriptor
@@ -60,7 +52,6 @@ except ImportError:  # pragma: no cover - older Triton: pointer kernels only
 
 MATMUL_DTYPES = (torch.float16, torch.bfloat16)
 ACTIVATIONS = ("relu", "gelu_tanh", "silu")
-INTERPRETER_SMS = 3  # "SMs" of the persistent grid under the interpreter: several tiles per program
 
 
 def matmul_ref(
@@ -84,106 +75,6 @@ def matmul_ref(
     return out
 
 
-# --------------------------------------------------------------------------------------------
-# Autotuning: the configurations and the pruning rule
-# --------------------------------------------------------------------------------------------
-
-
-def _set_block_shapes(nargs: dict) -> None:
-    """Config pre-hook: TMA descriptors need the chosen config's block shapes."""
-    if "a_desc" not in nargs:
-        return
-    bm, bn, bk = nargs["BLOCK_M"], nargs["BLOCK_N"], nargs["BLOCK_K"]
-    nargs["a_desc"].block_shape = [bm, bk]
-    nargs["b_desc"].block_shape = [bn, bk] if nargs["B_TRANS"] else [bk, bn]
-    nargs["c_desc"].block_shape = [bm, bn]
-
-
-def _config(bm: int, bn: int, bk: int, warps: int, stages: int, group_m: int = 8) -> triton.Config:
-    return triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": group_m},
-                         num_warps=warps, num_stages=stages, pre_hook=_set_block_shapes)
-
-
-# Chosen for Hopper (H100: 227 KB of shared memory per program, wgmma on 64-row
-# warpgroup slabs) and still valid on Ampere. Large tiles for large products;
-# 64-row tiles for skinny ones (M <= 64), where more programs and longer K
-# steps keep more loads in flight. BLOCK_K = 64 bf16 = 128 bytes, one swizzled
-# shared-memory row.
-GPU_CONFIGS = [
-    _config(128, 256, 64, warps=8, stages=3),  # 2 warpgroups, each a 64 x 256 wgmma slab
-    _config(256, 128, 64, warps=8, stages=3),
-    _config(128, 128, 64, warps=4, stages=4),
-    _config(64, 128, 64, warps=4, stages=4),
-    _config(64, 64, 128, warps=4, stages=4),
-]
-# The interpreter runs programs one after another in NumPy: one small config
-# (several tiles even for tiny tests), no tuning.
-INTERPRETER_CONFIGS = [_config(16, 16, 16, warps=4, stages=1, group_m=2)]
-CONFIGS = INTERPRETER_CONFIGS if device.interpreting() else GPU_CONFIGS
-
-
-def config_smem(block_m: int, block_n: int, block_k: int, num_stages: int, element_size: int,
-                tma_store: bool = False) -> int:
-    """Bytes of shared memory a config needs, to first order.
-
-    ``num_stages`` buffers of an A slab and a B slab (the software pipeline),
-    plus the output tile that a TMA store stages in shared memory.
-    """
-    pipeline = num_stages * (block_m * block_k + block_k * block_n) * element_size
-    return pipeline + (block_m * block_n * element_size if tma_store else 0)
-
-
-def select_configs(configs: list[triton.Config], M: int, N: int, K: int, element_size: int,
-                   smem_limit: int | None, tma_store: bool = False) -> list[triton.Config]:
-    """The pruning rule, applied once per new problem size before anything is timed.
-
-    1. No tile larger than the problem: drop a config whose ``BLOCK_M`` exceeds
-       ``max(next_pow2(M), smallest BLOCK_M listed)`` (same for N and K). A
-       larger tile only multiplies padding and launches fewer programs.
-    2. Shared memory: drop a config whose :func:`config_smem` exceeds
-       ``smem_limit`` (what one program may use on this GPU; ``None``: no
-       check). It is an estimate: a config that still does not fit fails to
-       compile, and the autotuner skips it.
-    3. If nothing is left, keep the config with the smallest tile.
-    """
-    def dims(c):
-        return c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.kwargs["BLOCK_K"]
-
-    smallest = [min(dims(c)[i] for c in configs) for i in range(3)]
-    caps = [max(triton.next_power_of_2(max(d, 1)), s) for d, s in zip((M, N, K), smallest)]
-    kept = []
-    for c in configs:
-        bm, bn, bk = dims(c)
-        if bm > caps[0] or bn > caps[1] or bk > caps[2]:
-            continue  # rule 1
-        if smem_limit is not None and config_smem(bm, bn, bk, c.num_stages, element_size,
-                                                  tma_store) > smem_limit:
-            continue  # rule 2
-        kept.append(c)
-    if not kept:  # rule 3
-        kept = [min(configs, key=lambda c: (dims(c)[0] * dims(c)[1] * dims(c)[2], c.num_stages))]
-    return kept
-
-
-@functools.cache
-def _max_shared_memory(index: int) -> int | None:
-    """Shared memory one program may use on GPU ``index`` (opt-in maximum)."""
-    props = torch.cuda.get_device_properties(index)
-    smem = getattr(props, "shared_memory_per_block_optin", None)
-    if smem is None:
-        smem = triton.runtime.driver.active.utils.get_device_properties(index)["max_shared_mem"]
-    return int(smem)
-
-
-def prune_configs(configs, named_args, **kwargs):
-    """``early_config_prune`` hook of the autotuner: :func:`select_configs` on this launch."""
-    tma = "a_desc" in named_args
-    a = named_args["a_desc"].base if tma else named_args["a_ptr"]
-    smem = _max_shared_memory(a.device.index or 0) if a.device.type == "cuda" else None
-    return select_configs(configs, named_args["M"], named_args["N"], named_args["K"],
-                          a.element_size(), smem, tma_store=tma)
-
-
 # Keys: N, K and M rounded up to a power of two, so that decode-like calls whose
 # M changes every step (1, 2, 3, ... sequences) reuse a few tuned entries; plus the
 # layout of B, and for the TMA kernel the variant (persistent or not).
@@ -199,19 +90,25 @@ _TMA_KEY = ["M_BUCKET", "N", "K", "PERSISTENT", "B_TRANS"]
 
 
 @triton.jit
-def _tile_coords(tile_id, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
-    """Program (or tile) id -> (pid_m, pid_n), in groups of GROUP_M tile-rows.
+def _tile_offsets(tile_id, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+    """Tile ``tile_id`` of C in grouped order: its rows and columns (``offs_m``, ``offs_n``)
+    and the rows of A and columns of B it reads (``rows``, ``cols``). Rows and columns past
+    the edge read row or column 0 instead of being masked: the loads stay unmasked along M
+    and N, and the store drops those results."""
+    pid_m, pid_n = _tile_coords(tile_id, tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP_M)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows = tl.max_contiguous(tl.multiple_of(tl.where(offs_m < M, offs_m, 0), BLOCK_M), BLOCK_M)
+    cols = tl.max_contiguous(tl.multiple_of(tl.where(offs_n < N, offs_n, 0), BLOCK_N), BLOCK_N)
+    return offs_m, offs_n, rows, cols
 
-    Ids run down a column of GROUP_M tiles, then to the next column; after
-    num_pid_n columns the next group of rows starts. GROUP_M = 1 is row-major.
-    """
-    tiles_per_group = GROUP_M * num_pid_n
-    group = tile_id // tiles_per_group
-    first_m = group * GROUP_M
-    group_rows = min(num_pid_m - first_m, GROUP_M)  # the last group may be shorter
-    pid_m = first_m + (tile_id % tiles_per_group) % group_rows
-    pid_n = (tile_id % tiles_per_group) // group_rows
-    return pid_m, pid_n
+
+@triton.jit
+def _store_tile(c_ptr, acc, offs_m, offs_n, M, N, stride_cm, stride_cn):
+    """Round the fp32 tile to C's dtype and store the part inside C (write BM x BN once)."""
+    c_ptrs = c_ptr + offs_m.to(tl.int64)[:, None] * stride_cm + offs_n[None, :] * stride_cn
+    mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
+    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -245,18 +142,9 @@ def _matmul_kernel(
     HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr, UPCAST: tl.constexpr,
 ):
     """One program computes one (BLOCK_M, BLOCK_N) tile of C = A @ B."""
-    pid = tl.program_id(0)
-    num_pid_m = tl.cdiv(M, BLOCK_M)
-    num_pid_n = tl.cdiv(N, BLOCK_N)
-    pid_m, pid_n = _tile_coords(pid, num_pid_m, num_pid_n, GROUP_M)
-
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # rows of C (and A) of this tile
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # columns of C (and B)
+    # rows and columns of C (rows of A, columns of B) of this tile; past the edge, 0
+    offs_m, offs_n, rows, cols = _tile_offsets(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
     offs_k = tl.arange(0, BLOCK_K)
-    # Rows/columns past the edge read row/column 0 instead of being masked: the
-    # loads stay unmasked along M and N, and the store below drops those results.
-    rows = tl.max_contiguous(tl.multiple_of(tl.where(offs_m < M, offs_m, 0), BLOCK_M), BLOCK_M)
-    cols = tl.max_contiguous(tl.multiple_of(tl.where(offs_n < N, offs_n, 0), BLOCK_N), BLOCK_N)
     a_ptrs = a_ptr + rows.to(tl.int64)[:, None] * stride_am + offs_k[None, :] * stride_ak  # (BM, BK)
     b_ptrs = b_ptr + offs_k[:, None] * stride_bk + cols.to(tl.int64)[None, :] * stride_bn  # (BK, BN)
 
@@ -273,9 +161,7 @@ def _matmul_kernel(
         b_ptrs += BLOCK_K * stride_bk
 
     acc = _epilogue(acc, bias_ptr, offs_n, N, HAS_BIAS, ACTIVATION)
-    c_ptrs = c_ptr + offs_m.to(tl.int64)[:, None] * stride_cm + offs_n[None, :] * stride_cn
-    mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
-    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=mask)  # write BM x BN once
+    _store_tile(c_ptr, acc, offs_m, offs_n, M, N, stride_cm, stride_cn)  # write BM x BN once
 
 
 @_autotune(key=_POINTER_KEY)
@@ -294,11 +180,7 @@ def _matmul_persistent_kernel(
     # flatten=True: the compiler pipelines the tile loop and the K loop as one,
     # so the next tile's first loads are issued while this tile finishes.
     for tile_id in tl.range(tl.program_id(0), num_tiles, NUM_SMS, flatten=True):
-        pid_m, pid_n = _tile_coords(tile_id, num_pid_m, num_pid_n, GROUP_M)
-        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        rows = tl.max_contiguous(tl.multiple_of(tl.where(offs_m < M, offs_m, 0), BLOCK_M), BLOCK_M)
-        cols = tl.max_contiguous(tl.multiple_of(tl.where(offs_n < N, offs_n, 0), BLOCK_N), BLOCK_N)
+        offs_m, offs_n, rows, cols = _tile_offsets(tile_id, M, N, BLOCK_M, BLOCK_N, GROUP_M)
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for k in range(0, tl.cdiv(K, BLOCK_K)):
             kk = k * BLOCK_K + offs_k
@@ -311,9 +193,7 @@ def _matmul_persistent_kernel(
                 b = b.to(tl.float32)
             acc = tl.dot(a, b, acc)
         acc = _epilogue(acc, bias_ptr, offs_n, N, HAS_BIAS, ACTIVATION)
-        c_ptrs = c_ptr + offs_m.to(tl.int64)[:, None] * stride_cm + offs_n[None, :] * stride_cn
-        mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
-        tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=mask)
+        _store_tile(c_ptr, acc, offs_m, offs_n, M, N, stride_cm, stride_cn)
 
 
 @_autotune(key=_TMA_KEY)
@@ -358,45 +238,9 @@ def _matmul_tma_kernel(
         c_desc.store([off_m, off_n], acc.to(c_desc.dtype))  # clipped to (M, N) by the engine
 
 
-@triton.jit
-def _program_tiles_kernel(out_ptr, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
-    pid = tl.program_id(0)
-    pid_m, pid_n = _tile_coords(pid, num_pid_m, num_pid_n, GROUP_M)
-    tl.store(out_ptr + 2 * pid, pid_m)
-    tl.store(out_ptr + 2 * pid + 1, pid_n)
-
-
-def program_tiles(num_pid_m: int, num_pid_n: int, group_m: int) -> torch.Tensor:
-    """The ``(pid_m, pid_n)`` tile each program id computes, as the kernels map it.
-
-    Runs ``_tile_coords`` itself in a tiny kernel; returns an int32 tensor of
-    shape ``(num_pid_m * num_pid_n, 2)`` on the CPU.
-    """
-    if min(num_pid_m, num_pid_n, group_m) < 1:
-        raise ValueError(f"num_pid_m, num_pid_n and group_m must be >= 1, got "
-                         f"{num_pid_m}, {num_pid_n}, {group_m}")
-    if device.backend() == "reference":  # no Triton: the same arithmetic in Python
-        out = []
-        for pid in range(num_pid_m * num_pid_n):
-            group, r = divmod(pid, group_m * num_pid_n)
-            rows = min(num_pid_m - group * group_m, group_m)
-            out.append((group * group_m + r % rows, r // rows))
-        return torch.tensor(out, dtype=torch.int32).reshape(-1, 2)
-    out = torch.empty(num_pid_m * num_pid_n, 2, dtype=torch.int32, device=device.default_device())
-    _program_tiles_kernel[(num_pid_m * num_pid_n,)](out, num_pid_m, num_pid_n, GROUP_M=group_m)
-    return out.cpu()
-
-
 # --------------------------------------------------------------------------------------------
 # Launcher
 # --------------------------------------------------------------------------------------------
-
-
-@functools.cache
-def _num_sms(dev: torch.device) -> int:
-    if dev.type != "cuda":
-        return INTERPRETER_SMS
-    return torch.cuda.get_device_properties(dev).multi_processor_count
 
 
 @functools.cache
@@ -509,7 +353,7 @@ def _use_reference(dtype: torch.dtype) -> bool:
 # (kernel, persistent, B row-major, M bucket, N, K, dtype) -> the config the autotuner chose. Later
 # calls with the same key launch the kernel directly: the autotuner's per-call dispatch
 # costs tens of microseconds of Python, as much as a small product takes on the GPU.
-_TUNED: dict[tuple, triton.Config] = {}
+TUNING = TuneCache("matmul")
 
 
 def _tuned_key(kernel, persistent: bool, b: torch.Tensor, m: int, a_dtype) -> tuple:
@@ -525,9 +369,9 @@ def _launch(a2, b, c, bias, activation, persistent, tma, config: triton.Config |
     meta = dict(HAS_BIAS=bias is not None, ACTIVATION=activation or "none",
                 UPCAST=device.interpreting() and a2.dtype == torch.bfloat16)
     key = _tuned_key(kernel, persistent, b, M, a2.dtype)
-    tuning = config is None and key not in _TUNED
+    tuning = config is None and TUNING.get(key) is None
     if not tuning:  # a known config: skip the autotuner
-        config = config or _TUNED[key]
+        config = config or TUNING.get(key)
         kernel = kernel.fn
         meta |= config.all_kwargs()
     bias_arg = bias if bias is not None else c  # never read when HAS_BIAS is False
@@ -554,7 +398,7 @@ def _launch(a2, b, c, bias, activation, persistent, tma, config: triton.Config |
         kernel[grid](a2, b, c, bias_arg, M, N, K, m_bucket, a2.stride(0), a2.stride(1), b.stride(0),
                      b.stride(1), c.stride(0), c.stride(1), **meta)
     if tuning:
-        _TUNED[key] = kernel.best_config
+        TUNING.set(key, kernel.best_config)
 
 
 def matmul_with_config(a: torch.Tensor, b: torch.Tensor, config: triton.Config, *,
@@ -570,20 +414,13 @@ def matmul_with_config(a: torch.Tensor, b: torch.Tensor, config: triton.Config, 
     return c
 
 
-def config_name(cfg: triton.Config) -> str:
-    """A config as ``"128x256x64 G8 w8 s3"``: tile M x N x K, GROUP_M, warps, stages."""
-    kw = cfg.kwargs
-    return (f"{kw['BLOCK_M']}x{kw['BLOCK_N']}x{kw['BLOCK_K']} G{kw['GROUP_M']} "
-            f"w{cfg.num_warps} s{cfg.num_stages}")
-
-
 def tuned(a: torch.Tensor, b: torch.Tensor, *, persistent: bool = False,
           tma: bool | None = None) -> triton.Config | None:
     """The config the autotuner chose for ``matmul(a, b, ...)`` on these shapes (None before
     the first such call)."""
     a2 = a.reshape(math.prod(a.shape[:-1]), b.shape[0])
     kernel = _plan(a2, b, persistent, tma)[0]
-    return _TUNED.get(_tuned_key(kernel, persistent, b, a2.shape[0], a.dtype))
+    return TUNING.get(_tuned_key(kernel, persistent, b, a2.shape[0], a.dtype))
 
 
 def tuned_config(a: torch.Tensor, b: torch.Tensor, *, persistent: bool = False,

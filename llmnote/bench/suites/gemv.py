@@ -7,14 +7,12 @@ Shapes (``N x K``, bf16): the linear layers of a Qwen3-0.6B decode step (qkv
 
 Providers (``bench = "gemv"``):
 
-* ``llmnote-gemv``: :func:`llmnote.ops.gemv` (tile chosen by timing on the first call);
+* ``llmnote-gemv``: :func:`llmnote.ops.gemv` (tile timed on the first call);
   ``torch-linear``: ``F.linear`` (cuBLAS);
-* on the qkv and gate_up shapes (their input is the RMSNorm of the residual stream):
-  ``llmnote-add_rmsnorm_gemv`` (one kernel) vs ``add_rmsnorm+linear``
-  (:func:`llmnote.ops.add_rmsnorm` then ``F.linear``);
-* on the down shape: ``llmnote-swiglu_gemv`` (one kernel, reading the fused
-  gate/up output) vs ``swiglu+linear`` (:func:`llmnote.ops.swiglu` on the two
-  halves, then ``F.linear``).
+* qkv and gate_up (input: the RMSNorm of the residual stream): ``llmnote-add_rmsnorm_gemv``
+  (:mod:`llmnote.ops.fused_gemv`, one kernel) vs ``add_rmsnorm+linear``;
+* down: ``llmnote-swiglu_gemv`` (one kernel, reading the fused gate/up output) vs
+  ``swiglu+linear`` (:func:`llmnote.ops.swiglu` on the two halves, then ``F.linear``).
 
 Timing on a GPU: a microsecond-scale GEMV is shorter than the Python launch
 path, so each provider is captured in a CUDA graph of ``R`` back-to-back calls,
@@ -44,7 +42,8 @@ from llmnote.bench.ceilings import copy_bandwidth
 from llmnote.bench.harness import measure, rows_for
 from llmnote.bench.results import environment
 from llmnote.bench.suites.quant import _graph_timing
-from llmnote.ops.gemv import _TUNED, TUNE_LOG, add_rmsnorm_gemv, gemv, swiglu_gemv
+from llmnote.ops.fused_gemv import add_rmsnorm_gemv, swiglu_gemv
+from llmnote.ops.gemv import TUNE_LOG, TUNING, gemv
 from llmnote.ops.rmsnorm import add_rmsnorm, add_rmsnorm_ref
 from llmnote.ops.swiglu import swiglu, swiglu_ref
 from llmnote.testing import MismatchError, assert_close, assert_close_lowp, interpreter_allowance
@@ -78,7 +77,7 @@ def _print_tuning(label: str) -> None:
             what = f"prologue={prologue} M={m} N={n} K={k}"
         best = min(log, key=lambda e: e[1])
         cells = ", ".join(f"{_cfg(c)} {t * 1e3:.1f}" for c, t in log)
-        print(f"tune {label} {what}: chosen {_cfg(_TUNED.get(key))}; "
+        print(f"tune {label} {what}: chosen {_cfg(TUNING.get(key))}; "
               f"fastest first timing {_cfg(best[0])} {best[1] * 1e3:.1f} us | {cells}")
     TUNE_LOG.clear()
 

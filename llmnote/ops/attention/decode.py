@@ -3,10 +3,9 @@
 In decoding each sequence adds one token per step, so attention is
 ``q (batch, heads, head_dim)`` against the cached keys and values
 ``(batch, kv_heads, capacity, head_dim)``, of which the first ``seq_lens[b]``
-positions of sequence ``b`` are valid. Each cached byte is used for ``heads /
-kv_heads`` dot products only: the op is bound by reading the cache, and the
-figure of merit is bandwidth, ``2 * sum(seq_lens) * kv_heads * head_dim *
-element_size`` bytes over the time.
+positions of sequence ``b`` are valid. Each cached byte serves ``heads / kv_heads``
+dot products only: the op is bound by reading the cache (``2 * sum(seq_lens) *
+kv_heads * head_dim * element_size`` bytes).
 
 Split-KV ("flash-decoding", Dao et al. 2023): with one program per (sequence,
 kv head) a batch of 16 with 8 kv heads is 128 programs, too few to keep every
@@ -23,14 +22,13 @@ kv head):
    ``O = sum_s exp(lse_s - lse) O_s`` with ``lse = log sum_s exp(lse_s)``.
    An empty chunk has ``lse_s = -inf`` and weight 0.
 
-Chunks are cut per sequence, ``ceil(seq_lens[b] / num_splits)`` rounded up to
-a key block, so the work follows the actual lengths without reading them on
-the host. A sequence of length 0 gives output 0 (lse ``-inf``). With
-``num_splits = 1`` the first kernel writes the final output directly.
+Chunks are cut per sequence (``ceil(seq_lens[b] / num_splits)`` rounded up to a
+key block) on the device. A sequence of length 0 gives output 0 (lse ``-inf``).
+With ``num_splits = 1`` the first kernel writes the final output directly.
 
-The cache addresses of a block of positions are computed in one place
-(``_kv_block``); a paged cache (vLLM's block table) replaces that function by
-a lookup ``page = block_table[b, pos // page_size]``.
+The cache addresses of a block of positions are computed in ``_kv_block``; a
+paged cache (:mod:`llmnote.engine.paged_kernel`) looks them up in a block table
+and shares the rest: the tile step, the split's epilogue and the merge.
 """
 
 from __future__ import annotations
@@ -44,8 +42,8 @@ from llmnote.ops import _pdl
 from llmnote.ops._pdl import wait_and_release
 from llmnote.ops._validate import check_tensor
 from llmnote.ops.attention._common import (
-    LN2, LOG2E, MAX_GRID_Y, check_head_dim, check_sm_scale, dot_precision, num_sms, poisoned,
-    upcast,
+    LN2, LOG2E, MAX_GRID_Y, check_head_dim, check_sm_scale, dot_precision, num_sms, online_softmax_update,
+    poisoned, upcast,
 )
 from llmnote.ops.attention.reference import decode_attention_ref
 
@@ -80,6 +78,38 @@ def _kv_block(base, b, pos, stride_b, stride_n, offs_d):
 
     A paged cache would map ``pos`` through the block table here."""
     return base + b * stride_b + pos[:, None] * stride_n + offs_d[None, :]
+
+
+@triton.jit
+def kv_tile_step(q, k, v, pos, hi, m_i, l_i, acc, qk_scale, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
+    """Fold one tile of keys ``k`` and values ``v`` (N, D) at positions ``pos`` (N,) into the
+    running max, sum and output of the queries ``q`` (BH, D): the online-softmax step of
+    :func:`~llmnote.ops.attention._common.online_softmax_update`, positions ``>= hi`` masked.
+    Shared by the split kernel here and the paged decode kernel."""
+    if UPCAST:
+        k = k.to(tl.float32)
+        v = v.to(tl.float32)
+    qk = tl.dot(q, tl.trans(k), input_precision=PRECISION)  # (BH, N)
+    p, m_new, l_i, acc = online_softmax_update(qk, m_i, l_i, acc, pos, pos, hi, 0, qk_scale, True, False)
+    return m_new, l_i, acc + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+
+
+@triton.jit
+def finish_split(acc, m_i, l_i):
+    """A split's normalised output and log-sum-exp (log2 units; ``-inf`` and 0 for a split
+    with no position)."""
+    empty = l_i == 0.0  # an empty chunk (or sequence)
+    l_safe = tl.where(empty, 1.0, l_i)
+    return acc / l_safe[:, None], tl.where(empty, -float("inf"), m_i + tl.math.log2(l_safe))
+
+
+@triton.jit
+def store_split(O_PART, L_PART, acc, lse2, b, heads, split, g_ok, offs_d,
+                stride_pb, stride_ph, stride_ps, stride_lb, stride_lh):
+    """Write split ``split``'s partial output (BH, D) and log-sum-exp (BH,) of sequence ``b``."""
+    p_off = b * stride_pb + heads * stride_ph + split * stride_ps  # (BH,)
+    tl.store(O_PART + p_off[:, None] + offs_d[None, :], acc, mask=g_ok[:, None])
+    tl.store(L_PART + b * stride_lb + heads * stride_lh + split, lse2, mask=g_ok)
 
 
 @triton.autotune(configs=SPLIT_CONFIGS, key=["CAP_BUCKET", "NUM_SPLITS", "HEAD_DIM", "BLOCK_H"],
@@ -124,33 +154,16 @@ def _decode_split_kernel(
                     mask=valid[:, None], other=0.0)  # read BN x D
         v = tl.load(_kv_block(v_base, off_b, pos, stride_vb, stride_vn, offs_d),
                     mask=valid[:, None], other=0.0)  # read BN x D
-        if UPCAST:
-            k = k.to(tl.float32)
-            v = v.to(tl.float32)
-        qk = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale  # (BH, BN), log2 units
-        qk = tl.where(valid[None, :], qk, -float("inf"))
-        m_new = tl.maximum(m_i, tl.max(qk, 1))  # finite: the block has a valid position
-        p = tl.math.exp2(qk - m_new[:, None])
-        alpha = tl.math.exp2(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        if UPCAST:
-            acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=PRECISION)
-        else:
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-        m_i = m_new
+        m_i, l_i, acc = kv_tile_step(q, k, v, pos, hi, m_i, l_i, acc, qk_scale, UPCAST, PRECISION)
 
-    empty = l_i == 0.0  # an empty chunk (or sequence)
-    l_safe = tl.where(empty, 1.0, l_i)
-    acc = acc / l_safe[:, None]
-    lse2 = tl.where(empty, -float("inf"), m_i + tl.math.log2(l_safe))  # log2 units
+    acc, lse2 = finish_split(acc, m_i, l_i)
     if FINAL:
         tl.store(OUT + off_b * stride_ob + heads[:, None] * stride_oh + offs_d[None, :],
                  acc.to(OUT.dtype.element_ty), mask=g_ok[:, None])
         tl.store(LSE + off_b * (H_KV * GROUP) + heads, lse2 * LN2, mask=g_ok)
     else:
-        p_off = off_b * stride_pb + heads * stride_ph + split * stride_ps  # (BH,)
-        tl.store(O_PART + p_off[:, None] + offs_d[None, :], acc, mask=g_ok[:, None])
-        tl.store(L_PART + off_b * stride_lb + heads * stride_lh + split, lse2, mask=g_ok)
+        store_split(O_PART, L_PART, acc, lse2, off_b, heads, split, g_ok, offs_d,
+                    stride_pb, stride_ph, stride_ps, stride_lb, stride_lh)
 
 
 @triton.jit
@@ -159,7 +172,7 @@ def merge_splits(lse, part):
     empty split, also the padding), ``part (S, D)`` normalised outputs -> ``(out (D,), m, den)``
     with ``out = sum_s 2^(lse_s - m) part_s / den``, ``m`` the largest finite ``lse_s`` (0 if
     none) and ``den = sum_s 2^(lse_s - m)`` (0: every split empty, ``out`` 0). Shared by the
-    combine kernel and :func:`llmnote.ops.gemv.combine_gemv`."""
+    combine kernel and :func:`llmnote.ops.attention.combine_gemv.combine_gemv`."""
     m = tl.max(lse, 0)
     m = tl.where(m == -float("inf"), 0.0, m)
     w = tl.math.exp2(lse - m)  # empty splits: 0
