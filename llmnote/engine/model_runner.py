@@ -79,7 +79,9 @@ from llmnote.engine.step_kernels import StepBuffers, feed_step, greedy_tokens
 from llmnote.engine.scheduler import ScheduledBatch
 from llmnote.models.llama import Llama
 from llmnote.ops._pdl import dependent_launches
-from llmnote.ops.gemv import add_rmsnorm_gemv, combine_gemv, gemv, swiglu_gemv
+from llmnote.ops.attention.combine_gemv import combine_gemv
+from llmnote.ops.fused_gemv import add_rmsnorm_gemv, swiglu_gemv
+from llmnote.ops.gemv import gemv
 from llmnote.ops.rope import rope_ref
 
 
@@ -331,7 +333,7 @@ class ModelRunner:
         SwiGLU folded into them (:mod:`llmnote.ops.gemv`): seven kernels, those of the four
         projections, the fused q/k kernel and attention (split + combine); six where
         ``attend_parts(i, q)`` gives the split-KV partials, which the output projection
-        merges itself (:func:`llmnote.ops.gemv.combine_gemv`, into ``self._o_acc[i]``)."""
+        merges itself (:func:`llmnote.ops.attention.combine_gemv.combine_gemv`, into ``self._o_acc[i]``)."""
         layer = self.model.model.layers[i]
         a, mlp = layer.self_attn, layer.mlp
         norm, post = layer.input_layernorm, layer.post_attention_layernorm
@@ -479,7 +481,7 @@ class ModelRunner:
 
     def _eager_parts(self, meta: AttentionMetadata):
         """``attend_parts`` for an eager one-token step on the paged backend (its decode
-        kernel, partials left to :func:`llmnote.ops.gemv.combine_gemv`); None otherwise."""
+        kernel, partials left to :func:`llmnote.ops.attention.combine_gemv.combine_gemv`); None otherwise."""
         if not (self.use_gemv and self.backend == "paged" and meta.batch == 1
                 and meta.cu_seqlens_q[-1] == 1):
             return None
@@ -627,11 +629,9 @@ class ModelRunner:
         replayed, and the fastest is kept (coordinate descent, one pass). The replays read
         a synthetic context of ``context`` tokens from the first cache blocks (at start-up
         they hold nothing; the step writes one slot of them), so attention does the work of
-        a typical step. ``self.graph_tuning`` keeps ``(key, [(ms, config), ...])`` per GEMV."""
-        import importlib
-
-        gemv = importlib.import_module("llmnote.ops.gemv")  # (llmnote.ops.gemv is also the op's name)
-        w4 = importlib.import_module("llmnote.quant.kernels")
+        a typical step. ``self.graph_tuning`` keeps ``(cache, key, [(ms, config), ...])`` per
+        GEMV, ``cache`` the :class:`~llmnote.ops._tuning.TuneCache` it was tuned in."""
+        from llmnote.ops import _tuning
 
         bs = self.config.block_size
         c = max(1, min(context, self.max_model_len, self.num_blocks * bs))
@@ -655,25 +655,25 @@ class ModelRunner:
         cache_key = self._tuning_key(splits, context)
         if cache_key in _GRAPH_TUNING:  # tuned before in this process for these shapes
             self.graph_tuning = _GRAPH_TUNING[cache_key]
-            for mod, key, timed in self.graph_tuning:
-                (w4 if mod == "w4a16" else gemv).set_config(key, timed[0][1])
+            for cache, key, timed in self.graph_tuning:
+                cache.set(key, timed[0][1])
             return
-        with gemv.recorded_keys() as keys, w4.recorded_keys() as w4_keys:
+        with _tuning.recorded() as launches:
             g, _ = self._capture(1, splits)
         self.graph_tuning = []
-        for key, mod in [(k, gemv) for k in keys] + [(k, w4) for k in w4_keys]:
-            cands = mod.tuning_candidates(key)
+        for cache, key in launches:
+            cands = cache.candidates(key)
             if len(cands) < 2:
                 continue
             timed = []
             for cand in cands:
-                mod.set_config(key, cand)
+                cache.set(key, cand)
                 del g
                 g, _ = self._capture(1, splits)
                 timed.append((graph_ms(g), cand))
             timed.sort(key=lambda e: e[0])
-            mod.set_config(key, timed[0][1])
-            self.graph_tuning.append(("w4a16" if mod is w4 else "gemv", key, timed))
+            cache.set(key, timed[0][1])
+            self.graph_tuning.append((cache, key, timed))
         _GRAPH_TUNING[cache_key] = self.graph_tuning
         del g
         self.g_tables[0].fill_(self.num_blocks)  # back to the scratch block, as capture left it
