@@ -22,7 +22,9 @@ Triton kernels for tensors on a CUDA GPU, plain PyTorch elsewhere),
 
 from __future__ import annotations
 
+import functools
 import importlib
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -149,10 +151,17 @@ def kernel_ops() -> LlamaOps:
 _OP_NAMES = ("rmsnorm", "add_rmsnorm", "swiglu", "rope", "attention")
 
 
+@functools.cache
+def _fallback_notice(op: str, reason: str) -> None:
+    warnings.warn(f"llmnote: the {op} kernel does not apply here ({reason}); "
+                  "running the PyTorch reference", stacklevel=4)
+
+
 def auto_ops() -> LlamaOps:
     """The default: llmnote's compiled kernels for tensors on a CUDA GPU, PyTorch for
-    tensors elsewhere (a model kept on the CPU of a GPU machine). Without a GPU the
-    reference ops, which run the chapters fastest on a CPU."""
+    tensors elsewhere (a model kept on the CPU of a GPU machine) and for inputs a kernel
+    refuses (it says why, once). Without a GPU the reference ops, which run the
+    chapters fastest on a CPU."""
     if not device.on_gpu():
         return reference_ops()
     gpu, cpu = kernel_ops(), reference_ops()
@@ -161,7 +170,13 @@ def auto_ops() -> LlamaOps:
         fast, plain = getattr(gpu, name), getattr(cpu, name)
 
         def op(x: torch.Tensor, *args, **kwargs):
-            return (fast if x.is_cuda else plain)(x, *args, **kwargs)
+            if not x.is_cuda:
+                return plain(x, *args, **kwargs)
+            try:
+                return fast(x, *args, **kwargs)
+            except (ValueError, TypeError) as why:  # the kernel refuses these inputs
+                _fallback_notice(name, str(why).splitlines()[0])
+                return plain(x, *args, **kwargs)
 
         op.__name__ = op.__qualname__ = name
         return op
