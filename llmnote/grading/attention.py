@@ -12,6 +12,7 @@ import torch
 from llmnote import device
 from llmnote.grading.compare import expect_close
 from llmnote.grading.core import Assignment, Check, case
+from llmnote.grading.guard import Rules
 from llmnote.ops import flash_attention_ref
 from llmnote.testing import MismatchError, assert_close
 
@@ -85,6 +86,9 @@ FLASH = Assignment(
     name="flash_attention",
     title="Assignment 4: FlashAttention-2 forward with the log-sum-exp",
     notebook="a4_flash_attention",
+    rules=Rules(("ops", "engine"), ("scaled_dot_product_attention", "_scaled_dot_product_attention_math",
+                                   "softmax", "_softmax", "logsumexp"),
+                ("flash_attention",), "This assignment asks for your own Triton kernel."),
     checks=(
         Check("odd sizes, every dtype", attn_sizes, ("flash_attention",), 2.0),
         Check("causal, N_q <= N_k", attn_causal, ("flash_attention",), 2.0),

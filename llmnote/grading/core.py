@@ -9,15 +9,18 @@ answer, anything else is a crash in the student's code. Each check runs under a
 time limit (``SIGALRM`` where the platform has it), so a loop that never ends
 costs one check, not the whole notebook.
 
-Every result is printed for the student and also as one machine-readable line
-(``MARKER`` + JSON) that the batch grader reads back from the executed
-notebook.
+Every call of a student function goes through
+:func:`llmnote.grading.guard.graded_call`: what the assignment forbids is
+refused (status ``refused``), and a kernel assignment is passed only by the
+student's own Triton kernels. The batch grader runs the same checks in its own
+process against functions that live in a separate student process
+(:mod:`llmnote.grading.sandbox`); the points always come from the
+:class:`Check` table, never from anything the student's code prints.
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
 import random
 import signal
 import sys
@@ -25,16 +28,18 @@ import threading
 import time
 import traceback
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-MARKER = "LLMNOTE-GRADE "
+from llmnote.grading.guard import NO_RULES, Refused, Rules, graded_call
+from llmnote.grading.sandbox import Remote, StudentDied, StudentError, StudentTimeout
+
 DEFAULT_TIME_LIMIT_S = 60.0
 
-PASS, FAIL, NOT_IMPLEMENTED, ERROR, TIMEOUT, MISSING = (
-    "pass", "fail", "not implemented", "error", "timeout", "missing")
+PASS, FAIL, NOT_IMPLEMENTED, ERROR, TIMEOUT, MISSING, REFUSED = (
+    "pass", "fail", "not implemented", "error", "timeout", "missing", "refused")
 
 
 @dataclass(frozen=True)
@@ -55,6 +60,7 @@ class Assignment:
     title: str
     checks: tuple[Check, ...]
     notebook: str  # file stem under notebooks/assignments/
+    rules: Rules = NO_RULES  # what the student's functions may not use
 
     @property
     def functions(self) -> tuple[str, ...]:
@@ -144,6 +150,24 @@ def _student_frame(tb) -> str:
     return f" (in {f.name}, line {f.lineno}: {f.line.strip() if f.line else ''})"
 
 
+class _Local:
+    """A student function of this process, called through :func:`graded_call`."""
+
+    def __init__(self, name: str, fn: Any, rules: Rules):
+        self.__name__, self.fn, self.rules = name, fn, rules
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return graded_call(self.__name__, self.fn, args, kwargs, self.rules)
+
+
+def guarded(functions: Mapping[str, Any], rules: Rules) -> dict[str, Any]:
+    """``functions`` with every callable of this process wrapped by :class:`_Local`
+    (values in capitals and handles to a student process are left as they are)."""
+    return {n: (_Local(n, f, rules) if callable(f) and not n.isupper()
+                and not isinstance(f, (Remote, _Local)) else f)
+            for n, f in functions.items()}
+
+
 def run_check(assignment: str, check: Check, functions: Mapping[str, Any],
               time_limit_s: float | None = DEFAULT_TIME_LIMIT_S) -> Result:
     """Run one check; never raises (except KeyboardInterrupt)."""
@@ -161,8 +185,16 @@ def run_check(assignment: str, check: Check, functions: Mapping[str, Any],
         status, msg = PASS, ""
     except NotImplementedError as e:
         status, msg = NOT_IMPLEMENTED, str(e) or "a function still raises NotImplementedError"
-    except CheckTimeout as e:
-        status, msg = TIMEOUT, str(e)
+    except (CheckTimeout, StudentTimeout):
+        status = TIMEOUT
+        msg = f"still running after the time limit of {time_limit_s:g} s" if time_limit_s \
+            else "still running after the check's time limit"
+    except Refused as e:
+        status, msg = REFUSED, str(e)
+    except StudentDied as e:
+        status, msg = ERROR, f"your notebook's process stopped during this check: {e}"
+    except StudentError as e:
+        status, msg = ERROR, str(e)
     except AssertionError as e:
         status, msg = FAIL, (str(e) or "assertion failed" + _student_frame(e.__traceback__))
     except Exception as e:  # a crash in the student's code: report it, go on
@@ -175,7 +207,7 @@ def run_check(assignment: str, check: Check, functions: Mapping[str, Any],
 
 def _print_result(r: Result, out) -> None:
     mark = {PASS: "PASS", FAIL: "FAIL", NOT_IMPLEMENTED: "TODO", ERROR: "ERROR",
-            TIMEOUT: "TIMEOUT", MISSING: "MISSING"}[r.status]
+            TIMEOUT: "TIMEOUT", MISSING: "MISSING", REFUSED: "REFUSED"}[r.status]
     print(f"[{mark:>7}] {r.check} ({r.points:g}/{r.max_points:g} points, {r.seconds:.1f} s)", file=out)
     if r.message and r.status != PASS:
         for line in r.message.splitlines()[:12]:
@@ -184,13 +216,15 @@ def _print_result(r: Result, out) -> None:
 
 def run_checks(assignment: Assignment, functions: Mapping[str, Any], *, hidden: bool = False,
                time_limit_s: float | None = DEFAULT_TIME_LIMIT_S, seed: int | None = None,
-               quiet: bool = False, markers: bool = True) -> Report:
+               quiet: bool = False) -> Report:
     """Run an assignment's checks against ``functions`` (name -> callable) and print a report.
 
     Fresh random inputs each run; the seed is printed so that a failure can be
     replayed with ``seed=``. ``hidden=True`` adds the checks that the student's
-    notebook does not run (the batch grader uses it).
+    notebook does not run (the batch grader uses it). Functions of this process are
+    called under the assignment's rules (:func:`guarded`).
     """
+    functions = guarded(functions, assignment.rules)
     out = sys.stdout
     seed = int(torch.seed() % 2**31) if seed is None else seed
     torch.manual_seed(seed)
@@ -205,23 +239,9 @@ def run_checks(assignment: Assignment, functions: Mapping[str, Any], *, hidden: 
         report.results.append(r)
         if not quiet:
             _print_result(r, out)
-        if markers:
-            print(MARKER + json.dumps(asdict(r)), file=out)
     if not quiet:
         print(f"score: {report.score:g} / {report.max_score:g}", file=out)
     return report
-
-
-def parse_markers(text: str) -> list[Result]:
-    """The results printed by :func:`run_checks` in ``text`` (stdout of an executed cell)."""
-    found = []
-    for line in text.splitlines():
-        if line.startswith(MARKER):
-            try:
-                found.append(Result(**json.loads(line[len(MARKER):])))
-            except (TypeError, ValueError):
-                continue
-    return found
 
 
 def case(text: str) -> contextlib.AbstractContextManager:
@@ -235,7 +255,8 @@ class _Case(contextlib.AbstractContextManager):
         self.text = text
 
     def __exit__(self, typ, exc, tb):
-        if exc is None or isinstance(exc, (NotImplementedError, CheckTimeout)):
+        if exc is None or isinstance(exc, (NotImplementedError, CheckTimeout, Refused,
+                                           StudentDied, StudentError, StudentTimeout)):
             return False
         if isinstance(exc, AssertionError):
             raise AssertionError(f"case {self.text}: {exc}").with_traceback(tb) from None

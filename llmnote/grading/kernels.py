@@ -11,6 +11,8 @@ import torch
 from llmnote import device
 from llmnote.grading.compare import expect_close
 from llmnote.grading.core import Assignment, Check, case
+from llmnote.grading.guard import Rules
+from llmnote.grading.sandbox import forward_backward
 from llmnote.ops import rmsnorm_ref, rope_ref, softmax_ref
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -80,6 +82,8 @@ SOFTMAX = Assignment(
     name="softmax",
     title="Assignment 1: fused softmax in Triton",
     notebook="a1_softmax",
+    rules=Rules(("ops", "quant"), ("softmax", "_softmax", "log_softmax", "_log_softmax"),
+                ("softmax",), "This assignment asks for your own Triton kernel."),
     checks=(
         Check("odd sizes, every dtype", softmax_sizes, ("softmax",), 2.0),
         Check("large logits", softmax_large, ("softmax",), 1.0),
@@ -127,21 +131,16 @@ def _rms_backward_case(rmsnorm, shape, dtype, eps=1e-6):
     x, w = _rms_inputs(shape, dtype)
     dy = torch.randn(shape, device=_dev()).to(dtype)
     with case(f"backward, shape {tuple(shape)}, {_name(dtype)}"):
+        _, (gx, gw) = forward_backward(rmsnorm, (x, w, eps), (0, 1), dy)
         fresh = lambda t, dt=None: t.detach().to(dt or t.dtype, copy=True).requires_grad_()  # noqa: E731
-        xs, ws = fresh(x), fresh(w)
-        y = rmsnorm(xs, ws, eps)
-        if not isinstance(y, torch.Tensor) or y.grad_fn is None:
-            raise AssertionError("the output has no grad_fn: wrap your kernels in a "
-                                 "torch.autograd.Function so that backward reaches them")
-        y.backward(dy)
         x32, w32 = fresh(x, torch.float32), fresh(w, torch.float32)
         rmsnorm_ref(x32, w32, eps).backward(dy.float())
         xl, wl = fresh(x), fresh(w)
         rmsnorm_ref(xl, wl, eps).backward(dy)
         # dweight sums over rows: allow the rounding of that many terms
         atol = 1e-5 if dtype == torch.float32 else 1e-3 * shape[0]
-        for got, r32, lowp, n in [(xs.grad, x32.grad, xl.grad, "grad of x"),
-                                  (ws.grad, w32.grad, wl.grad, "grad of weight")]:
+        for got, r32, lowp, n in [(gx, x32.grad, xl.grad, "grad of x"),
+                                  (gw, w32.grad, wl.grad, "grad of weight")]:
             if got is None:
                 raise AssertionError(f"{n} is None: backward did not produce it")
             expect_close(got, r32, lowp, dtype=dtype, name=n,
@@ -165,6 +164,8 @@ RMSNORM = Assignment(
     name="rmsnorm",
     title="Assignment 2: RMSNorm forward and backward in Triton",
     notebook="a2_rmsnorm",
+    rules=Rules(("ops", "quant"), ("rms_norm", "_fused_rms_norm", "layer_norm"),
+                ("rmsnorm",), "This assignment asks for your own Triton kernels."),
     checks=(
         Check("forward: odd sizes, every dtype", rmsnorm_forward, ("rmsnorm",), 2.0),
         Check("forward: zeros, fp16 overflow, eps", rmsnorm_edge, ("rmsnorm",), 1.0),
@@ -233,6 +234,8 @@ ROPE = Assignment(
     name="rope",
     title="Assignment 3: rotary position embedding (RoPE) in Triton",
     notebook="a3_rope",
+    rules=Rules(("ops", "models"), (), ("rope",),
+                "This assignment asks for your own Triton kernel."),
     checks=(
         Check("odd sizes, every dtype", rope_sizes, ("rope",), 2.0),
         Check("arbitrary positions, other theta", rope_positions, ("rope",), 1.0),

@@ -13,6 +13,7 @@ import torch
 from llmnote import device
 from llmnote.grading.compare import expect_close
 from llmnote.grading.core import Assignment, Check, case
+from llmnote.grading.guard import Rules
 from llmnote.ops import flash_attention_ref
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -85,6 +86,8 @@ PAGED = Assignment(
     name="paged_decode",
     title="Assignment 5: decode attention over a paged KV cache",
     notebook="a5_paged_decode",
+    rules=Rules(("ops", "engine"), ("scaled_dot_product_attention", "softmax", "_softmax"),
+                ("paged_decode_attention",), "This assignment asks for your own Triton kernel."),
     checks=(
         Check("odd lengths, every dtype", paged_sizes, ("paged_decode_attention",), 2.0),
         Check("block boundaries, block_size 1", paged_block_edges, ("paged_decode_attention",), 1.0),
