@@ -81,6 +81,13 @@ def grade_notebook(path: str | Path, assignment: Assignment, *, check_time_limit
         except (StudentDied, StudentTimeout) as e:
             notes = [f"the notebook could not be run: {e}"]
         for c in assignment.checks:
+            student.deadline = None
+            try:
+                student.ensure()  # a fresh process after a kill: not on the check's clock
+            except (StudentDied, StudentTimeout) as e:
+                results.append(Result(assignment.name, c.name, ERROR, 0.0, c.points, 0.0,
+                                      f"no result: {e}"))
+                continue
             t0 = time.monotonic()
             student.deadline = t0 + check_time_limit_s
             try:
@@ -107,7 +114,7 @@ def grade_notebook(path: str | Path, assignment: Assignment, *, check_time_limit
 def _problems(results: list[Result], notes: list[str]) -> str:
     parts = list(dict.fromkeys(notes))
     for r in results:
-        if r.status != PASS:
+        if r.status != PASS and r.message not in notes:
             first = r.message.splitlines()[0] if r.message else ""
             parts.append(f"{r.check}: {r.status}" + (f" ({first[:160]})" if first else ""))
     return "; ".join(parts)

@@ -245,6 +245,9 @@ class StudentProcess:
             why = self._why_dead()
             self.kill()
             raise StudentDied(why) from e
+        except BaseException:  # interrupted (a signal in the grader): the reply is lost
+            self.kill()
+            raise
         try:
             return self._decode(_PlainUnpickler(io.BytesIO(raw)).load())
         except Exception as e:  # noqa: BLE001  (anything malformed)
@@ -261,6 +264,15 @@ class StudentProcess:
         if isinstance(obj, dict):
             return {k: self._decode(v) for k, v in obj.items()}
         return obj
+
+    def ensure(self) -> None:
+        """Start the process (replaying the cells that ran cleanly) if it is not running;
+        outside any check's deadline."""
+        deadline, self.deadline = self.deadline, None
+        try:
+            self._ensure()
+        finally:
+            self.deadline = deadline
 
     def _ensure(self) -> None:
         if self.proc is not None:
