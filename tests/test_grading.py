@@ -30,7 +30,7 @@ from llmnote.grading import record
 matplotlib.use("Agg")
 
 ROOT = Path(__file__).resolve().parent.parent
-ASSIGNMENT_DIR = ROOT / "notebooks" / "assignments"
+ASSIGNMENT_DIR = ROOT / "notebooks" / "assignments" / "instructor"
 _spec = importlib.util.spec_from_file_location("make_student", ROOT / "tools" / "make_student.py")
 make_student = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(make_student)
@@ -134,7 +134,7 @@ def test_every_assignment_has_a_notebook_with_markers():
         assert student.metadata["llmnote"]["assignment"] == md.stem
 
 
-def test_make_student_cli_writes_notebooks(tmp_path):
+def test_make_student_cli_writes_handouts(tmp_path):
     assert make_student.main(["--out", str(tmp_path)]) == 0
     written = sorted(p.stem for p in tmp_path.glob("*.ipynb"))
     assert written == sorted(md.stem for md in NOTEBOOKS.values())
@@ -203,9 +203,9 @@ def test_a_block_manager_with_another_interface_is_reported():
     assert "commit" in {r.check: r.message for r in report.results}["prefix hits"]
 
 
-def test_notebook_reader_without_jupytext_reads_the_paired_ipynb(monkeypatch):
-    """benchmarks/assignments.py runs where Jupyter's packages may be missing: the paired
-    .ipynb gives the same code as the .md."""
+def test_notebook_reader_without_jupytext(monkeypatch):
+    """benchmarks/assignments.py runs where Jupyter's packages may be missing: the small
+    MyST reader gives the same code cells as jupytext."""
     import sys
 
     for name, md in NOTEBOOKS.items():

@@ -237,6 +237,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="the table, one row per student (details beside it)")
     ap.add_argument("--gradescope", default=None, metavar="RESULTS_JSON",
                     help="also write Gradescope's results.json (one submission)")
+    ap.add_argument("--pattern", default="*", help="which files of the folder (default: all)")
     ap.add_argument("--check-time-limit", type=float, default=60.0, help="seconds per check")
     ap.add_argument("--cell-time-limit", type=float, default=120.0, help="seconds per cell")
     ap.add_argument("--notebook-time-limit", type=float, default=600.0,
@@ -251,6 +252,7 @@ def main(argv: list[str] | None = None) -> int:
     old = {s: signal.signal(s, _stop) for s in (signal.SIGTERM, signal.SIGINT)}
     try:
         df = grade_folder(args.folder, a, out=args.out, gradescope=args.gradescope,
+                          pattern=args.pattern,
                           check_time_limit_s=args.check_time_limit,
                           cell_time_limit_s=args.cell_time_limit,
                           notebook_time_limit_s=args.notebook_time_limit,
