@@ -119,3 +119,16 @@ def test_no_solution_region_on_any_page_of_the_book():
         text = squash(student_text(page))
         for name, s in secrets:
             assert s not in text, f"{page.relative_to(ROOT)} holds a region of {name}"
+
+
+def test_every_check_is_listed_in_the_assignment_text():
+    """The student reads what is graded, hidden checks included, with their points."""
+    from llmnote import grading
+
+    for a in grading.ASSIGNMENTS.values():
+        text = squash((gnb.STUDENT_DIR / f"{a.notebook}.md").read_text())
+        assert "## What is graded" in text, a.notebook
+        for c in a.checks:
+            assert f"*{c.name}*" in text, (a.notebook, c.name)
+            if c.hidden:
+                assert f"*{c.name}* ({c.points:g}, hidden)" in text, (a.notebook, c.name)

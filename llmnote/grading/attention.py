@@ -38,10 +38,13 @@ def _attn_case(flash_attention, b, h, hkv, nq, nk, d, dtype, causal, sm_scale=No
                                          sm_scale=sm_scale, return_lse=True)
         lowp = flash_attention_ref(q, k, v, causal=causal, sm_scale=sm_scale)
         scale = float(o32.abs().max()) if o32.numel() else 1.0
-        if dtype == torch.float32:
-            expect_close(o, o32, dtype=dtype, name="out", atol=2e-5, rtol=1e-4)
-        else:
-            expect_close(o, o32, lowp, dtype=dtype, name="out", atol=1e-3 * scale)
+        try:
+            if dtype == torch.float32:
+                expect_close(o, o32, dtype=dtype, name="out", atol=2e-5, rtol=1e-4)
+            else:
+                expect_close(o, o32, lowp, dtype=dtype, name="out", atol=1e-3 * scale)
+        except MismatchError as e:
+            raise MismatchError(f"{e}{_hint(o, o32, dtype)}") from None
         if not isinstance(lse, torch.Tensor) or lse.dtype != torch.float32:
             raise MismatchError(f"lse: expected a float32 tensor, got "
                                 f"{getattr(lse, 'dtype', type(lse).__name__)}")
@@ -55,6 +58,22 @@ def _attn_case(flash_attention, b, h, hkv, nq, nk, d, dtype, causal, sm_scale=No
         # lse of low-precision inputs: the fp32 reference of the same rounded inputs
         assert_close(lse[fin], lse32[fin], atol=1e-4 if dtype == torch.float32 else 2e-2,
                      rtol=1e-4, name="lse (natural log)")
+
+
+def _hint(o, o32, dtype) -> str:
+    """What to look at when an output is wildly off."""
+    if not isinstance(o, torch.Tensor) or o.shape != o32.shape:
+        return ""
+    err = float((o.float().cpu() - o32.float().cpu()).abs().nan_to_num(float("inf")).max())
+    bound = 10 * max(1.0, float(o32.abs().max()))
+    if dtype == torch.bfloat16 and err > bound:
+        return ("\nThe output is far outside the range of v: with bfloat16, check the upcast. "
+                "The interpreter's tl.dot cannot multiply bfloat16 tiles; convert q, k, v and "
+                "p to float32 when UPCAST is set (and use input_precision='ieee').")
+    if err > bound:
+        return ("\nThe output is far outside the range of v: check the rescaling by alpha "
+                "and the final division by l.")
+    return ""
 
 
 def attn_sizes(flash_attention) -> None:

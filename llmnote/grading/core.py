@@ -52,6 +52,12 @@ class Check:
     points: float = 1.0
     hidden: bool = False  # run by the grader, not by the notebook's check cell
     doc: str = ""
+    preview: bool = False  # the first case of a hidden check, for the notebook, 0 points
+
+    def previewed(self) -> Check:
+        """The notebook's preview of this hidden check: its first case, no points."""
+        return Check(f"{self.name} (one case; graded with more)", self.fn, self.needs, 0.0,
+                     False, self.doc, True)
 
 
 @dataclass(frozen=True)
@@ -69,6 +75,14 @@ class Assignment:
     @property
     def points(self) -> float:
         return sum(c.points for c in self.checks)
+
+    def run_list(self, hidden: bool) -> list[Check]:
+        """The checks a run makes: the grader's (``hidden``) are every graded check; the
+        notebook's are the visible ones and a one-case preview of each hidden one."""
+        if hidden:
+            return list(self.checks)
+        return ([c for c in self.checks if not c.hidden]
+                + [c.previewed() for c in self.checks if c.hidden])
 
 
 @dataclass
@@ -110,6 +124,13 @@ class Report:
 
     def __repr__(self) -> str:
         return f"Report({self.assignment!r}, score {self.score:g}/{self.max_score:g})"
+
+
+class _Enough(BaseException):
+    """A preview check's first case passed."""
+
+
+_PREVIEW = [False]
 
 
 class CheckTimeout(BaseException):
@@ -179,9 +200,12 @@ def run_check(assignment: str, check: Check, functions: Mapping[str, Any],
                       f"{', '.join(missing)} not defined: was the cell that defines "
                       "them deleted or renamed?")
     t0 = time.perf_counter()
+    _PREVIEW[0] = check.preview
     try:
         with time_limit(time_limit_s):
             check.fn(**{n: functions[n] for n in check.needs})
+        status, msg = PASS, ""
+    except _Enough:
         status, msg = PASS, ""
     except NotImplementedError as e:
         status, msg = NOT_IMPLEMENTED, str(e) or "a function still raises NotImplementedError"
@@ -200,6 +224,8 @@ def run_check(assignment: str, check: Check, functions: Mapping[str, Any],
     except Exception as e:  # a crash in the student's code: report it, go on
         status = ERROR
         msg = f"{type(e).__name__}: {e}{_student_frame(e.__traceback__)}"
+    finally:
+        _PREVIEW[0] = False
     dt = time.perf_counter() - t0
     return Result(assignment, check.name, status, check.points if status == PASS else 0.0,
                   check.points, dt, msg)
@@ -232,15 +258,17 @@ def run_checks(assignment: Assignment, functions: Mapping[str, Any], *, hidden: 
     report = Report(assignment.name)
     if not quiet:
         print(f"{assignment.title}: checks with fresh random inputs (seed {seed})", file=out)
-    for check in assignment.checks:
-        if check.hidden and not hidden:
-            continue
+    for check in assignment.run_list(hidden):
         r = run_check(assignment.name, check, functions, time_limit_s)
         report.results.append(r)
         if not quiet:
             _print_result(r, out)
     if not quiet:
         print(f"score: {report.score:g} / {report.max_score:g}", file=out)
+        if not hidden and any(c.hidden for c in assignment.checks):
+            more = sum(c.points for c in assignment.checks if c.hidden)
+            print(f"(the grader also runs the hidden checks in full, for {more:g} more "
+                  "points)", file=out)
     return report
 
 
@@ -255,6 +283,8 @@ class _Case(contextlib.AbstractContextManager):
         self.text = text
 
     def __exit__(self, typ, exc, tb):
+        if exc is None and _PREVIEW[0]:
+            raise _Enough
         if exc is None or isinstance(exc, (NotImplementedError, CheckTimeout, Refused,
                                            StudentDied, StudentError, StudentTimeout)):
             return False
