@@ -31,8 +31,8 @@ sync: $(STAMP)
 student: $(STAMP)
 	$(BIN)/python tools/make_student.py
 
-## instructor-book: the book with the instructor assignments (solutions, hidden checks)
-## into _build/instructor/_build/html; never publish it
+## instructor-book: the book plus a part with the instructor assignments (solutions,
+## hidden checks) into _build/instructor/_build/html; never publish it
 instructor-book: $(STAMP)
 	$(BIN)/python tools/make_student.py --instructor-toc _build/instructor/_toc.yml
 	$(BIN)/jupyter-book build . --toc _build/instructor/_toc.yml --path-output _build/instructor --warningiserror --keep-going

@@ -292,3 +292,20 @@ def test_unknown_assignment_names_the_choices():
     with pytest.raises(ValueError, match="a1_softmax"):
         grading.get("a9_nothing")
     assert grading.get("a4_flash_attention.ipynb") is grading.get("flash_attention")
+
+
+def test_gradescope_autograder_zip(tmp_path):
+    import zipfile
+
+    from llmnote.grading.gradescope import build_autograder
+
+    out = build_autograder("softmax", tmp_path / "a.zip", "llmnote @ git+https://x/y.git@main")
+    with zipfile.ZipFile(out) as z:
+        assert sorted(z.namelist()) == ["run_autograder", "setup.sh"]
+        for info in z.infolist():
+            assert info.external_attr >> 16 & 0o111, f"{info.filename} is not executable"
+        run = z.read("run_autograder").decode()
+        setup = z.read("setup.sh").decode()
+    assert "--assignment a1_softmax" in run and "/autograder/results/results.json" in run
+    assert "'llmnote @ git+https://x/y.git@main'" in setup
+    assert run.startswith("#!/usr/bin/env bash") and setup.startswith("#!/usr/bin/env bash")

@@ -123,22 +123,15 @@ def stale() -> list[str]:
 
 
 def instructor_toc(out: Path) -> Path:
-    """``_toc.yml`` with every student assignment page replaced by its instructor
-    notebook (the instructor build: ``make instructor-book``)."""
+    """``_toc.yml`` with a last part that lists the instructor notebooks (the
+    instructor build: ``make instructor-book``); the student pages stay, so that
+    every link of the book still resolves."""
     toc = yaml.safe_load((ROOT / "_toc.yml").read_text())
-    stems = {p.stem for p in instructors()}
-    student = str(STUDENT_DIR.relative_to(ROOT))
     instructor = str(ASSIGNMENT_DIR.relative_to(ROOT))
-
-    def swap(entries):
-        for e in entries:
-            f = e.get("file", "")
-            if f.startswith(student + "/") and f.rsplit("/", 1)[-1] in stems:
-                e["file"] = f"{instructor}/{f.rsplit('/', 1)[-1]}"
-            swap(e.get("sections", []))
-            swap(e.get("chapters", []))
-
-    swap(toc.get("parts", []))
+    toc.setdefault("parts", []).append({
+        "caption": "Instructor versions (solutions and hidden checks)",
+        "chapters": [{"file": f"{instructor}/{p.stem}"} for p in instructors()],
+    })
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(yaml.safe_dump(toc, sort_keys=False))
     return out
