@@ -311,3 +311,31 @@ def llmnote_on_gpu() -> bool:
 def test_unknown_assignment_is_a_clear_error():
     with pytest.raises(ValueError, match="assignment must be one of"):
         grading.get("nope")
+
+
+def test_input_changed_in_place_is_named():
+    """Doubling the input in place is reported as that, not as a wrong eps."""
+    ns = run_cells(code_cells(solved("rmsnorm")))
+    good = ns["rmsnorm"]
+
+    def rmsnorm(x, weight, eps=1e-6):
+        x.mul_(2)
+        return good(x, weight, eps)
+
+    report = grading.run_checks(grading.get("rmsnorm"), {"rmsnorm": rmsnorm}, hidden=True)
+    first = report.results[0]
+    assert first.status == grading.FAIL
+    assert "changed its input `x` in place" in first.message, first.message
+
+
+def test_bf16_without_the_upcast_says_so():
+    from llmnote import device
+
+    if not device.interpreting():
+        pytest.skip("the interpreter's bf16 tl.dot is what this is about")
+    src = code_cells(solved("flash_attention"))
+    assert any("UPCAST = device.interpreting()" in c for c in src)
+    ns = run_cells([c.replace("UPCAST = device.interpreting()", "UPCAST = False") for c in src])
+    report = grading.run_checks(grading.get("flash_attention"), ns, hidden=True)
+    msg = {r.check: r.message for r in report.results}["odd sizes, every dtype"]
+    assert "bfloat16" in msg and "upcast" in msg, msg
