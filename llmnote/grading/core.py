@@ -201,8 +201,10 @@ def run_check(assignment: str, check: Check, functions: Mapping[str, Any],
                       "them deleted or renamed?")
     t0 = time.perf_counter()
     _PREVIEW[0] = check.preview
+    # functions in a student process have their own deadline, which kills it
+    remote = any(isinstance(functions[n], Remote) for n in check.needs)
     try:
-        with time_limit(time_limit_s):
+        with time_limit(None if remote else time_limit_s):
             check.fn(**{n: functions[n] for n in check.needs})
         status, msg = PASS, ""
     except _Enough:

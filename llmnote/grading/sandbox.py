@@ -188,23 +188,22 @@ class StudentProcess:
 
     def kill(self) -> None:
         """SIGKILL the student's whole process group (forked children included)."""
-        if self.proc is not None:
+        proc, self.proc = self.proc, None  # forgotten first: an interruption here
+        fds, self._fds = self._fds, None   # still leaves a fresh start for later
+        if proc is not None:
             try:
-                os.killpg(self.proc.pid, signal.SIGKILL)
+                os.killpg(proc.pid, signal.SIGKILL)
             except (ProcessLookupError, PermissionError):
                 pass
             try:
-                self.proc.wait(timeout=10)
+                proc.wait(timeout=10)
             except subprocess.TimeoutExpired:
                 pass
-            self.proc = None
-        if self._fds is not None:
-            for fd in self._fds:
-                try:
-                    os.close(fd)
-                except OSError:
-                    pass
-            self._fds = None
+        for fd in fds or ():
+            try:
+                os.close(fd)
+            except OSError:
+                pass
 
     close = kill
 
