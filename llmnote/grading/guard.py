@@ -85,7 +85,14 @@ def _wrap_run(cls) -> None:
 
     def recorded_run(self, *args, **kwargs):
         _record(self, args, kwargs)
-        return run(self, *args, **kwargs)
+        watch = sys.getprofile()
+        if not isinstance(watch, _Watch):
+            return run(self, *args, **kwargs)
+        sys.setprofile(None)  # a kernel's body cannot call PyTorch or llmnote:
+        try:                  # no need to watch the interpreter running it
+            return run(self, *args, **kwargs)
+        finally:
+            sys.setprofile(watch)
 
     recorded_run._llmnote_recorded = True
     cls.run = recorded_run
