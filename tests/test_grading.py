@@ -23,7 +23,6 @@ import pytest
 import torch
 
 from llmnote import grading
-from llmnote.grading import core
 from llmnote.grading import notebooks as gnb
 from llmnote.grading import record
 

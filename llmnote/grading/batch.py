@@ -30,9 +30,7 @@ from typing import Any
 
 import pandas as pd
 
-from llmnote.grading.core import (
-    ERROR, MISSING, PASS, TIMEOUT, Assignment, Result, run_check,
-)
+from llmnote.grading.core import ERROR, PASS, TIMEOUT, Assignment, Result, run_check
 from llmnote.grading.sandbox import StudentDied, StudentProcess, StudentTimeout
 
 SELF_CHECK_CALLS = ("grading.check(", "grading.speed_report(")
