@@ -309,3 +309,59 @@ def test_gradescope_autograder_zip(tmp_path):
     assert "--assignment a1_softmax" in run and "/autograder/results/results.json" in run
     assert "'llmnote @ git+https://x/y.git@main'" in setup
     assert run.startswith("#!/usr/bin/env bash") and setup.startswith("#!/usr/bin/env bash")
+
+
+FA_DEF = "def flash_attention(q, k, v, causal=False, sm_scale=None, window=None):\n"
+
+
+@pytest.fixture(scope="module")
+def attention(tmp_path_factory):
+    """The FlashAttention submissions that passed before the grader ran checks in its
+    own process: each returns the right answer without a kernel of its own."""
+    import jupytext
+
+    from llmnote.grading import notebooks as gnb
+
+    tmp = tmp_path_factory.mktemp("attention")
+    stub = jupytext.read(gnb.STUDENT_DIR / "a4_flash_attention.md", fmt="md:myst")
+    subs = {
+        "ops_kernel": FA_DEF + "    return ops.flash_attention(q, k, v, causal=causal, "
+                               "sm_scale=sm_scale, return_lse=True)\n",
+        "reference": "from llmnote.ops import flash_attention_ref\n" + FA_DEF
+                     + "    return flash_attention_ref(q, k, v, causal=causal, "
+                       "sm_scale=sm_scale, return_lse=True)\n",
+        "sdpa_lse": "import torch.nn.functional as F\n" + FA_DEF
+                    + "    g = q.shape[1] // k.shape[1]\n"
+                      "    k, v = (t.repeat_interleave(g, 1) for t in (k, v))\n"
+                      "    o = F.scaled_dot_product_attention(q, k, v, is_causal=causal,\n"
+                      "                                       scale=sm_scale)\n"
+                      "    s = (q.float() @ k.float().transpose(-1, -2)) * (\n"
+                      "        sm_scale or q.shape[-1] ** -0.5)\n"
+                      "    return o, torch.logsumexp(s, -1)\n",
+        "pytorch": FA_DEF + "    g = q.shape[1] // k.shape[1]\n"
+                            "    k, v = (t.repeat_interleave(g, 1).float() for t in (k, v))\n"
+                            "    s = (q.float() @ k.transpose(-1, -2)) * (\n"
+                            "        sm_scale or q.shape[-1] ** -0.5)\n"
+                            "    m = s.amax(-1, keepdim=True)\n"
+                            "    p = (s - m).exp()\n"
+                            "    out = (p / p.sum(-1, keepdim=True)) @ v\n"
+                            "    lse = (m + p.sum(-1, keepdim=True).log())[..., 0]\n"
+                            "    return out.to(q.dtype), lse\n",
+    }
+    folder = tmp / "subs"
+    folder.mkdir()
+    for stem, cell in subs.items():  # the kernel cell stays the unfilled stub
+        nbformat.write(with_cells(stub, cell), folder / f"{stem}.ipynb")
+    df = grading.grade_folder(folder, "flash_attention", check_time_limit_s=60, quiet=True)
+    return df.set_index("student"), df.attrs["details"].set_index(["student", "check"])
+
+
+@pytest.mark.parametrize("who,why", [("ops_kernel", "llmnote.ops"), ("reference", "llmnote.ops"),
+                                     ("sdpa_lse", "scaled_dot_product_attention"),
+                                     ("pytorch", "without launching")])
+def test_attention_without_a_kernel_scores_zero(attention, who, why):
+    df, d = attention
+    assert df.loc[who, "total"] == 0, df.loc[who, "problems"]
+    msg = d.loc[(who, "odd sizes, every dtype"), "message"]
+    assert d.loc[(who, "odd sizes, every dtype"), "status"] == grading.REFUSED, msg
+    assert why in msg, msg
