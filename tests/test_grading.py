@@ -38,8 +38,11 @@ NOTEBOOKS = {a.name: ASSIGNMENT_DIR / f"{a.notebook}.md" for a in grading.ASSIGN
 
 # (assignment, text in the instructor's solution, wrong replacement, check that must catch it)
 WRONG = [
-    ("softmax", "e = tl.exp(x - tl.max(x, axis=0))", "e = tl.exp(x)", "large logits"),
+    ("softmax", "e = tl.exp(x - m)", "e = tl.exp(x)", "large logits"),
     ("softmax", "row * stride_x + cols", "row * n_cols + cols", "non-contiguous rows"),
+    ("softmax", "n = tl.minimum(tl.load(len_ptr + row), n_cols)", "n = n_cols",
+     "rows of different lengths"),
+    ("softmax", 'm = tl.where(m == -float("inf"), 0.0, m)', "m = m", "rows of different lengths"),
     ("rmsnorm", "dx = rstd * (u - xhat * (tl.sum(u * xhat, axis=0) / N))", "dx = rstd * u",
      "backward: grads of x and weight"),
     ("rmsnorm", "1.0 / tl.sqrt(tl.sum(x * x, axis=0) / N + eps)",

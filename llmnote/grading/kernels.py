@@ -71,6 +71,33 @@ def softmax_strided(softmax) -> None:
                                              "row stride 60)")
 
 
+def masked_softmax_ref(x: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    """Softmax over the first ``lengths[r]`` entries of each row ``r``, 0 after them
+    (and a row of length 0 all zeros), in ``x``'s dtype."""
+    keep = torch.arange(x.shape[-1], device=x.device) < lengths[..., None].to(x.device)
+    y = torch.softmax(x.masked_fill(~keep, float("-inf")), dim=-1)
+    return y.nan_to_num(0.0)
+
+
+def _lengths_case(softmax, x: torch.Tensor, lengths: torch.Tensor) -> None:
+    with case(f"rows of lengths {lengths.flatten().tolist()[:12]}, shape {tuple(x.shape)}, "
+              f"{_name(x.dtype)}"):
+        y = softmax(x, lengths=lengths)
+        expect_close(y, masked_softmax_ref(x.float(), lengths), masked_softmax_ref(x, lengths),
+                     dtype=x.dtype, name="softmax(x, lengths)")
+
+
+def softmax_lengths(softmax) -> None:
+    for shape in [(6, 45), (2, 3, 50)]:
+        for dtype in DTYPES:
+            x = (3 * torch.randn(shape, device=_dev())).to(dtype)
+            n = shape[-1]
+            lengths = torch.randint(0, n + 1, shape[:-1], device=_dev())
+            flat = lengths.view(-1)
+            flat[0], flat[1], flat[-1] = 0, 1, n  # empty, one entry, full
+            _lengths_case(softmax, x, lengths)
+
+
 def softmax_more_shapes(softmax) -> None:
     for shape in [(2, 3, 50), (2, 1500), (1, 5, 1, 9)]:
         for dtype in DTYPES:
@@ -80,7 +107,7 @@ def softmax_more_shapes(softmax) -> None:
 
 SOFTMAX = Assignment(
     name="softmax",
-    title="Assignment 1: fused softmax in Triton",
+    title="Assignment 1: fused softmax over rows of different lengths in Triton",
     notebook="a1_softmax",
     rules=Rules(("ops", "quant"), ("softmax", "_softmax", "log_softmax", "_log_softmax"),
                 ("softmax",), "This assignment asks for your own Triton kernel."),
@@ -89,6 +116,7 @@ SOFTMAX = Assignment(
         Check("large logits", softmax_large, ("softmax",), 1.0),
         Check("-inf entries", softmax_neg_inf, ("softmax",), 1.0),
         Check("non-contiguous rows", softmax_strided, ("softmax",), 1.0),
+        Check("rows of different lengths", softmax_lengths, ("softmax",), 2.0),
         Check("leading dimensions, long rows", softmax_more_shapes, ("softmax",), 1.0, hidden=True),
     ),
 )
