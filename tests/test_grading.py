@@ -48,6 +48,8 @@ WRONG = [
     ("rmsnorm", "1.0 / tl.sqrt(tl.sum(x * x, axis=0) / N + eps)",
      "1.0 / (tl.sqrt(tl.sum(x * x, axis=0) / N) + eps)", "forward: zeros, fp16 overflow, eps"),
     ("rope", "(a * c - b * sn)", "(a * c + b * sn)", "odd sizes, every dtype"),
+    ("rope", "tl.store(y_ptr + base + j, tail, mask=rest)", "pass", "partial rotary_dim"),
+    ("rope", "dtype=torch.float64) / r)", "dtype=torch.float64) / d)", "partial rotary_dim"),
     ("flash_attention", "acc * alpha[:, None]", "acc", "odd sizes, every dtype"),
     ("flash_attention", "(m_i + tl.math.log2(l_safe)) / 1.4426950408889634", "m_i + tl.math.log2(l_safe)",
      "odd sizes, every dtype"),

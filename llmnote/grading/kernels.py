@@ -205,13 +205,24 @@ RMSNORM = Assignment(
 
 # ---------------------------------------------------------------- (3) RoPE
 
-def _rope_case(rope, x, positions, theta, label, fp32_atol=None):
+def partial_rope_ref(x: torch.Tensor, positions: torch.Tensor, theta: float,
+                     rotary_dim: int | None = None) -> torch.Tensor:
+    """``rope_ref`` on the first ``rotary_dim`` entries of each head, the rest copied."""
+    r = x.shape[-1] if rotary_dim is None else rotary_dim
+    y = x.clone()
+    rot = x[..., :r].contiguous()
+    y[..., :r] = rope_ref(rot.clone(), rot.clone(), positions, theta)[0]
+    return y
+
+
+def _rope_case(rope, x, positions, theta, label, fp32_atol=None, rotary_dim=None):
     before = x.clone()
-    with case(f"{label}, shape {tuple(x.shape)}, {_name(x.dtype)}, theta {theta:g}"):
-        y = rope(x, positions, theta)
-        x32 = x.float()
-        ref32, _ = rope_ref(x32.clone(), x32.clone(), positions, theta)
-        lowp, _ = rope_ref(x.clone(), x.clone(), positions, theta)
+    rd = f", rotary_dim {rotary_dim}" if rotary_dim is not None else ""
+    with case(f"{label}, shape {tuple(x.shape)}, {_name(x.dtype)}, theta {theta:g}{rd}"):
+        kw = {"rotary_dim": rotary_dim} if rotary_dim is not None else {}
+        y = rope(x, positions, theta, **kw)
+        ref32 = partial_rope_ref(x.float(), positions, theta, rotary_dim)
+        lowp = partial_rope_ref(x, positions, theta, rotary_dim)
         expect_close(y, ref32, lowp, dtype=x.dtype, name="rope(x, positions)",
                      atol=fp32_atol if x.dtype == torch.float32 else None)
         _unchanged(x, before, "rope")
@@ -235,15 +246,38 @@ def rope_positions(rope) -> None:
     _rope_case(rope, x, torch.tensor([3, 1, 4, 1], device=_dev()), 500000.0, "another theta", 1e-4)
 
 
+def rope_partial(rope) -> None:
+    for shape, rd in [((2, 3, 5, 16), 8), ((1, 2, 7, 34), 10), ((1, 1, 3, 64), 16)]:
+        for dtype in DTYPES:
+            x = torch.randn(shape, device=_dev()).to(dtype)
+            pos = torch.randint(0, 50, (shape[2],), device=_dev())
+            _rope_case(rope, x, pos, 10000.0, "partial rotary embedding", 1e-5, rd)
+
+
 def rope_bad_input(rope) -> None:
     x = torch.randn(1, 2, 3, 7, device=_dev())
-    try:
-        rope(x, torch.arange(3, device=_dev()), 10000.0)
-    except ValueError as e:
-        if "head" not in str(e).lower() and "7" not in str(e):
-            raise AssertionError(f"the ValueError for head_dim 7 should name the argument; got {e!r}")
-        return
-    raise AssertionError("an odd head_dim (7) must raise ValueError naming head_dim; nothing was raised")
+    with case("head_dim 7"):
+        try:
+            rope(x, torch.arange(3, device=_dev()), 10000.0)
+        except ValueError as e:
+            if "head" not in str(e).lower() and "7" not in str(e):
+                raise AssertionError("the ValueError for head_dim 7 should name the "
+                                     f"argument; got {e!r}") from None
+        else:
+            raise AssertionError("an odd head_dim (7) must raise ValueError naming "
+                                 "head_dim; nothing was raised")
+    x = torch.randn(1, 2, 3, 8, device=_dev())
+    for rd in (5, 12):
+        with case(f"head_dim 8, rotary_dim {rd}"):
+            try:
+                rope(x, torch.arange(3, device=_dev()), 10000.0, rotary_dim=rd)
+            except ValueError as e:
+                if "rotary_dim" not in str(e):
+                    raise AssertionError("the ValueError should name rotary_dim; "
+                                         f"got {e!r}") from None
+                continue
+            raise AssertionError(f"rotary_dim {rd} with head_dim 8 must raise ValueError "
+                                 "naming rotary_dim; nothing was raised")
 
 
 def rope_relative(rope) -> None:
@@ -260,13 +294,14 @@ def rope_relative(rope) -> None:
 
 ROPE = Assignment(
     name="rope",
-    title="Assignment 3: rotary position embedding (RoPE) in Triton",
+    title="Assignment 3: rotary position embedding (RoPE), partial too, in Triton",
     notebook="a3_rope",
     rules=Rules(("ops", "models"), (), ("rope",),
                 "This assignment asks for your own Triton kernel."),
     checks=(
         Check("odd sizes, every dtype", rope_sizes, ("rope",), 2.0),
         Check("arbitrary positions, other theta", rope_positions, ("rope",), 1.0),
+        Check("partial rotary_dim", rope_partial, ("rope",), 2.0),
         Check("scores depend on m - n only", rope_relative, ("rope",), 1.0),
         Check("odd head_dim raises ValueError", rope_bad_input, ("rope",), 1.0, hidden=True),
     ),
