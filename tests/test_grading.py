@@ -62,6 +62,8 @@ WRONG = [
     ("paged_decode", "blk = tl.load(BT + b * max_blocks + j).to(tl.int64)", "blk = b * max_blocks + j",
      "odd lengths, every dtype"),
     ("paged_decode", "ok = (slots < BS) & (j * BS + slots < n)", "ok = slots < BS", "odd lengths, every dtype"),
+    ("paged_decode", "s = softcap * (1.0 - 2.0 / (tl.exp(2.0 * s / softcap) + 1.0))", "s = s",
+     "logit soft-capping"),
     ("int4", "scale = ((hi - lo) / 15)", "scale = ((hi - lo) / 7)", "quantize: odd sizes, every dtype"),
     ("int4", "acc += tl.sum((q - z) * s * x[:, None], axis=0)", "acc += tl.sum(q * s * x[:, None], axis=0)",
      "W4A16 GEMV: odd sizes, every dtype"),
