@@ -7,8 +7,9 @@ batch grader's student process alike, so both say the same thing:
 - calls into the modules an assignment forbids (``llmnote.ops`` in a kernel
   assignment, ``llmnote.engine`` for the block manager, ...) and into the
   PyTorch functions that compute the answer (``torch.softmax``, SDPA, ...)
-  are seen through ``sys.setprofile`` while the call runs; the call is then
-  refused with :class:`Refused`, whatever name or alias reached them;
+  are seen through ``sys.setprofile`` while the call runs (paused while a
+  kernel runs: a kernel's body cannot call them); the call is then refused
+  with :class:`Refused`, whatever name or alias reached them;
 - every launch of a ``@triton.jit`` kernel is recorded (``run`` of Triton's
   compiled and interpreted kernel classes): a function listed in
   ``Rules.kernels`` must launch at least one kernel defined outside the
