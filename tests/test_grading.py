@@ -4,8 +4,9 @@
 - the generated student versions run top to bottom and every check reports
   "not implemented";
 - a deliberately wrong solution of each assignment is caught;
-- the batch grader gives the right table for a good, a wrong, a not-a-notebook,
-  a missing-cells and a runs-forever submission, within its time limits.
+- a solution that computes the answer with llmnote or PyTorch is refused.
+
+The batch grader against adversarial submissions: tests/test_grading_batch.py.
 """
 
 from __future__ import annotations
@@ -22,14 +23,13 @@ import pytest
 import torch
 
 from llmnote import grading
-from llmnote.grading import core
 from llmnote.grading import notebooks as gnb
 from llmnote.grading import record
 
 matplotlib.use("Agg")
 
 ROOT = Path(__file__).resolve().parent.parent
-ASSIGNMENT_DIR = ROOT / "notebooks" / "assignments"
+ASSIGNMENT_DIR = ROOT / "notebooks" / "assignments" / "instructor"
 _spec = importlib.util.spec_from_file_location("make_student", ROOT / "tools" / "make_student.py")
 make_student = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(make_student)
@@ -38,21 +38,32 @@ NOTEBOOKS = {a.name: ASSIGNMENT_DIR / f"{a.notebook}.md" for a in grading.ASSIGN
 
 # (assignment, text in the instructor's solution, wrong replacement, check that must catch it)
 WRONG = [
-    ("softmax", "e = tl.exp(x - tl.max(x, axis=0))", "e = tl.exp(x)", "large logits"),
+    ("softmax", "e = tl.exp(x - m)", "e = tl.exp(x)", "large logits"),
     ("softmax", "row * stride_x + cols", "row * n_cols + cols", "non-contiguous rows"),
+    ("softmax", "n = tl.minimum(tl.load(len_ptr + row), n_cols)", "n = n_cols",
+     "rows of different lengths"),
+    ("softmax", 'm = tl.where(m == -float("inf"), 0.0, m)', "m = m", "rows of different lengths"),
     ("rmsnorm", "dx = rstd * (u - xhat * (tl.sum(u * xhat, axis=0) / N))", "dx = rstd * u",
      "backward: grads of x and weight"),
     ("rmsnorm", "1.0 / tl.sqrt(tl.sum(x * x, axis=0) / N + eps)",
      "1.0 / (tl.sqrt(tl.sum(x * x, axis=0) / N) + eps)", "forward: zeros, fp16 overflow, eps"),
     ("rope", "(a * c - b * sn)", "(a * c + b * sn)", "odd sizes, every dtype"),
+    ("rope", "tl.store(y_ptr + base + j, tail, mask=rest)", "pass", "partial rotary_dim"),
+    ("rope", "dtype=torch.float64) / r)", "dtype=torch.float64) / d)", "partial rotary_dim"),
     ("flash_attention", "acc * alpha[:, None]", "acc", "odd sizes, every dtype"),
     ("flash_attention", "(m_i + tl.math.log2(l_safe)) / 1.4426950408889634", "m_i + tl.math.log2(l_safe)",
      "odd sizes, every dtype"),
+    ("flash_attention", "keep = keep & (cols[None, :] > rows[:, None] + shift - WINDOW)",
+     "keep = keep", "sliding window"),
+    ("flash_attention", "lo = tl.maximum(start_m + shift - WINDOW + 1, 0)",
+     "lo = tl.maximum(start_m + shift - WINDOW + 1 + BLOCK_N, 0)", "sliding window"),
     ("flash_attention", "keep = keep & (cols[None, :] <= rows[:, None] + shift)",
      "keep = keep & (cols[None, :] <= rows[:, None])", "causal, N_q <= N_k"),
     ("paged_decode", "blk = tl.load(BT + b * max_blocks + j).to(tl.int64)", "blk = b * max_blocks + j",
      "odd lengths, every dtype"),
     ("paged_decode", "ok = (slots < BS) & (j * BS + slots < n)", "ok = slots < BS", "odd lengths, every dtype"),
+    ("paged_decode", "s = softcap * (1.0 - 2.0 / (tl.exp(2.0 * s / softcap) + 1.0))", "s = s",
+     "logit soft-capping"),
     ("int4", "scale = ((hi - lo) / 15)", "scale = ((hi - lo) / 7)", "quantize: odd sizes, every dtype"),
     ("int4", "acc += tl.sum((q - z) * s * x[:, None], axis=0)", "acc += tl.sum(q * s * x[:, None], axis=0)",
      "W4A16 GEMV: odd sizes, every dtype"),
@@ -62,8 +73,8 @@ WRONG = [
     ("block_manager", "            self.ref[b] -= 1\n", "            self.ref[b] = 0\n", "prefix hits"),
     ("block_manager", "revived = sum(1 for b in hits if self.ref[b] == 0)", "revived = 0",
      "cached blocks survive free until reused"),
-    ("block_manager", "                    self.free_list.move_to_end(b, last=False)  # uncached: at the front",
-     "                    pass", "eviction order"),
+    ("block_manager", "                    self.free_list.move_to_end(b, last=False)\n",
+     "                    pass\n", "eviction order"),
     ("block_manager", "        table.clear()\n", "\n", "allocate, free, out of blocks"),
     ("block_manager", "for b in reversed(table):", "for b in table:", "eviction order"),
     ("roofline", "nbytes = 2 * (m * k + k * n + m * n)", "nbytes = 2 * (m * k + k * n)", "matmul roofline"),
@@ -133,7 +144,7 @@ def test_every_assignment_has_a_notebook_with_markers():
         assert student.metadata["llmnote"]["assignment"] == md.stem
 
 
-def test_make_student_cli_writes_notebooks(tmp_path):
+def test_make_student_cli_writes_handouts(tmp_path):
     assert make_student.main(["--out", str(tmp_path)]) == 0
     written = sorted(p.stem for p in tmp_path.glob("*.ipynb"))
     assert written == sorted(md.stem for md in NOTEBOOKS.values())
@@ -146,7 +157,7 @@ def test_make_student_cli_writes_notebooks(tmp_path):
 @pytest.mark.parametrize("name", sorted(NOTEBOOKS))
 def test_instructor_version_passes_every_check(name):
     ns = run_cells(code_cells(instructor(name)))  # includes the hidden-test asserts
-    report = grading.run_checks(grading.get(name), ns, hidden=True, markers=False)
+    report = grading.run_checks(grading.get(name), ns, hidden=True)
     assert report.passed, [(r.check, r.status, r.message) for r in report.results]
     assert len(report.results) == len(grading.get(name).checks)
 
@@ -157,7 +168,7 @@ def test_student_version_runs_and_reports_not_implemented(name, capsys):
     ns = run_cells(code_cells(student))  # top to bottom, no exception
     out = capsys.readouterr().out
     assert "[   TODO]" in out and "[   PASS]" not in out
-    report = grading.run_checks(grading.get(name), ns, hidden=True, markers=False)
+    report = grading.run_checks(grading.get(name), ns, hidden=True)
     assert {r.status for r in report.results} == {grading.NOT_IMPLEMENTED}, report.statuses()
     assert report.score == 0
 
@@ -167,7 +178,7 @@ def test_a_wrong_solution_is_caught(name, right, wrong, caught_by):
     src = code_cells(solved(name))
     assert any(right in c for c in src), f"{right!r} is no longer in the {name} solution"
     ns = run_cells([c.replace(right, wrong) for c in src])
-    report = grading.run_checks(grading.get(name), ns, hidden=True, markers=False)
+    report = grading.run_checks(grading.get(name), ns, hidden=True)
     status = report.statuses()
     assert status[caught_by] in (grading.FAIL, grading.ERROR), status
     assert not report.passed
@@ -179,7 +190,7 @@ def test_engine_block_manager_passes_the_assignment_checks():
     from llmnote.engine import BlockManager
 
     report = grading.run_checks(grading.get("block_manager"), {"BlockManager": BlockManager},
-                                hidden=True, markers=False)
+                                hidden=True, rules=grading.Rules())
     assert report.passed, [(r.check, r.status, r.message) for r in report.results]
 
 
@@ -197,15 +208,15 @@ def test_a_block_manager_with_another_interface_is_reported():
         free_blocks = property(lambda self: None)
 
     report = grading.run_checks(grading.get("block_manager"), {"BlockManager": Old}, hidden=True,
-                                markers=False)
+                                rules=grading.Rules())
     assert not report.passed
     assert report.statuses()["prefix hits"] == grading.ERROR
     assert "commit" in {r.check: r.message for r in report.results}["prefix hits"]
 
 
-def test_notebook_reader_without_jupytext_reads_the_paired_ipynb(monkeypatch):
-    """benchmarks/assignments.py runs where Jupyter's packages may be missing: the paired
-    .ipynb gives the same code as the .md."""
+def test_notebook_reader_without_jupytext(monkeypatch):
+    """benchmarks/assignments.py runs where Jupyter's packages may be missing: the small
+    MyST reader gives the same code cells as jupytext."""
     import sys
 
     for name, md in NOTEBOOKS.items():
@@ -269,7 +280,7 @@ def test_statuses_in_plain_words():
         raise NotImplementedError
 
     t0 = time.perf_counter()
-    report = grading.run_checks(a, {"f": lambda: None, "g": g}, time_limit_s=0.5, markers=False)
+    report = grading.run_checks(a, {"f": lambda: None, "g": g}, time_limit_s=0.5)
     assert time.perf_counter() - t0 < 5
     s = report.statuses()
     assert s == {"ok": "pass", "wrong": "fail", "shape": "fail", "crash": "error", "forever": "timeout",
@@ -284,17 +295,11 @@ def test_statuses_in_plain_words():
 
 def test_case_names_the_failing_input():
     a = grading.get("softmax")
-    report = grading.run_checks(a, {"softmax": lambda x: torch.softmax(x.float(), -1)}, markers=False)
+    report = grading.run_checks(a, {"softmax": lambda x: torch.softmax(x.float(), -1)},
+                                rules=grading.Rules())  # PyTorch's softmax allowed here
     first = report.results[0]
     assert first.status == grading.FAIL
     assert "shape (" in first.message and "float16" in first.message and "dtype" in first.message
-
-
-def test_markers_round_trip(capsys):
-    grading.run_checks(grading.get("rope"), {}, markers=True)
-    found = grading.parse_markers(capsys.readouterr().out)
-    assert [r.check for r in found] == [c.name for c in grading.get("rope").checks if not c.hidden]
-    assert {r.status for r in found} == {grading.MISSING}
 
 
 def test_speed_report_is_gpu_only(capsys):
@@ -314,58 +319,29 @@ def test_unknown_assignment_is_a_clear_error():
         grading.get("nope")
 
 
-# ------------------------------------------------------------------ the batch grader
+def test_input_changed_in_place_is_named():
+    """Doubling the input in place is reported as that, not as a wrong eps."""
+    ns = run_cells(code_cells(solved("rmsnorm")))
+    good = ns["rmsnorm"]
 
-def _with(nb, right: str, wrong: str):
-    nb = nbformat.from_dict(nb)
-    hit = False
-    for c in nb.cells:
-        if right in c.source:
-            c.source = c.source.replace(right, wrong)
-            hit = True
-    assert hit, right
-    return nb
+    def rmsnorm(x, weight, eps=1e-6):
+        x.mul_(2)
+        return good(x, weight, eps)
+
+    report = grading.run_checks(grading.get("rmsnorm"), {"rmsnorm": rmsnorm}, hidden=True)
+    first = report.results[0]
+    assert first.status == grading.FAIL
+    assert "changed its input `x` in place" in first.message, first.message
 
 
-def test_batch_grader_table(tmp_path):
-    name = "roofline"  # pure Python: the grader's machinery, not the interpreter, is timed here
-    student = make_student.make_student(instructor(name), name)
-    good = solved(name)
-    wrong = _with(good, "nbytes = 2 * (m * k + k * n + m * n)", "nbytes = 4 * (m * k + k * n + m * n)")
-    missing = nbformat.from_dict(good)
-    missing.cells = [c for c in missing.cells if "def decode_step_estimate" not in c.source]
-    forever = _with(good, "def decode_step_estimate(cfg, hw, batch, context_len) -> dict:\n",
-                    "def decode_step_estimate(cfg, hw, batch, context_len) -> dict:\n    while True:\n        pass\n")
-    for stem, nb in [("good", good), ("wrong", wrong), ("missing", missing), ("forever", forever),
-                     ("todo", student)]:
-        nbformat.write(nb, tmp_path / f"{stem}.ipynb")
-    (tmp_path / "notes.txt").write_text("my answers are in the email")
-    (tmp_path / "broken.ipynb").write_text('{"cells": [')  # a truncated upload
+def test_bf16_without_the_upcast_says_so():
+    from llmnote import device
 
-    t0 = time.monotonic()
-    df = grading.grade_folder(tmp_path, name, out=tmp_path / "scores.csv", check_time_limit_s=2,
-                              cell_time_limit_s=4, notebook_time_limit_s=20)
-    elapsed = time.monotonic() - t0
-    df = df.set_index("student")
-    details = df.attrs["details"].set_index(["student", "check"])["status"]
-    checks = [c.name for c in grading.get(name).checks]
-    full = grading.get(name).points
-
-    assert df.loc["good", "total"] == full
-    assert df.loc["todo", "total"] == 0
-    assert set(details["todo"]) == {grading.NOT_IMPLEMENTED}
-    assert details["wrong", "matmul roofline"] == grading.FAIL
-    assert 0 < df.loc["wrong", "total"] < full
-    assert details["missing", "decode step vs llmnote.analysis"] == grading.MISSING
-    assert details["missing", "parameter count"] == grading.PASS
-    assert details["forever", "decode step vs llmnote.analysis"] == grading.TIMEOUT
-    assert details["forever", "parameter count"] == grading.PASS
-    assert "time limit" in df.loc["forever", "problems"]
-    assert df.loc["notes", "total"] == 0 and "not a notebook" in df.loc["notes", "problems"]
-    assert df.loc["broken", "total"] == 0 and "not a readable notebook" in df.loc["broken", "problems"]
-    assert set(details["broken"]) == {grading.ERROR}
-    assert list(df.columns[: len(checks)]) == checks
-    assert (tmp_path / "scores.csv").exists() and (tmp_path / "scores_details.csv").exists()
-    # the limits hold: the forever notebook costs its cells' and checks' limits, not forever
-    assert df.loc["forever", "seconds"] < 60, df["seconds"]
-    assert elapsed < 180
+    if not device.interpreting():
+        pytest.skip("the interpreter's bf16 tl.dot is what this is about")
+    src = code_cells(solved("flash_attention"))
+    assert any("UPCAST = device.interpreting()" in c for c in src)
+    ns = run_cells([c.replace("UPCAST = device.interpreting()", "UPCAST = False") for c in src])
+    report = grading.run_checks(grading.get("flash_attention"), ns, hidden=True)
+    msg = {r.check: r.message for r in report.results}["odd sizes, every dtype"]
+    assert "bfloat16" in msg and "upcast" in msg, msg

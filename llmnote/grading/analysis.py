@@ -9,6 +9,7 @@ import random
 
 from llmnote.analysis import count_params, get_hardware, layer_table, roofline_time
 from llmnote.grading.core import Assignment, Check, case
+from llmnote.grading.guard import Rules
 from llmnote.models.presets import as_config
 
 
@@ -109,6 +110,7 @@ ROOFLINE = Assignment(
     name="roofline",
     title="Assignment 8: a roofline analysis of a model you choose",
     notebook="a8_roofline",
+    rules=Rules(("analysis",), (), (), "This assignment asks for your own counts."),
     checks=(
         Check("parameter count", params_check, ("count_parameters", "MODEL", "HARDWARE"), 1.0),
         Check("matmul roofline", matmul_check, ("matmul_roofline", "MODEL", "HARDWARE"), 2.0),

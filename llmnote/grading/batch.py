@@ -1,191 +1,266 @@
 """The batch grader: a folder of submitted notebooks -> a table of scores per check.
 
-Each submission is executed in a fresh Jupyter kernel (``nbclient``) with a time
-limit per cell and one for the whole notebook; errors in the student's cells
-are recorded and execution goes on. Then the grader appends its own cell that
-runs every check of the assignment, hidden ones included, on the functions the
-student's notebook defined, each check under its own time limit. Only the
-output of that appended cell is read back, so a student cannot print a score.
-A file that is not a notebook, a notebook whose cells were deleted (a function
-is missing) and a notebook that runs forever are each reported on the
-student's row; the batch never stops.
+For each submission the code cells (all but the student's own check and speed
+cells) run in a student process of their own (:mod:`llmnote.grading.sandbox`),
+each cell under a time limit and all of them under one for the notebook. Then
+every check of the assignment, hidden ones included, runs in *this* process
+against the functions the student process defined, each under its own time
+limit. A limit that passes kills the student's process group; the next check
+gets a fresh one. Points come from the assignment's table, never from the
+student's output.
+
+A file that is not a notebook, a corrupt one, deleted cells, a process that
+kills itself, forks, floods its output or writes files: each is reported on
+the student's row, and the batch goes on. Each row is appended to the CSV as
+soon as it is graded; ``SIGTERM`` stops the batch after killing the student
+process, with the rows graded so far on disk.
 """
 
 from __future__ import annotations
 
 import argparse
+import csv
+import json
+import signal
+import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
 import pandas as pd
 
-from llmnote.grading.core import (
-    ERROR, MISSING, PASS, TIMEOUT, Assignment, Result, parse_markers,
-)
+from llmnote.grading.core import ERROR, PASS, TIMEOUT, Assignment, Result, run_check
+from llmnote.grading.sandbox import StudentDied, StudentProcess, StudentTimeout
 
-GRADER_TAG = "llmnote-grader"
-GRADER_CELL = """\
-from llmnote import grading as _llmnote_grading
-_llmnote_grading.run_checks(_llmnote_grading.get({name!r}), globals(), hidden=True,
-                            time_limit_s={limit!r}, quiet=True)
-"""
+SELF_CHECK_CALLS = ("grading.check(", "grading.speed_report(")
+
+
+class GraderStopped(BaseException):
+    """SIGTERM (or SIGINT) reached the grader."""
 
 
 def _all_failed(a: Assignment, status: str, msg: str) -> list[Result]:
     return [Result(a.name, c.name, status, 0.0, c.points, 0.0, msg) for c in a.checks]
 
 
-def grade_notebook(path: str | Path, assignment: Assignment, *, check_time_limit_s: float = 60.0,
-                   cell_time_limit_s: float = 120.0, notebook_time_limit_s: float = 600.0,
-                   kernel_name: str = "python3") -> tuple[list[Result], list[str]]:
-    """Execute one submission and grade it: (results per check, notes in plain words)."""
-    import nbformat  # Jupyter's packages are needed by the grader only, not by the checks
-    from nbclient import NotebookClient
-    from nbclient.exceptions import CellTimeoutError, DeadKernelError
+def read_submission(path: Path) -> tuple[list[str] | None, str]:
+    """The code cells of a submitted notebook, or ``(None, why not)``."""
+    import nbformat  # Jupyter's notebook format: the grader needs it, the checks do not
 
-    path = Path(path)
-    notes: list[str] = []
     if path.suffix != ".ipynb":
-        msg = f"not a notebook: {path.name} (expected a .ipynb file)"
-        return _all_failed(assignment, ERROR, msg), [msg]
+        return None, f"not a notebook: {path.name} (expected a .ipynb file)"
     try:
         nb = nbformat.read(path, as_version=4)
+        cells = [c for c in nb.cells if c.get("cell_type") == "code"]
+        sources = [c.source if isinstance(c.source, str) else "".join(c.source) for c in cells]
     except Exception as e:  # noqa: BLE001  (any unreadable file)
-        msg = f"not a readable notebook: {type(e).__name__}: {str(e)[:200]}"
-        return _all_failed(assignment, ERROR, msg), [msg]
+        return None, f"not a readable notebook: {type(e).__name__}: {str(e)[:200]}"
+    return [s for s in sources if not any(k in s for k in SELF_CHECK_CALLS)], ""
 
-    for c in nb.cells:
-        if c.cell_type == "code":
-            c.outputs, c.execution_count = [], None
-    n_checks = len(assignment.checks)
-    grader = nbformat.v4.new_code_cell(GRADER_CELL.format(name=assignment.name,
-                                                          limit=check_time_limit_s))
-    grader.metadata["tags"] = [GRADER_TAG]
-    nb.cells.append(grader)
-    grader_budget = n_checks * check_time_limit_s + 60
-    start = time.monotonic()
 
-    def timeout_for(cell) -> int:
-        if GRADER_TAG in cell.metadata.get("tags", []):
-            return int(grader_budget)
-        left = notebook_time_limit_s - (time.monotonic() - start)
-        return int(max(1, min(cell_time_limit_s, left)))
-
-    skipped: list[int] = []
-
-    class _Client(NotebookClient):
-        async def async_execute_cell(self, cell, cell_index, *args, **kwargs):
-            over = time.monotonic() - start >= notebook_time_limit_s
-            if over and GRADER_TAG not in cell.metadata.get("tags", []) and cell.cell_type == "code":
-                skipped.append(cell_index)  # the notebook's time is used up: go to grading
-                return cell
-            return await super().async_execute_cell(cell, cell_index, *args, **kwargs)
-
-    client = _Client(nb, kernel_name=kernel_name, allow_errors=True,
-                     interrupt_on_timeout=True, timeout_func=timeout_for,
-                     resources={"metadata": {"path": str(path.parent)}})
-    try:
-        client.execute()
-    except (CellTimeoutError, DeadKernelError, RuntimeError) as e:
-        notes.append(f"execution stopped: {type(e).__name__}: {str(e)[:200]}")
-    except Exception as e:  # noqa: BLE001
-        notes.append(f"execution failed: {type(e).__name__}: {str(e)[:200]}")
-
-    if skipped:
-        notes.append(f"the notebook used up its {notebook_time_limit_s:g} s; cells "
-                     f"{', '.join(map(str, skipped))} were not run")
-    for i, c in enumerate(nb.cells[:-1]):
-        if c.cell_type != "code":
-            continue
-        for o in c.get("outputs", []):
-            if o.get("output_type") == "error":
-                ename, evalue = o.get("ename", ""), o.get("evalue", "")
-                if ename in ("KeyboardInterrupt", "CellTimeoutError") or "Timeout" in ename:
-                    notes.append(f"cell {i} ran past its time limit and was interrupted")
-                else:
-                    notes.append(f"cell {i} raised {ename}: {evalue[:160]}")
-    text = "".join(o.get("text", "") for o in nb.cells[-1].get("outputs", [])
-                   if o.get("output_type") == "stream")
-    found = {r.check: r for r in parse_markers(text)}
-    results = []
-    for c in assignment.checks:
-        if c.name in found:
-            results.append(found[c.name])
-        else:
-            results.append(Result(assignment.name, c.name, TIMEOUT if notes and "limit" in
-                                  " ".join(notes) else ERROR, 0.0, c.points, 0.0,
-                                  "no result: the grading cell did not finish"))
+def grade_notebook(path: str | Path, assignment: Assignment, *, check_time_limit_s: float = 60.0,
+                   cell_time_limit_s: float = 120.0, notebook_time_limit_s: float = 600.0,
+                   output_limit_bytes: int = 20 << 20) -> tuple[list[Result], list[str]]:
+    """Run one submission in a student process and grade it from this one:
+    (results per check, notes in plain words)."""
+    path = Path(path)
+    sources, why = read_submission(path)
+    if sources is None:
+        return _all_failed(assignment, ERROR, why), [why]
+    results: list[Result] = []
+    with tempfile.TemporaryDirectory(prefix="llmnote-grade-") as tmp, \
+            StudentProcess(sources, assignment.rules, workdir=tmp,
+                           cell_time_limit_s=cell_time_limit_s,
+                           notebook_time_limit_s=notebook_time_limit_s,
+                           output_limit_bytes=output_limit_bytes) as student:
+        try:
+            notes = student.run_cells()
+        except (StudentDied, StudentTimeout) as e:
+            notes = [f"the notebook could not be run: {e}"]
+        for c in assignment.checks:
+            student.deadline = None
+            try:
+                student.ensure()  # a fresh process after a kill: not on the check's clock
+            except (StudentDied, StudentTimeout) as e:
+                results.append(Result(assignment.name, c.name, ERROR, 0.0, c.points, 0.0,
+                                      f"no result: {e}"))
+                continue
+            t0 = time.monotonic()
+            student.deadline = t0 + check_time_limit_s
+            try:
+                kinds = student.kinds(list(c.needs))
+                functions = {n: student.proxy(n) for n, k in kinds.items() if k != "missing"}
+            except StudentTimeout:
+                results.append(Result(assignment.name, c.name, TIMEOUT, 0.0, c.points,
+                                      time.monotonic() - t0, "the student process stopped "
+                                      "answering"))
+                continue
+            except (StudentDied, Exception) as e:  # noqa: BLE001
+                results.append(Result(assignment.name, c.name, ERROR, 0.0, c.points,
+                                      time.monotonic() - t0, f"no result: {e}"))
+                continue
+            results.append(run_check(assignment.name, c, functions, check_time_limit_s))
+        student.kill()
+        written = student.files()
+        if written:
+            notes.append(f"the notebook wrote {len(written)} file(s) ({', '.join(written[:5])}); "
+                         "the grader ignores them")
     return results, notes
 
 
 def _problems(results: list[Result], notes: list[str]) -> str:
     parts = list(dict.fromkeys(notes))
     for r in results:
-        if r.status != PASS:
+        if r.status != PASS and r.message not in notes:
             first = r.message.splitlines()[0] if r.message else ""
             parts.append(f"{r.check}: {r.status}" + (f" ({first[:160]})" if first else ""))
     return "; ".join(parts)
 
 
-def grade_folder(folder: str | Path, assignment: str | Assignment, *, out: str | Path | None = None,
-                 pattern: str = "*", **limits: Any) -> pd.DataFrame:
-    """Grade every file in ``folder``: one row per submission (file stem), a column of
-    points per check, ``total``, ``max`` and ``problems`` (plain words).
+class _Rows:
+    """Appends each graded row to ``out`` (and its checks to ``<out stem>_details.csv``)."""
 
-    ``limits``: ``check_time_limit_s``, ``cell_time_limit_s``, ``notebook_time_limit_s``
-    (see :func:`grade_notebook`). ``out``: also write the table as CSV, and the per-check
-    statuses and messages next to it (``<out stem>_details.csv``). The long table is
-    also in ``df.attrs["details"]``.
+    def __init__(self, out: Path | None, columns: list[str]):
+        self.out, self.columns = out, columns
+        self.details_cols = ["student", "check", "status", "points", "max_points", "seconds",
+                             "message"]
+        if out is not None:
+            out.parent.mkdir(parents=True, exist_ok=True)
+            with open(out, "w", newline="") as f:
+                csv.writer(f).writerow(columns)
+            with open(self.details_path, "w", newline="") as f:
+                csv.writer(f).writerow(self.details_cols)
+
+    @property
+    def details_path(self) -> Path:
+        return self.out.with_name(self.out.stem + "_details.csv")
+
+    def add(self, row: dict[str, Any], details: list[dict[str, Any]]) -> None:
+        if self.out is None:
+            return
+        with open(self.out, "a", newline="") as f:
+            csv.writer(f).writerow([row.get(c, "") for c in self.columns])
+        with open(self.details_path, "a", newline="") as f:
+            w = csv.writer(f)
+            for d in details:
+                w.writerow([d[c] for c in self.details_cols])
+
+
+def grade_folder(folder: str | Path, assignment: str | Assignment, *, out: str | Path | None = None,
+                 pattern: str = "*", gradescope: str | Path | None = None, quiet: bool = False,
+                 **limits: Any) -> pd.DataFrame:
+    """Grade every file in ``folder``: one row per submission (file stem), a column of
+    points per check, ``total``, ``max``, ``seconds`` and ``problems`` (plain words).
+
+    ``limits``: ``check_time_limit_s``, ``cell_time_limit_s``, ``notebook_time_limit_s``,
+    ``output_limit_bytes`` (see :func:`grade_notebook`). ``out``: write each row to that
+    CSV as soon as it is graded, and each check's status and message to
+    ``<out stem>_details.csv`` (also in ``df.attrs["details"]``). ``gradescope``: write
+    Gradescope's ``results.json`` for the (one) submission there.
     """
     from llmnote.grading import get
 
     a = get(assignment) if isinstance(assignment, str) else assignment
-    rows, details = [], []
     files = sorted(p for p in Path(folder).glob(pattern)
-                   if p.is_file() and not p.name.startswith(".") and ".ipynb_checkpoints" not in p.parts)
+                   if p.is_file() and not p.name.startswith(".")
+                   and ".ipynb_checkpoints" not in p.parts)
+    checks = [c.name for c in a.checks]
+    rows_out = _Rows(Path(out) if out is not None else None,
+                     ["student"] + checks + ["total", "max", "seconds", "problems"])
+    rows, details = [], []
     for p in files:
         t0 = time.monotonic()
-        results, notes = grade_notebook(p, a, **limits)
+        try:
+            results, notes = grade_notebook(p, a, **limits)
+        except (GraderStopped, KeyboardInterrupt):
+            raise
+        except BaseException as e:  # noqa: BLE001  (the batch goes on)
+            msg = f"the grader failed on this file: {type(e).__name__}: {str(e)[:200]}"
+            results, notes = _all_failed(a, ERROR, msg), [msg]
         row: dict[str, Any] = {"student": p.stem}
+        mine = []
         for r in results:
             row[r.check] = r.points
-            details.append({"student": p.stem, "check": r.check, "status": r.status,
-                            "points": r.points, "max_points": r.max_points,
-                            "seconds": round(r.seconds, 2), "message": r.message})
+            mine.append({"student": p.stem, "check": r.check, "status": r.status,
+                         "points": r.points, "max_points": r.max_points,
+                         "seconds": round(r.seconds, 2), "message": r.message})
         row["total"] = sum(r.points for r in results)
         row["max"] = a.points
         row["seconds"] = round(time.monotonic() - t0, 1)
         row["problems"] = _problems(results, notes)
         rows.append(row)
-        print(f"graded {p.name}: {row['total']:g}/{row['max']:g}"
-              + (f"  [{row['problems'][:120]}]" if row["problems"] else ""), flush=True)
-    df = pd.DataFrame(rows)
-    df.attrs["details"] = pd.DataFrame(details)
-    if out is not None:
-        out = Path(out)
-        df.to_csv(out, index=False)
-        df.attrs["details"].to_csv(out.with_name(out.stem + "_details.csv"), index=False)
+        details += mine
+        rows_out.add(row, mine)
+        if gradescope is not None:
+            write_gradescope(gradescope, a, results, notes)
+        if not quiet:
+            print(f"graded {p.name}: {row['total']:g}/{row['max']:g}"
+                  + (f"  [{row['problems'][:120]}]" if row["problems"] else ""), flush=True)
+    df = pd.DataFrame(rows, columns=rows_out.columns)
+    df.attrs["details"] = pd.DataFrame(details, columns=rows_out.details_cols)
     return df
 
 
-def main(argv: list[str] | None = None) -> int:
-    from llmnote.grading import ASSIGNMENTS
+def write_gradescope(path: str | Path, a: Assignment, results: list[Result],
+                     notes: list[str]) -> Path:
+    """Gradescope's autograder result: ``results.json`` with one test per check."""
+    tests = [{"name": r.check, "score": r.points, "max_score": r.max_points,
+              "status": "passed" if r.status == PASS else "failed",
+              "output": r.status if r.status == PASS else f"{r.status}: {r.message}",
+              "visibility": "visible"} for r in results]
+    doc = {"score": sum(r.points for r in results), "tests": tests,
+           "output": "\n".join(notes) if notes else f"{a.title}: graded by llmnote.grading",
+           "visibility": "visible", "stdout_visibility": "hidden"}
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(doc, indent=1))
+    return path
 
+
+def _stop(signum, frame):
+    raise GraderStopped(signal.Signals(signum).name)
+
+
+def main(argv: list[str] | None = None) -> int:
+    from llmnote.grading import ASSIGNMENTS, get
+
+    names = sorted(ASSIGNMENTS) + sorted(a.notebook for a in ASSIGNMENTS.values())
     ap = argparse.ArgumentParser(prog="python -m llmnote.grading",
                                  description="Grade a folder of submitted notebooks.")
     ap.add_argument("folder")
-    ap.add_argument("--assignment", required=True, choices=sorted(ASSIGNMENTS))
-    ap.add_argument("--out", default="scores.csv")
+    ap.add_argument("--assignment", required=True,
+                    help=f"an assignment or its notebook's file name: {', '.join(names)}")
+    ap.add_argument("--out", default="scores.csv",
+                    help="the table, one row per student (details beside it)")
+    ap.add_argument("--gradescope", default=None, metavar="RESULTS_JSON",
+                    help="also write Gradescope's results.json (one submission)")
+    ap.add_argument("--pattern", default="*", help="which files of the folder (default: all)")
     ap.add_argument("--check-time-limit", type=float, default=60.0, help="seconds per check")
     ap.add_argument("--cell-time-limit", type=float, default=120.0, help="seconds per cell")
     ap.add_argument("--notebook-time-limit", type=float, default=600.0,
-                    help="seconds for a whole notebook (before grading)")
+                    help="seconds for all of a notebook's cells (before grading)")
+    ap.add_argument("--output-limit", type=float, default=20.0,
+                    help="MB a submission may print or write to one file")
     args = ap.parse_args(argv)
-    df = grade_folder(args.folder, args.assignment, out=args.out,
-                      check_time_limit_s=args.check_time_limit,
-                      cell_time_limit_s=args.cell_time_limit,
-                      notebook_time_limit_s=args.notebook_time_limit)
+    try:
+        a = get(args.assignment)
+    except ValueError as e:
+        ap.error(str(e))
+    old = {s: signal.signal(s, _stop) for s in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        df = grade_folder(args.folder, a, out=args.out, gradescope=args.gradescope,
+                          pattern=args.pattern,
+                          check_time_limit_s=args.check_time_limit,
+                          cell_time_limit_s=args.cell_time_limit,
+                          notebook_time_limit_s=args.notebook_time_limit,
+                          output_limit_bytes=int(args.output_limit * 2**20))
+    except GraderStopped as e:
+        print(f"stopped by {e}; the rows graded so far are in {args.out}", file=sys.stderr)
+        return 128 + signal.Signals[str(e)].value
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
     print(df.drop(columns=["problems"]).to_string(index=False))
-    print(f"wrote {args.out}")
+    print(f"wrote {args.out} and {Path(args.out).stem}_details.csv")
     return 0

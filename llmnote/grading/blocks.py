@@ -27,6 +27,7 @@ import random
 from collections.abc import Callable
 
 from llmnote.grading.core import Assignment, Check, case
+from llmnote.grading.guard import Rules
 
 
 def _expect(cond: bool, what: str) -> None:
@@ -418,6 +419,7 @@ BLOCKS = Assignment(
     name="block_manager",
     title="Assignment 7: a block manager with prefix caching",
     notebook="a7_block_manager",
+    rules=Rules(("engine",), (), (), "This assignment asks for your own block manager."),
     checks=(
         Check("allocate, free, out of blocks", basics, ("BlockManager",), 1.0),
         Check("append slots", appending, ("BlockManager",), 1.0),

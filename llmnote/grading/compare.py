@@ -12,7 +12,9 @@ from llmnote.testing import MismatchError, assert_close, assert_close_lowp
 def expect_close(actual: object, ref32: torch.Tensor, torch_lowp: torch.Tensor | None = None, *,
                  dtype: torch.dtype, name: str = "output", atol: float | None = None,
                  rtol: float | None = None) -> None:
-    """``actual`` must be a tensor of ``ref32``'s shape and dtype ``dtype``, and close to it.
+    """``actual`` must be a tensor of ``ref32``'s shape, dtype ``dtype`` and device, and
+    close to it. (That it is a new tensor and that the inputs are unchanged is checked
+    by every graded call: :func:`llmnote.grading.guard.graded_call`.)
 
     fp32: :func:`llmnote.testing.assert_close` against ``ref32``. fp16/bf16: the
     low-precision rule of :func:`llmnote.testing.assert_close_lowp` (error at
@@ -24,6 +26,9 @@ def expect_close(actual: object, ref32: torch.Tensor, torch_lowp: torch.Tensor |
         raise MismatchError(f"{name}: shape {tuple(actual.shape)}, expected {tuple(ref32.shape)}")
     if actual.dtype != dtype:
         raise MismatchError(f"{name}: dtype {actual.dtype}, expected {dtype}")
+    if actual.device != ref32.device:
+        raise MismatchError(f"{name}: on device {actual.device}, expected {ref32.device} "
+                            "(the device of the inputs)")
     if dtype == torch.float32 or torch_lowp is None:
         assert_close(actual, ref32.to(dtype), atol=atol, rtol=rtol, name=name)
     else:

@@ -9,32 +9,37 @@ answer, anything else is a crash in the student's code. Each check runs under a
 time limit (``SIGALRM`` where the platform has it), so a loop that never ends
 costs one check, not the whole notebook.
 
-Every result is printed for the student and also as one machine-readable line
-(``MARKER`` + JSON) that the batch grader reads back from the executed
-notebook.
+Every call of a student function goes through
+:func:`llmnote.grading.guard.graded_call`: what the assignment forbids is
+refused (status ``refused``), and a kernel assignment is passed only by the
+student's own Triton kernels. The batch grader runs the same checks in its own
+process against functions that live in a separate student process
+(:mod:`llmnote.grading.sandbox`); the points always come from the
+:class:`Check` table, never from anything the student's code prints.
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
 import random
 import signal
 import sys
 import threading
 import time
 import traceback
-from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import asdict, dataclass, field
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-MARKER = "LLMNOTE-GRADE "
+from llmnote.grading.guard import NO_RULES, Refused, Rules, graded_call
+from llmnote.grading.sandbox import Remote, StudentDied, StudentError, StudentTimeout
+
 DEFAULT_TIME_LIMIT_S = 60.0
 
-PASS, FAIL, NOT_IMPLEMENTED, ERROR, TIMEOUT, MISSING = (
-    "pass", "fail", "not implemented", "error", "timeout", "missing")
+PASS, FAIL, NOT_IMPLEMENTED, ERROR, TIMEOUT, MISSING, REFUSED = (
+    "pass", "fail", "not implemented", "error", "timeout", "missing", "refused")
 
 
 @dataclass(frozen=True)
@@ -47,6 +52,12 @@ class Check:
     points: float = 1.0
     hidden: bool = False  # run by the grader, not by the notebook's check cell
     doc: str = ""
+    preview: bool = False  # the first case of a hidden check, for the notebook, 0 points
+
+    def previewed(self) -> Check:
+        """The notebook's preview of this hidden check: its first case, no points."""
+        return Check(f"{self.name} (one case; graded with more)", self.fn, self.needs, 0.0,
+                     False, self.doc, True)
 
 
 @dataclass(frozen=True)
@@ -55,6 +66,7 @@ class Assignment:
     title: str
     checks: tuple[Check, ...]
     notebook: str  # file stem under notebooks/assignments/
+    rules: Rules = NO_RULES  # what the student's functions may not use
 
     @property
     def functions(self) -> tuple[str, ...]:
@@ -63,6 +75,14 @@ class Assignment:
     @property
     def points(self) -> float:
         return sum(c.points for c in self.checks)
+
+    def run_list(self, hidden: bool) -> list[Check]:
+        """The checks a run makes: the grader's (``hidden``) are every graded check; the
+        notebook's are the visible ones and a one-case preview of each hidden one."""
+        if hidden:
+            return list(self.checks)
+        return ([c for c in self.checks if not c.hidden]
+                + [c.previewed() for c in self.checks if c.hidden])
 
 
 @dataclass
@@ -106,6 +126,13 @@ class Report:
         return f"Report({self.assignment!r}, score {self.score:g}/{self.max_score:g})"
 
 
+class _Enough(BaseException):
+    """A preview check's first case passed."""
+
+
+_PREVIEW = [False]
+
+
 class CheckTimeout(BaseException):
     """A check ran past its time limit (a BaseException, so that a student's
     ``except Exception`` inside a loop cannot swallow it)."""
@@ -144,6 +171,24 @@ def _student_frame(tb) -> str:
     return f" (in {f.name}, line {f.lineno}: {f.line.strip() if f.line else ''})"
 
 
+class _Local:
+    """A student function of this process, called through :func:`graded_call`."""
+
+    def __init__(self, name: str, fn: Any, rules: Rules):
+        self.__name__, self.fn, self.rules = name, fn, rules
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return graded_call(self.__name__, self.fn, args, kwargs, self.rules)
+
+
+def guarded(functions: Mapping[str, Any], rules: Rules) -> dict[str, Any]:
+    """``functions`` with every callable of this process wrapped by :class:`_Local`
+    (values in capitals and handles to a student process are left as they are)."""
+    return {n: (_Local(n, f, rules) if callable(f) and not n.isupper()
+                and not isinstance(f, (Remote, _Local)) else f)
+            for n, f in functions.items()}
+
+
 def run_check(assignment: str, check: Check, functions: Mapping[str, Any],
               time_limit_s: float | None = DEFAULT_TIME_LIMIT_S) -> Result:
     """Run one check; never raises (except KeyboardInterrupt)."""
@@ -155,19 +200,34 @@ def run_check(assignment: str, check: Check, functions: Mapping[str, Any],
                       f"{', '.join(missing)} not defined: was the cell that defines "
                       "them deleted or renamed?")
     t0 = time.perf_counter()
+    _PREVIEW[0] = check.preview
+    # functions in a student process have their own deadline, which kills it
+    remote = any(isinstance(functions[n], Remote) for n in check.needs)
     try:
-        with time_limit(time_limit_s):
+        with time_limit(None if remote else time_limit_s):
             check.fn(**{n: functions[n] for n in check.needs})
+        status, msg = PASS, ""
+    except _Enough:
         status, msg = PASS, ""
     except NotImplementedError as e:
         status, msg = NOT_IMPLEMENTED, str(e) or "a function still raises NotImplementedError"
-    except CheckTimeout as e:
-        status, msg = TIMEOUT, str(e)
+    except (CheckTimeout, StudentTimeout):
+        status = TIMEOUT
+        msg = f"still running after the time limit of {time_limit_s:g} s" if time_limit_s \
+            else "still running after the check's time limit"
+    except Refused as e:
+        status, msg = REFUSED, str(e)
+    except StudentDied as e:
+        status, msg = ERROR, f"your notebook's process stopped during this check: {e}"
+    except StudentError as e:
+        status, msg = ERROR, str(e)
     except AssertionError as e:
         status, msg = FAIL, (str(e) or "assertion failed" + _student_frame(e.__traceback__))
     except Exception as e:  # a crash in the student's code: report it, go on
         status = ERROR
         msg = f"{type(e).__name__}: {e}{_student_frame(e.__traceback__)}"
+    finally:
+        _PREVIEW[0] = False
     dt = time.perf_counter() - t0
     return Result(assignment, check.name, status, check.points if status == PASS else 0.0,
                   check.points, dt, msg)
@@ -175,7 +235,7 @@ def run_check(assignment: str, check: Check, functions: Mapping[str, Any],
 
 def _print_result(r: Result, out) -> None:
     mark = {PASS: "PASS", FAIL: "FAIL", NOT_IMPLEMENTED: "TODO", ERROR: "ERROR",
-            TIMEOUT: "TIMEOUT", MISSING: "MISSING"}[r.status]
+            TIMEOUT: "TIMEOUT", MISSING: "MISSING", REFUSED: "REFUSED"}[r.status]
     print(f"[{mark:>7}] {r.check} ({r.points:g}/{r.max_points:g} points, {r.seconds:.1f} s)", file=out)
     if r.message and r.status != PASS:
         for line in r.message.splitlines()[:12]:
@@ -184,13 +244,15 @@ def _print_result(r: Result, out) -> None:
 
 def run_checks(assignment: Assignment, functions: Mapping[str, Any], *, hidden: bool = False,
                time_limit_s: float | None = DEFAULT_TIME_LIMIT_S, seed: int | None = None,
-               quiet: bool = False, markers: bool = True) -> Report:
+               quiet: bool = False, rules: Rules | None = None) -> Report:
     """Run an assignment's checks against ``functions`` (name -> callable) and print a report.
 
     Fresh random inputs each run; the seed is printed so that a failure can be
     replayed with ``seed=``. ``hidden=True`` adds the checks that the student's
-    notebook does not run (the batch grader uses it).
+    notebook does not run (the batch grader uses it). Functions of this process are
+    called under the assignment's rules (:func:`guarded`), or ``rules`` if given.
     """
+    functions = guarded(functions, assignment.rules if rules is None else rules)
     out = sys.stdout
     seed = int(torch.seed() % 2**31) if seed is None else seed
     torch.manual_seed(seed)
@@ -198,30 +260,18 @@ def run_checks(assignment: Assignment, functions: Mapping[str, Any], *, hidden: 
     report = Report(assignment.name)
     if not quiet:
         print(f"{assignment.title}: checks with fresh random inputs (seed {seed})", file=out)
-    for check in assignment.checks:
-        if check.hidden and not hidden:
-            continue
+    for check in assignment.run_list(hidden):
         r = run_check(assignment.name, check, functions, time_limit_s)
         report.results.append(r)
         if not quiet:
             _print_result(r, out)
-        if markers:
-            print(MARKER + json.dumps(asdict(r)), file=out)
     if not quiet:
         print(f"score: {report.score:g} / {report.max_score:g}", file=out)
+        if not hidden and any(c.hidden for c in assignment.checks):
+            more = sum(c.points for c in assignment.checks if c.hidden)
+            print(f"(the grader also runs the hidden checks in full, for {more:g} more "
+                  "points)", file=out)
     return report
-
-
-def parse_markers(text: str) -> list[Result]:
-    """The results printed by :func:`run_checks` in ``text`` (stdout of an executed cell)."""
-    found = []
-    for line in text.splitlines():
-        if line.startswith(MARKER):
-            try:
-                found.append(Result(**json.loads(line[len(MARKER):])))
-            except (TypeError, ValueError):
-                continue
-    return found
 
 
 def case(text: str) -> contextlib.AbstractContextManager:
@@ -235,7 +285,10 @@ class _Case(contextlib.AbstractContextManager):
         self.text = text
 
     def __exit__(self, typ, exc, tb):
-        if exc is None or isinstance(exc, (NotImplementedError, CheckTimeout)):
+        if exc is None and _PREVIEW[0]:
+            raise _Enough
+        if exc is None or isinstance(exc, (NotImplementedError, CheckTimeout, Refused,
+                                           StudentDied, StudentError, StudentTimeout)):
             return False
         if isinstance(exc, AssertionError):
             raise AssertionError(f"case {self.text}: {exc}").with_traceback(tb) from None

@@ -11,6 +11,8 @@ import torch
 from llmnote import device
 from llmnote.grading.compare import expect_close
 from llmnote.grading.core import Assignment, Check, case
+from llmnote.grading.guard import Rules
+from llmnote.grading.sandbox import forward_backward
 from llmnote.ops import rmsnorm_ref, rope_ref, softmax_ref
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -69,6 +71,33 @@ def softmax_strided(softmax) -> None:
                                              "row stride 60)")
 
 
+def masked_softmax_ref(x: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    """Softmax over the first ``lengths[r]`` entries of each row ``r``, 0 after them
+    (and a row of length 0 all zeros), in ``x``'s dtype."""
+    keep = torch.arange(x.shape[-1], device=x.device) < lengths[..., None].to(x.device)
+    y = torch.softmax(x.masked_fill(~keep, float("-inf")), dim=-1)
+    return y.nan_to_num(0.0)
+
+
+def _lengths_case(softmax, x: torch.Tensor, lengths: torch.Tensor) -> None:
+    with case(f"rows of lengths {lengths.flatten().tolist()[:12]}, shape {tuple(x.shape)}, "
+              f"{_name(x.dtype)}"):
+        y = softmax(x, lengths=lengths)
+        expect_close(y, masked_softmax_ref(x.float(), lengths), masked_softmax_ref(x, lengths),
+                     dtype=x.dtype, name="softmax(x, lengths)")
+
+
+def softmax_lengths(softmax) -> None:
+    for shape in [(6, 45), (2, 3, 50)]:
+        for dtype in DTYPES:
+            x = (3 * torch.randn(shape, device=_dev())).to(dtype)
+            n = shape[-1]
+            lengths = torch.randint(0, n + 1, shape[:-1], device=_dev())
+            flat = lengths.view(-1)
+            flat[0], flat[1], flat[-1] = 0, 1, n  # empty, one entry, full
+            _lengths_case(softmax, x, lengths)
+
+
 def softmax_more_shapes(softmax) -> None:
     for shape in [(2, 3, 50), (2, 1500), (1, 5, 1, 9)]:
         for dtype in DTYPES:
@@ -78,13 +107,16 @@ def softmax_more_shapes(softmax) -> None:
 
 SOFTMAX = Assignment(
     name="softmax",
-    title="Assignment 1: fused softmax in Triton",
+    title="Assignment 1: fused softmax over rows of different lengths in Triton",
     notebook="a1_softmax",
+    rules=Rules(("ops", "quant"), ("softmax", "_softmax", "log_softmax", "_log_softmax"),
+                ("softmax",), "This assignment asks for your own Triton kernel."),
     checks=(
         Check("odd sizes, every dtype", softmax_sizes, ("softmax",), 2.0),
         Check("large logits", softmax_large, ("softmax",), 1.0),
         Check("-inf entries", softmax_neg_inf, ("softmax",), 1.0),
         Check("non-contiguous rows", softmax_strided, ("softmax",), 1.0),
+        Check("rows of different lengths", softmax_lengths, ("softmax",), 2.0),
         Check("leading dimensions, long rows", softmax_more_shapes, ("softmax",), 1.0, hidden=True),
     ),
 )
@@ -127,21 +159,16 @@ def _rms_backward_case(rmsnorm, shape, dtype, eps=1e-6):
     x, w = _rms_inputs(shape, dtype)
     dy = torch.randn(shape, device=_dev()).to(dtype)
     with case(f"backward, shape {tuple(shape)}, {_name(dtype)}"):
+        _, (gx, gw) = forward_backward(rmsnorm, (x, w, eps), (0, 1), dy)
         fresh = lambda t, dt=None: t.detach().to(dt or t.dtype, copy=True).requires_grad_()  # noqa: E731
-        xs, ws = fresh(x), fresh(w)
-        y = rmsnorm(xs, ws, eps)
-        if not isinstance(y, torch.Tensor) or y.grad_fn is None:
-            raise AssertionError("the output has no grad_fn: wrap your kernels in a "
-                                 "torch.autograd.Function so that backward reaches them")
-        y.backward(dy)
         x32, w32 = fresh(x, torch.float32), fresh(w, torch.float32)
         rmsnorm_ref(x32, w32, eps).backward(dy.float())
         xl, wl = fresh(x), fresh(w)
         rmsnorm_ref(xl, wl, eps).backward(dy)
         # dweight sums over rows: allow the rounding of that many terms
         atol = 1e-5 if dtype == torch.float32 else 1e-3 * shape[0]
-        for got, r32, lowp, n in [(xs.grad, x32.grad, xl.grad, "grad of x"),
-                                  (ws.grad, w32.grad, wl.grad, "grad of weight")]:
+        for got, r32, lowp, n in [(gx, x32.grad, xl.grad, "grad of x"),
+                                  (gw, w32.grad, wl.grad, "grad of weight")]:
             if got is None:
                 raise AssertionError(f"{n} is None: backward did not produce it")
             expect_close(got, r32, lowp, dtype=dtype, name=n,
@@ -165,6 +192,8 @@ RMSNORM = Assignment(
     name="rmsnorm",
     title="Assignment 2: RMSNorm forward and backward in Triton",
     notebook="a2_rmsnorm",
+    rules=Rules(("ops", "quant"), ("rms_norm", "_fused_rms_norm", "layer_norm"),
+                ("rmsnorm",), "This assignment asks for your own Triton kernels."),
     checks=(
         Check("forward: odd sizes, every dtype", rmsnorm_forward, ("rmsnorm",), 2.0),
         Check("forward: zeros, fp16 overflow, eps", rmsnorm_edge, ("rmsnorm",), 1.0),
@@ -176,13 +205,24 @@ RMSNORM = Assignment(
 
 # ---------------------------------------------------------------- (3) RoPE
 
-def _rope_case(rope, x, positions, theta, label, fp32_atol=None):
+def partial_rope_ref(x: torch.Tensor, positions: torch.Tensor, theta: float,
+                     rotary_dim: int | None = None) -> torch.Tensor:
+    """``rope_ref`` on the first ``rotary_dim`` entries of each head, the rest copied."""
+    r = x.shape[-1] if rotary_dim is None else rotary_dim
+    y = x.clone()
+    rot = x[..., :r].contiguous()
+    y[..., :r] = rope_ref(rot.clone(), rot.clone(), positions, theta)[0]
+    return y
+
+
+def _rope_case(rope, x, positions, theta, label, fp32_atol=None, rotary_dim=None):
     before = x.clone()
-    with case(f"{label}, shape {tuple(x.shape)}, {_name(x.dtype)}, theta {theta:g}"):
-        y = rope(x, positions, theta)
-        x32 = x.float()
-        ref32, _ = rope_ref(x32.clone(), x32.clone(), positions, theta)
-        lowp, _ = rope_ref(x.clone(), x.clone(), positions, theta)
+    rd = f", rotary_dim {rotary_dim}" if rotary_dim is not None else ""
+    with case(f"{label}, shape {tuple(x.shape)}, {_name(x.dtype)}, theta {theta:g}{rd}"):
+        kw = {"rotary_dim": rotary_dim} if rotary_dim is not None else {}
+        y = rope(x, positions, theta, **kw)
+        ref32 = partial_rope_ref(x.float(), positions, theta, rotary_dim)
+        lowp = partial_rope_ref(x, positions, theta, rotary_dim)
         expect_close(y, ref32, lowp, dtype=x.dtype, name="rope(x, positions)",
                      atol=fp32_atol if x.dtype == torch.float32 else None)
         _unchanged(x, before, "rope")
@@ -206,15 +246,38 @@ def rope_positions(rope) -> None:
     _rope_case(rope, x, torch.tensor([3, 1, 4, 1], device=_dev()), 500000.0, "another theta", 1e-4)
 
 
+def rope_partial(rope) -> None:
+    for shape, rd in [((2, 3, 5, 16), 8), ((1, 2, 7, 34), 10), ((1, 1, 3, 64), 16)]:
+        for dtype in DTYPES:
+            x = torch.randn(shape, device=_dev()).to(dtype)
+            pos = torch.randint(0, 50, (shape[2],), device=_dev())
+            _rope_case(rope, x, pos, 10000.0, "partial rotary embedding", 1e-5, rd)
+
+
 def rope_bad_input(rope) -> None:
     x = torch.randn(1, 2, 3, 7, device=_dev())
-    try:
-        rope(x, torch.arange(3, device=_dev()), 10000.0)
-    except ValueError as e:
-        if "head" not in str(e).lower() and "7" not in str(e):
-            raise AssertionError(f"the ValueError for head_dim 7 should name the argument; got {e!r}")
-        return
-    raise AssertionError("an odd head_dim (7) must raise ValueError naming head_dim; nothing was raised")
+    with case("head_dim 7"):
+        try:
+            rope(x, torch.arange(3, device=_dev()), 10000.0)
+        except ValueError as e:
+            if "head" not in str(e).lower() and "7" not in str(e):
+                raise AssertionError("the ValueError for head_dim 7 should name the "
+                                     f"argument; got {e!r}") from None
+        else:
+            raise AssertionError("an odd head_dim (7) must raise ValueError naming "
+                                 "head_dim; nothing was raised")
+    x = torch.randn(1, 2, 3, 8, device=_dev())
+    for rd in (5, 12):
+        with case(f"head_dim 8, rotary_dim {rd}"):
+            try:
+                rope(x, torch.arange(3, device=_dev()), 10000.0, rotary_dim=rd)
+            except ValueError as e:
+                if "rotary_dim" not in str(e):
+                    raise AssertionError("the ValueError should name rotary_dim; "
+                                         f"got {e!r}") from None
+                continue
+            raise AssertionError(f"rotary_dim {rd} with head_dim 8 must raise ValueError "
+                                 "naming rotary_dim; nothing was raised")
 
 
 def rope_relative(rope) -> None:
@@ -231,11 +294,14 @@ def rope_relative(rope) -> None:
 
 ROPE = Assignment(
     name="rope",
-    title="Assignment 3: rotary position embedding (RoPE) in Triton",
+    title="Assignment 3: rotary position embedding (RoPE), partial too, in Triton",
     notebook="a3_rope",
+    rules=Rules(("ops", "models"), (), ("rope",),
+                "This assignment asks for your own Triton kernel."),
     checks=(
         Check("odd sizes, every dtype", rope_sizes, ("rope",), 2.0),
         Check("arbitrary positions, other theta", rope_positions, ("rope",), 1.0),
+        Check("partial rotary_dim", rope_partial, ("rope",), 2.0),
         Check("scores depend on m - n only", rope_relative, ("rope",), 1.0),
         Check("odd head_dim raises ValueError", rope_bad_input, ("rope",), 1.0, hidden=True),
     ),

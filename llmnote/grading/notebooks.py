@@ -23,7 +23,8 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
-ASSIGNMENT_DIR = Path(__file__).resolve().parent.parent.parent / "notebooks" / "assignments"
+STUDENT_DIR = Path(__file__).resolve().parent.parent.parent / "notebooks" / "assignments"
+ASSIGNMENT_DIR = STUDENT_DIR / "instructor"
 
 BEGIN_SOLUTION, END_SOLUTION = "### BEGIN SOLUTION", "### END SOLUTION"
 BEGIN_HIDDEN, END_HIDDEN = "### BEGIN HIDDEN TESTS", "### END HIDDEN TESTS"
@@ -88,7 +89,7 @@ def notebook_path(name: str) -> Path:
 
     stem = ASSIGNMENTS[name].notebook if name in ASSIGNMENTS else name
     md = ASSIGNMENT_DIR / f"{stem}.md"
-    if not md.exists() and not md.with_suffix(".ipynb").exists():
+    if not md.exists():
         raise FileNotFoundError(
             f"no assignment notebook {stem!r} in {ASSIGNMENT_DIR}: the instructor notebooks come "
             "with a checkout of the llmnote repository, not with the installed package")
@@ -102,13 +103,29 @@ def read_cells(path: str | Path) -> list[tuple[str, str]]:
         try:
             import jupytext
         except ImportError:
-            path = path.with_suffix(".ipynb")  # the paired notebook
-        else:
-            nb = jupytext.read(path, fmt="md:myst")
-            return [(c.cell_type, c.source) for c in nb.cells]
+            return _myst_code_cells(path.read_text())
+        nb = jupytext.read(path, fmt="md:myst")
+        return [(c.cell_type, c.source) for c in nb.cells]
     nb = json.loads(path.read_text())
     return [(c["cell_type"], "".join(c["source"]) if isinstance(c["source"], list) else c["source"])
             for c in nb["cells"]]
+
+
+def _myst_code_cells(text: str) -> list[tuple[str, str]]:
+    """The code cells of a MyST notebook (```` ```{code-cell} ```` fences, cell options
+    at their top skipped), for machines without jupytext."""
+    cells, lines, inside = [], text.split("\n"), False
+    for line in lines:
+        if not inside and line.startswith("```{code-cell}"):
+            inside, body = True, []
+        elif inside and line.rstrip() == "```":
+            while body and body[0].startswith(":") and not body[0].startswith("::"):
+                body.pop(0)
+            cells.append(("code", "\n".join(body).strip("\n")))
+            inside = False
+        elif inside:
+            body.append(line)
+    return cells
 
 
 def code_sources(cells: Iterable[tuple[str, str]]) -> list[str]:

@@ -13,6 +13,7 @@ import torch
 from llmnote import device
 from llmnote.grading.compare import expect_close
 from llmnote.grading.core import Assignment, Check, case
+from llmnote.grading.guard import Rules
 from llmnote.quant.kernels import dequantize_int4_weight, w4a16_linear_ref
 from llmnote.quant.primitives import fake_quantize, unpack_int4
 
@@ -123,6 +124,11 @@ INT4 = Assignment(
     name="int4",
     title="Assignment 6: int4 group quantization and a W4A16 GEMV",
     notebook="a6_int4",
+    rules=Rules(("ops", "quant.kernels", "quant.layers", "quant.awq", "quant.smoothquant",
+                 "quant.primitives.quantize", "quant.primitives.dequantize",
+                 "quant.primitives.fake_quantize", "quant.primitives._grouped"), (),
+                ("w4a16_gemv",),
+                "This assignment asks for your own quantizer and Triton kernel."),
     checks=(
         Check("quantize: odd sizes, every dtype", quant_sizes, ("quantize_int4",), 2.0),
         Check("quantize: zero, constant, positive, outlier groups", quant_edges, ("quantize_int4",), 1.0),

@@ -76,7 +76,7 @@ def check_assignment(name: str, *, time_limit_s: float | None = 300.0,
     a = get(name)
     t0 = time.perf_counter()
     ns, problem = _run_body(name)
-    report = run_checks(a, ns, hidden=True, time_limit_s=time_limit_s, markers=False)
+    report = run_checks(a, ns, hidden=True, time_limit_s=time_limit_s)
     if warm_speed and not problem:
         _, problem = _speed(name, ns)
     passed = sum(r.status == PASS for r in report.results)

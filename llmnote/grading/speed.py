@@ -5,7 +5,7 @@ about a kernel's speed."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from typing import Any
 
 import pandas as pd
