@@ -22,13 +22,12 @@ import random
 import pytest
 import torch
 
-from llmnote.engine import LLM, EngineConfig, SamplingParams, Status
-from llmnote.engine import model_runner
+from llmnote.engine import LLM, EngineConfig, SamplingParams, Status, model_runner
 from llmnote.models import Llama, get_preset
 
 EOS = 7
 VOCAB = 256
-NUM_SCHEDULES = int(os.environ.get("NSCHED", 300))
+NUM_SCHEDULES = 300
 
 
 class Fault(Exception):
@@ -203,7 +202,7 @@ def check_consistent(llm: LLM) -> None:
 def snapshot(llm: LLM) -> tuple:
     sched = llm.scheduler
     return ([s.seq_id for s in sched.waiting], [s.seq_id for s in sched.running],
-            sched.blocks.num_free, len(llm.requests), len(llm.step_log))
+            sched.blocks.num_free, len(llm.requests), len(llm.step_log), llm._next_id)
 
 
 def run_schedule(model: Llama, alone: Alone, seed: int) -> dict[str, int]:

@@ -192,7 +192,12 @@ class LLM:
         plist = params if isinstance(params, Seq) else [params or SamplingParams()] * len(prompts)
         if len(plist) != len(prompts):
             raise ValueError(f"got {len(prompts)} prompts but {len(plist)} SamplingParams")
-        seqs = [self._make(p, sp, f"prompt {i}") for i, (p, sp) in enumerate(zip(prompts, plist))]
+        first_id = self._next_id
+        try:
+            seqs = [self._make(p, sp, f"prompt {i}") for i, (p, sp) in enumerate(zip(prompts, plist))]
+        except BaseException:
+            self._next_id = first_id  # a refused batch leaves no trace, not even used ids
+            raise
         for s in seqs:  # all valid: queue them
             self._queue(s)
         return seqs

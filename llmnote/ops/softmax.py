@@ -94,7 +94,7 @@ def _softmax_online_kernel(
         # evict_last: ask L2 to keep the row for pass 2 (a row of 65536 fp32 is 256 KiB)
         x = tl.load(x_row + c * stride_xn, mask=c < N, other=-float("inf"),
                     eviction_policy="evict_last").to(tl.float32)
-        nan_i = tl.maximum(nan_i, (x != x).to(tl.int32))
+        nan_i = tl.maximum(nan_i, (x != x).to(tl.int32))  # noqa: PLR0124 - NaN != NaN
         m_new = tl.maximum(m_i, x)
         empty = m_new == -float("inf")  # lane has seen only -inf: keep its sum at 0
         scaled = s_i * tl.exp2((m_i - m_new) * 1.4426950408889634)
