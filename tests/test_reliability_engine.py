@@ -382,7 +382,8 @@ def test_abort_frees_blocks_and_leaves_the_others_unchanged(model, alone):
     while llm.has_unfinished():
         llm.step()
     assert llm.output(b).token_ids == alone([11, 12, 13], GREEDY)
-    assert llm.output(a).token_ids == alone([5, 6, 7, 8, 9, 10], GREEDY)[:len(llm.output(a).token_ids)]
+    got = llm.output(a).token_ids  # what a had when aborted: the start of its tokens alone
+    assert got == alone([5, 6, 7, 8, 9, 10], GREEDY)[:len(got)]
     bm = llm.scheduler.blocks
     assert bm.num_free == bm.num_blocks
 

@@ -21,7 +21,8 @@ def test_the_failing_ranks_own_exception_is_raised():
     assert isinstance(cause, RankTraceback)
     text = str(cause)
     assert f"in rank {failing_rank} of 2" in text
-    assert "in fail_in_rank" in text and 'raise RankFailure(f"rank {rank} failed on purpose")' in text
+    assert "in fail_in_rank" in text
+    assert 'raise RankFailure(f"rank {rank} failed on purpose")' in text
 
 
 def test_a_keyboard_interrupt_in_a_rank_is_reported_as_such():

@@ -194,7 +194,8 @@ class LLM:
             raise ValueError(f"got {len(prompts)} prompts but {len(plist)} SamplingParams")
         first_id = self._next_id
         try:
-            seqs = [self._make(p, sp, f"prompt {i}") for i, (p, sp) in enumerate(zip(prompts, plist))]
+            seqs = [self._make(p, sp, f"prompt {i}")
+                    for i, (p, sp) in enumerate(zip(prompts, plist))]
         except BaseException:
             self._next_id = first_id  # a refused batch leaves no trace, not even used ids
             raise
