@@ -465,7 +465,7 @@ def test_sampling_probabilities_are_never_nan_for_finite_logits(seed):
     scale = torch.tensor([1, 1e3, 1e30, 1e38, 1e-3, 0], dtype=torch.float64)[:, None]
     logits = (torch.randn(6, 50, dtype=torch.float64) * scale).clamp(-3e38, 3e38).float()
     logits[5, 7] = 1.0  # a single maximum among zeros
-    for t in (1e-45, 1e-38, 1e-6, 0.7, 1.0, 1e6, 1e38, 3e38):
+    for t in (1e-45, 1e-38, 1e-6, 0.7, 1.0, 1e6, 1e38, 3e38, 1e300):  # 1e300: inf in fp32
         temp = torch.full((6,), t)
         scaled = scale_logits(logits, temp)
         probs = scaled.softmax(-1)
