@@ -376,8 +376,9 @@ def test_abort_frees_blocks_and_leaves_the_others_unchanged(model, alone):
     assert llm.abort(a) and llm.abort(c)
     assert llm.output(a).finish_reason == "abort" and llm.output(c).finish_reason == "abort"
     assert not llm.abort(a)  # already finished
-    with pytest.raises(ValueError, match="request_id 99"):
-        llm.abort(99)
+    for rid in (99, True, "0"):
+        with pytest.raises(ValueError, match=f"request_id {rid!r} is not a request"):
+            llm.abort(rid)
     check_consistent(llm)
     while llm.has_unfinished():
         llm.step()

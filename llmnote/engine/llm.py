@@ -206,7 +206,8 @@ class LLM:
     def abort(self, request_id: int) -> bool:
         """End a request now (``finish_reason "abort"``), free its KV blocks and keep the
         tokens it has. False when it had already finished."""
-        seq = self.requests.get(request_id) if isinstance(request_id, int) else None
+        ok = isinstance(request_id, int) and not isinstance(request_id, bool)
+        seq = self.requests.get(request_id) if ok else None
         if seq is None:
             raise ValueError(f"request_id {request_id!r} is not a request of this engine")
         if seq.is_finished:
