@@ -54,6 +54,7 @@ __all__ = ["MAX_N", "layernorm", "layernorm_ref"]
 # Rows with max|x| above this are scaled first: N (2 max|x|)^2 < 2^128 for N <= 2^16.
 SCALE_ABOVE = 2.0**50
 TINY = 2.0**-126  # smallest normal fp32: the floor of var + eps once eps has underflowed
+_SCALE_ABOVE, _TINY = tl.constexpr(SCALE_ABOVE), tl.constexpr(TINY)  # the kernel's copies
 
 
 def layernorm_ref(
@@ -65,7 +66,8 @@ def layernorm_ref(
         return torch.empty_like(x)
     xf = x.float()
     amax = xf.abs().amax(dim=-1, keepdim=True)  # (..., 1); NaN propagates, and a = 1
-    a = torch.where(amax > SCALE_ABOVE, torch.exp2(torch.floor(torch.log2(amax))), 1.0)
+    e = torch.floor(torch.log2(amax)).clamp(max=126)  # (2^127 would make 1 / a subnormal)
+    a = torch.where(amax > SCALE_ABOVE, torch.exp2(e), 1.0)
     xs = xf / a  # exact: a is a power of two
     mean = xs.mean(dim=-1, keepdim=True)  # (..., 1)
     xc = xs - mean
@@ -80,7 +82,6 @@ def _layernorm_fwd_kernel(
     x_ptr, w_ptr, b_ptr, y_ptr, mean_ptr, rstd_ptr, M, N, eps,
     stride_xm, stride_xn, stride_wn, stride_bn, stride_ym,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NUM_STAGES: tl.constexpr,
-    SCALE_ABOVE: tl.constexpr = SCALE_ABOVE, TINY: tl.constexpr = TINY,
 ):
     # Usually one program per row tile (the loop runs once); with NUM_STAGES > 1 the
     # grid is persistent and the next tiles' loads are in flight during this one.
@@ -93,16 +94,16 @@ def _layernorm_fwd_kernel(
                     mask=mask, other=0.0).to(tl.float32)  # read MN
         # huge rows: divide by a power of two a ~ max|x| (exact), so xc * xc cannot overflow
         amax = tl.max(tl.abs(x), axis=1)  # (BLOCK_M,)
-        big = amax > SCALE_ABOVE
-        a = tl.where(big, tl.exp2(tl.floor(tl.log2(tl.maximum(amax, SCALE_ABOVE)))), 1.0)
-        x = x / a[:, None]
+        e = tl.minimum(tl.floor(tl.log2(tl.maximum(amax, _SCALE_ABOVE))), 126.0)  # 1/a normal
+        a = tl.where(amax > _SCALE_ABOVE, tl.exp2(e), 1.0)
+        x = x * (1.0 / a)[:, None]  # one division per row
         mean = tl.sum(x, axis=1) / N  # (BLOCK_M,)
         xc = tl.where(mask, x - mean[:, None], 0.0)  # padding must not count in the variance
         d = tl.sum(xc, axis=1) / N  # the rounding error of the mean (corrected two-pass)
         mean += d
         xc = tl.where(mask, xc - d[:, None], 0.0)
         var = tl.sum(xc * xc, axis=1) / N + eps / a / a
-        var = tl.where((var == 0) & (eps > 0), TINY, var)  # eps underflowed: xc is 0 there
+        var = tl.where((var == 0) & (eps > 0), _TINY, var)  # eps underflowed: xc is 0 there
         rstd = 1.0 / tl.sqrt(var)
         # weight and bias are loaded after the reductions: no registers held while waiting
         w = tl.load(w_ptr + cols * stride_wn, mask=cols < N, other=0.0).to(tl.float32)
