@@ -467,7 +467,7 @@ def test_sampling_probabilities_are_never_nan_for_finite_logits(seed):
     logits = (torch.randn(6, 50, dtype=torch.float64) * scale).clamp(-3e38, 3e38).float()
     logits[5, 7] = 1.0  # a single maximum among zeros
     for t in (1e-45, 1e-38, 1e-6, 0.7, 1.0, 1e6, 1e38, 3e38, 1e300):  # 1e300: inf in fp32
-        temp = torch.full((6,), t)
+        temp = torch.tensor([t] * 6)  # as sampling_tensors builds it: 1e300 becomes inf
         scaled = scale_logits(logits, temp)
         probs = scaled.softmax(-1)
         assert not probs.isnan().any(), t
@@ -480,3 +480,10 @@ def test_sampling_probabilities_are_never_nan_for_finite_logits(seed):
     x = torch.randn(4, 50)
     torch.testing.assert_close(scale_logits(x, torch.full((4,), 0.7)).softmax(-1),
                                (x / 0.7).softmax(-1))
+
+
+@pytest.mark.parametrize("temperature", [1e30, 1e300])
+def test_huge_temperatures_sample_uniformly_without_nan(model, temperature):
+    params = SamplingParams(temperature=temperature, max_tokens=6, ignore_eos=True, seed=3)
+    out = make(model).generate([[5, 6, 7]], params, use_tqdm=False)[0].token_ids
+    assert len(out) == 6 and all(0 <= t < VOCAB for t in out)

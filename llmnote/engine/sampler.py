@@ -42,12 +42,14 @@ def scale_logits(logits: torch.Tensor, temperature: torch.Tensor) -> torch.Tenso
     ``logits / temperature``, and defined for every temperature > 0. Dividing the logits
     themselves overflows to inf for a tiny temperature (``1e-38``, or one that is 0 in
     fp32), and ``softmax`` of a row holding inf is NaN; here the best logits stay 0 and
-    the others go to -inf, the greedy limit.
+    the others go to -inf, the greedy limit. A gap between logits past fp32's range
+    counts as infinite at every temperature.
 
     logits: (B, V) fp32; temperature: (B,) fp32 -> (B, V) fp32.
     """
-    d = logits - logits.amax(dim=-1, keepdim=True)  # <= 0
-    return torch.where(d == 0, 0.0, d / temperature[:, None])
+    d = logits - logits.amax(dim=-1, keepdim=True)  # <= 0; -inf where the gap overflows
+    t = temperature.clamp(max=torch.finfo(torch.float32).max)  # inf (1e300 in fp32): -inf / t
+    return torch.where(d == 0, 0.0, d / t[:, None])  # is still -inf, not NaN
 
 
 @dataclass
