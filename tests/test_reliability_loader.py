@@ -99,12 +99,12 @@ def write_index(folder, index):
 
 def test_a_weight_map_entry_outside_the_folder_is_refused(ckpt, tmp_path):
     model, _ = ckpt
-    folder, index = shard(model, tmp_path)
+    folder, index = shard(model, tmp_path / "models")  # tmp_path/models/sharded
     first = min(index["weight_map"].values())
     # a copy of a real shard outside the folder: loading it would "work"
     outside = tmp_path / "outside.safetensors"
     shutil.copy(folder / first, outside)
-    for entry in ["../outside.safetensors", str(outside)]:
+    for entry in ["../../outside.safetensors", str(outside), f"../sharded/../../{outside.name}"]:
         bad = {n: entry if f == first else f for n, f in index["weight_map"].items()}
         write_index(folder, {**index, "weight_map": bad})
         with pytest.raises(CheckpointError, match="lies outside the checkpoint folder"):
