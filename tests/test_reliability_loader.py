@@ -59,6 +59,9 @@ def test_a_broken_safetensors_file_is_named(ckpt, cut):
      "field quantization_config must be an object, got 'awq'"),
     (lambda c: {**c, "rope_scaling": [1, 2]}, "field rope_scaling must be an object"),
     (lambda c: {**c, "rms_norm_eps": "small"}, "field rms_norm_eps must be a number"),
+    (lambda c: {**c, "num_hidden_layers": 10**9},  # refused before building 10^9 layers
+     "field num_hidden_layers = 1000000000, but the checkpoint holds tensors of layers 0..1"),
+    (lambda c: {**c, "num_hidden_layers": 3}, "num_hidden_layers = 3, but .* layers 0..1"),
     (lambda c: {**c, "num_key_value_heads": 3}, r"num_attention_heads \(4\) must be a multiple"),
 ])
 def test_config_errors_name_the_file_and_the_field(ckpt, change, match):
@@ -186,7 +189,21 @@ def test_weights_past_the_target_dtype_are_refused_with_check_finite(ckpt):
         load_pretrained(folder, check_finite="yes")
 
 
-JUNK = [None, "x", -1, 0, 1.5, True, [], {}, [1], {"a": 1}, 10**30]
+JUNK = [None, "x", -1, 0, 1.5, True, [], {}, [1], {"a": 1}, 10**9, 10**30]
+
+
+def test_every_config_field_set_to_junk_raises_only_documented_errors(ckpt):
+    """Each field of config.json in turn set to each junk value (a layer count of 10^9
+    included: refused before the model is built)."""
+    _, folder = ckpt
+    config = json.loads((folder / "config.json").read_text())
+    for field in sorted(config):
+        for junk in JUNK:
+            (folder / "config.json").write_text(json.dumps({**config, field: junk}))
+            try:
+                load_pretrained(folder)
+            except DOCUMENTED as e:
+                assert str(folder) in str(e), (field, junk, repr(e))
 
 
 def test_fuzzed_configs_and_files_raise_only_documented_errors(ckpt, seed):

@@ -161,6 +161,19 @@ def weight_files(folder: str | Path) -> dict[str, Path]:
     return names
 
 
+def _check_layer_count(num_layers: int, stored: dict[str, tuple[int, ...]], folder: Path) -> None:
+    """Before the model is built (a config claiming 10^9 layers would take forever): the
+    checkpoint must hold tensors of at least ``num_layers`` decoder layers (extra ones
+    are listed by :func:`_check_names`)."""
+    found = {int(n.split(".")[2]) for n in stored
+             if n.startswith("model.layers.") and n.split(".")[2].isdigit()}
+    if num_layers > len(found):
+        have = f"layers 0..{max(found)}" if found and found == set(range(len(found))) else \
+            f"{len(found)} layer indices"
+        raise CheckpointError(f"{folder / 'config.json'}: field num_hidden_layers = {num_layers}, "
+                              f"but the checkpoint holds tensors of {have}")
+
+
 def _check_names(model: Llama, stored: dict[str, tuple[int, ...]], folder: Path) -> None:
     expected = {n: tuple(t.shape) for n, t in model.state_dict().items()}
     tied = model.config.tie_word_embeddings
@@ -219,14 +232,20 @@ def load_pretrained(
     device = torch.device(device or "cpu")
     files = weight_files(folder)
 
-    with torch.device("meta"):  # shapes only: no memory, no random init
-        model = Llama(config, ops=ops)
     stored: dict[str, tuple[int, ...]] = {}
     for f in sorted(set(files.values())):
         with _open(f) as sf:
             for name in sf.keys():
                 if files.get(name) == f:
                     stored[name] = tuple(sf.get_slice(name).get_shape())
+    _check_layer_count(config.num_hidden_layers, stored, folder)
+    try:
+        with torch.device("meta"):  # shapes only: no memory, no random init
+            model = Llama(config, ops=ops)
+    except (RuntimeError, TypeError, ValueError, OverflowError) as e:  # sizes past int64, ...
+        first = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise CheckpointError(f"{folder / 'config.json'}: the model it describes cannot be "
+                              f"built ({first})") from e
     _check_names(model, stored, folder)
 
     state: dict[str, torch.Tensor] = {}
