@@ -196,7 +196,7 @@ def describe() -> str:
 
 
 # ---------------------------------------------------------------- where models go
-FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 
 
 def placement(device: str | torch.device | None = None, dtype: torch.dtype | None = None,
@@ -224,8 +224,8 @@ def placement(device: str | torch.device | None = None, dtype: torch.dtype | Non
                              f"{torch.cuda.device_count()} CUDA GPU(s)")
     if dtype is not None:
         if not isinstance(dtype, torch.dtype) or dtype not in FLOAT_DTYPES:
-            raise TypeError("dtype must be torch.float32, torch.float16 or torch.bfloat16, got "
-                            f"{dtype!r}")
+            raise TypeError("dtype must be torch.float32, torch.float16, torch.bfloat16 or "
+                            f"torch.float64, got {dtype!r}")
         if dev.type == "cuda" and dtype == torch.bfloat16 and not torch.cuda.is_bf16_supported():
             cap = torch.cuda.get_device_capability(dev)
             raise ValueError(f"dtype=torch.bfloat16 but this GPU (sm_{cap[0]}{cap[1]}) has no "

@@ -83,7 +83,7 @@ def test_placement_defaults_to_the_fast_path():
 @pytest.mark.parametrize("kw, err, match", [
     (dict(device="tpu"), ValueError, "device must be 'cpu', 'cuda'"),
     (dict(device="not a device"), ValueError, "device must be"),
-    (dict(dtype=torch.int8), TypeError, "dtype must be torch.float32, torch.float16 or torch.bfloat16"),
+    (dict(dtype=torch.int8), TypeError, "dtype must be torch.float32, torch.float16, torch.bfloat16"),
     (dict(dtype="bf16"), TypeError, "dtype must be"),
 ])
 def test_placement_refuses_bad_arguments(kw, err, match):

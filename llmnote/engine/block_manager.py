@@ -165,6 +165,17 @@ class BlockManager:
             self.cached.setdefault(blk.hash, blk.block_id)  # an equal block may be there first
             parent = blk.hash
 
+    def forget(self, table: list[int], num_valid: int) -> None:
+        """Drop from the prefix cache the blocks of ``table`` past its first ``num_valid``
+        tokens' full blocks: committed when their step was scheduled, their keys may never
+        have been written (the step failed or the request was cut short). The hashed blocks
+        stay a prefix of the table; a block another table still holds stays allocated."""
+        for bid in table[num_valid // self.block_size:]:
+            blk = self.blocks[bid]
+            if blk.hash is not None and self.cached.get(blk.hash) == bid:
+                del self.cached[blk.hash]
+            blk.hash = blk.parent = blk.tokens = None
+
     def free_blocks(self, table: list[int]) -> None:
         """Drop one reference to each block of ``table`` (last block first)."""
         for bid in reversed(table):

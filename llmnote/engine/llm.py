@@ -9,10 +9,20 @@ scheduler for a batch, runs it and appends the sampled tokens;
 yields tokens as they come.
 
 Requests are checked when submitted: an empty prompt, a prompt that leaves no
-room to generate within ``max_model_len``, token ids outside the vocabulary,
-or a request whose prompt plus ``max_tokens`` could not fit in the whole KV
-cache raise ``ValueError`` naming the request; requests already submitted are
-unaffected.
+room to generate within ``max_model_len``, token ids outside the vocabulary
+(those a tokenizer returns too), or a request whose prompt plus ``max_tokens``
+could not fit in the whole KV cache raise ``ValueError`` naming the request;
+requests already submitted are unaffected.
+
+Failures leave the engine usable. :meth:`LLM.abort` ends a request
+(``finish_reason == "abort"``) and frees its KV blocks. An exception raised
+inside :meth:`LLM.step` (the model, the sampler, a ``KeyboardInterrupt``)
+fails the requests of the batch that step was running (``finish_reason ==
+"error"``, blocks freed, their unwritten blocks dropped from the prefix cache)
+and is re-raised; the other requests go on unchanged. :meth:`LLM.generate` and
+:meth:`LLM.stream` abort their own unfinished requests when they are left by an
+exception, and a stream closed or dropped before its end (``close()``, garbage
+collection) aborts the requests it still had running.
 """
 
 from __future__ import annotations
@@ -92,7 +102,8 @@ def _load(model: object, dtype: torch.dtype | None, device: str | torch.device |
     if Path(model).is_dir():
         from llmnote.models.loader import load_pretrained
 
-        m = load_pretrained(model, dtype=dtype, device=device, ops=ops)
+        # a checkpoint's weights are checked for NaN and inf on the way in
+        m = load_pretrained(model, dtype=dtype, device=device, ops=ops, check_finite=True)
         tok = None
         if (Path(model) / "tokenizer.json").is_file():
             import tokenizers
@@ -174,17 +185,25 @@ class LLM:
                 raise ValueError(f"{where}: a text prompt needs a tokenizer; pass token ids or "
                                  "LLM(..., tokenizer=...)")
             enc = self.tokenizer.encode(prompt)
-            return list(getattr(enc, "ids", enc)), prompt
+            ids = list(getattr(enc, "ids", enc))
+            self._check_ids(ids, f"{where}: the tokenizer returned token ids; they")
+            return ids, prompt
         if isinstance(prompt, torch.Tensor):
+            if prompt.ndim != 1:
+                raise ValueError(f"{where}: a tensor prompt must be 1-D token ids, "
+                                 f"got shape {tuple(prompt.shape)}")
             prompt = prompt.tolist()
         if not isinstance(prompt, (list, tuple)):
             raise TypeError(f"{where}: a prompt must be a str or a list of token ids, "
                             f"got {type(prompt).__name__}")
-        v = self.model.config.vocab_size
-        for t in prompt:
-            if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < v:
-                raise ValueError(f"{where}: token ids must be ints in [0, {v}), got {t!r}")
+        self._check_ids(prompt, f"{where}: token ids")
         return list(prompt), None
+
+    def _check_ids(self, ids: Seq, what: str) -> None:
+        v = self.model.config.vocab_size
+        for t in ids:
+            if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < v:
+                raise ValueError(f"{what} must be ints in [0, {v}), got {t!r}")
 
     def _make(self, prompt: object, params: SamplingParams, where: str) -> Sequence:
         if not isinstance(params, SamplingParams):
@@ -220,29 +239,76 @@ class LLM:
 
     def _add_all(self, prompts: object, params: object) -> list[Sequence]:
         self._check_open()
-        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts
-                                        and isinstance(prompts[0], int)):
+        # one prompt: a str, a 1-D tensor, or a list / tuple of ints; a 2-D tensor: its rows
+        if (isinstance(prompts, str) or (isinstance(prompts, torch.Tensor) and prompts.ndim <= 1)
+                or (isinstance(prompts, (list, tuple)) and prompts
+                    and isinstance(prompts[0], int))):
             prompts = [prompts]
         prompts = list(prompts)
         plist = params if isinstance(params, Seq) else [params or SamplingParams()] * len(prompts)
         if len(plist) != len(prompts):
             raise ValueError(f"got {len(prompts)} prompts but {len(plist)} SamplingParams")
-        seqs = [self._make(p, sp, f"prompt {i}") for i, (p, sp) in enumerate(zip(prompts, plist))]
+        first_id = self._next_id
+        try:
+            seqs = [self._make(p, sp, f"prompt {i}")
+                    for i, (p, sp) in enumerate(zip(prompts, plist))]
+        except BaseException:
+            self._next_id = first_id  # a refused batch leaves no trace, not even used ids
+            raise
         for s in seqs:  # all valid: queue them
             self._queue(s)
         return seqs
+
+    def abort(self, request_id: int) -> bool:
+        """End a request now (``finish_reason "abort"``), free its KV blocks and keep the
+        tokens it has. False when it had already finished."""
+        ok = isinstance(request_id, int) and not isinstance(request_id, bool)
+        seq = self.requests.get(request_id) if ok else None
+        if seq is None:
+            raise ValueError(f"request_id {request_id!r} is not a request of this engine")
+        if seq.is_finished:
+            return False
+        self._end(seq, "abort")
+        return True
+
+    def _end(self, seq: Sequence, reason: str) -> None:
+        self.scheduler.abort(seq, reason)
+        seq.metrics.finished = time.perf_counter()
+        self.runner.release(seq.seq_id)
+
+    def _abort_all(self, seqs: list[Sequence]) -> None:
+        for s in seqs:
+            if not s.is_finished:
+                self._end(s, "abort")
 
     # ------------------------------------------------------------ stepping
     def step(self) -> list[Sequence]:
         """Run one scheduler step; returns the sequences that got new tokens (several each
         when the step ran several decode steps back to back, see
         :meth:`Scheduler.decode_steps`). With async scheduling a step may instead read the
-        run the step before queued ahead (and queue the next one)."""
+        run the step before queued ahead (and queue the next one).
+
+        If anything raises in here, the requests of the batch being run are failed
+        (``finish_reason "error"``, blocks freed) before the exception propagates: the
+        engine stays usable and the other requests are unaffected."""
         self._check_open()
+        self._in_flight: list[Sequence] = []
+        try:
+            return self._step()
+        except BaseException:
+            self._pending = None  # a queued run belongs to the failed batch
+            for s in self._in_flight:
+                if not s.is_finished:
+                    self._end(s, "error")
+            raise
+
+    def _step(self) -> list[Sequence]:
         if self._pending is not None:  # a run queued by the last step (async scheduling)
             run, self._pending = self._pending, None
+            self._in_flight = [s for s, _ in run.batch.items]
             return self._read_run(run, fresh=False)
         batch = self.scheduler.schedule()
+        self._in_flight = [s for s, _ in batch.items]
         if not batch.items:
             if self.scheduler.has_work():  # cannot happen: admission guarantees progress
                 raise RuntimeError("the scheduler found nothing to run with requests pending")
@@ -313,25 +379,35 @@ class LLM:
 
         seqs = self._add_all(prompts, params)
         ids = {s.seq_id for s in seqs}
-        with tqdm(total=len(seqs), desc="generate", disable=not use_tqdm) as bar:
-            while any(not s.is_finished for s in seqs):
-                done = [s for s in self.step() if s.is_finished and s.seq_id in ids]
-                bar.update(len(done))
+        try:
+            with tqdm(total=len(seqs), desc="generate", disable=not use_tqdm) as bar:
+                while any(not s.is_finished for s in seqs):
+                    done = [s for s in self.step() if s.is_finished and s.seq_id in ids]
+                    bar.update(len(done))
+        except BaseException:
+            self._abort_all(seqs)  # those the failed step did not fail: none is left queued
+            raise
         return [self.output(s) for s in seqs]
 
     def stream(self, prompts: str | list[int] | Seq,
                params: SamplingParams | Seq | None = None) -> Iterator[StreamEvent]:
-        """Yield each token of these requests as soon as it is sampled."""
+        """Yield each token of these requests as soon as it is sampled. The requests are
+        queued at the first ``next()``. Closing the iterator, or dropping it, before the end
+        aborts the requests it has not finished (their blocks are freed)."""
         seqs = self._add_all(prompts, params)
         index = {s.seq_id: i for i, s in enumerate(seqs)}
         sent = dict.fromkeys(index, 0)  # output tokens yielded per request
-        while any(not s.is_finished for s in seqs):
-            for s in self.step():
-                if s.seq_id not in index:
-                    continue
-                out = s.output_ids
-                for j in range(sent[s.seq_id], len(out)):
-                    last = s.is_finished and j == len(out) - 1
-                    yield StreamEvent(index[s.seq_id], s.seq_id, out[j], self._decode([out[j]]),
-                                      last, s.finish_reason if last else None)
-                sent[s.seq_id] = len(out)
+        try:
+            while any(not s.is_finished for s in seqs):
+                for s in self.step():
+                    if s.seq_id not in index:
+                        continue
+                    out = s.output_ids
+                    for j in range(sent[s.seq_id], len(out)):
+                        last = s.is_finished and j == len(out) - 1
+                        yield StreamEvent(index[s.seq_id], s.seq_id, out[j],
+                                          self._decode([out[j]]), last,
+                                          s.finish_reason if last else None)
+                    sent[s.seq_id] = len(out)
+        finally:  # left early (closed, dropped, an exception): abort what is still running
+            self._abort_all(seqs)

@@ -1,6 +1,7 @@
 """Batched sampling of the next token from ``(batch, vocab)`` logits.
 
-Greedy rows take the argmax. The other rows divide by their temperature, keep
+Greedy rows take the argmax. The other rows divide by their temperature (after
+subtracting the row maximum, so that no temperature overflows), keep
 their ``top_k`` largest logits and the smallest set of tokens whose
 probability reaches ``top_p``, then draw with the exponential race: ``argmax(p
 / E)`` with ``E ~ Exp(1)`` i.i.d. picks token ``i`` with probability ``p_i``
@@ -34,6 +35,21 @@ def filter_logits(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
     drop[:, 0] = False  # the best token always stays
     sorted_l = sorted_l.masked_fill(drop, float("-inf"))
     return torch.empty_like(logits).scatter_(-1, order, sorted_l)
+
+
+def scale_logits(logits: torch.Tensor, temperature: torch.Tensor) -> torch.Tensor:
+    """``(logits - row max) / temperature``, the max itself kept at 0: the same softmax as
+    ``logits / temperature``, and defined for every temperature > 0. Dividing the logits
+    themselves overflows to inf for a tiny temperature (``1e-38``, or one that is 0 in
+    fp32), and ``softmax`` of a row holding inf is NaN; here the best logits stay 0 and
+    the others go to -inf, the greedy limit. A gap between logits past fp32's range
+    counts as infinite at every temperature.
+
+    logits: (B, V) fp32; temperature: (B,) fp32 -> (B, V) fp32.
+    """
+    d = logits - logits.amax(dim=-1, keepdim=True)  # <= 0; -inf where the gap overflows
+    t = temperature.clamp(max=torch.finfo(torch.float32).max)  # inf (1e300 in fp32): -inf / t
+    return torch.where(d == 0, 0.0, d / t[:, None])  # is still -inf, not NaN
 
 
 @dataclass
@@ -82,7 +98,7 @@ def sample(logits: torch.Tensor, params: list[SamplingParams],
     if st is None:
         return greedy
     sub = logits.float()[st.rows]
-    scaled = sub / st.temperature[:, None]
+    scaled = scale_logits(sub, st.temperature)
     if st.filtered:
         scaled = filter_logits(scaled, st.top_k, st.top_p)
     probs = scaled.softmax(-1)

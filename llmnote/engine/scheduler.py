@@ -176,6 +176,20 @@ class Scheduler:
         self.running.remove(seq)
         self.blocks.free_blocks(seq.block_table)
 
+    def abort(self, seq: Sequence, reason: str) -> None:
+        """Finish ``seq`` now, wherever it is (``reason``: ``"abort"``, ``"error"``): out of
+        the queue or the running list, its blocks freed, and the blocks whose keys its
+        last step may not have written (past ``num_computed``) dropped from the prefix
+        cache, so that no later request reads them."""
+        if seq.is_finished:
+            return
+        if seq.status is Status.RUNNING:
+            self.blocks.forget(seq.block_table, seq.num_computed)
+            self.finish(seq, reason)
+        else:
+            self.waiting.remove(seq)
+            seq.status, seq.finish_reason = Status.FINISHED, reason
+
     def postprocess(self, batch: ScheduledBatch, sampled: dict[int, int],
                     eos_token_ids: frozenset[int], now: float) -> list[Sequence]:
         """Advance the scheduled sequences; append each sampled token (``seq_id -> token``),

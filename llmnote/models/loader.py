@@ -7,21 +7,39 @@ safetensors files are a JSON header plus raw bytes, read without running any
 code (no pickle). Our parameter names equal the checkpoint's, so loading is a
 copy by name, checked both ways: a missing, unexpected or mis-shaped tensor is
 an error that lists the names, so nothing is left randomly initialised.
+
+A checkpoint is input like any other: a broken file or field is an error that
+names the file and the field (never a ``KeyError`` from deep inside), and a
+weight file must lie inside the folder once links are resolved, so an index
+cannot make the loader read ``../../elsewhere.safetensors``. The one exception
+is the Hugging Face hub cache, whose ``snapshots/<revision>/`` folders hold
+links into the repository's ``blobs/``. ``check_finite=True`` refuses weights
+holding NaN or inf (the engine turns it on).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 
 from llmnote.device import placement
+from llmnote.models.config import LlamaConfig
 from llmnote.models.llama import Llama, LlamaOps
 from llmnote.models.presets import from_hf_config
 
 INDEX_FILE = "model.safetensors.index.json"
+# config.json fields every supported architecture needs, and those that must be positive ints
+REQUIRED_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                   "num_attention_heads")
+INT_FIELDS = (*REQUIRED_FIELDS, "num_key_value_heads", "head_dim", "max_position_embeddings")
+NUMBER_FIELDS = ("rms_norm_eps", "rope_theta")
+DICT_FIELDS = ("quantization_config", "rope_scaling", "rope_parameters")
+LOAD_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 # Buffers some older checkpoints saved; they are recomputed, not loaded.
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
@@ -35,19 +53,97 @@ def _listing(names: list[str], limit: int = 20) -> str:
     return shown + (f", ... ({len(names) - limit} more)" if len(names) > limit else "")
 
 
+def _read_json(path: Path) -> object:
+    try:
+        return json.loads(path.read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"{path} is not valid JSON: {e}") from None
+
+
+def read_config(folder: str | Path) -> LlamaConfig:
+    """The :class:`~llmnote.models.config.LlamaConfig` of ``folder/config.json``; a
+    missing or ill-typed field is a ``ValueError`` naming the file and the field."""
+    path = Path(folder) / "config.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"no config.json in {folder}")
+    c = _read_json(path)
+    if not isinstance(c, dict):
+        raise ValueError(f"{path} must hold a JSON object, got a {type(c).__name__}")
+    for field in REQUIRED_FIELDS:
+        if c.get(field) is None:
+            raise ValueError(f"{path}: field {field} is missing")
+    for field in INT_FIELDS:
+        v = c.get(field)
+        if v is not None and not (isinstance(v, int) and not isinstance(v, bool) and v > 0):
+            raise ValueError(f"{path}: field {field} must be a positive int, got {v!r}")
+    for field in NUMBER_FIELDS:
+        v = c.get(field)
+        if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float))):
+            raise ValueError(f"{path}: field {field} must be a number, got {v!r}")
+    for field in DICT_FIELDS:
+        v = c.get(field)
+        if v is not None and not isinstance(v, dict):
+            raise ValueError(f"{path}: field {field} must be an object, got {v!r}")
+    try:
+        return from_hf_config(c)
+    except ValueError as e:  # an unsupported architecture or value: it names the field
+        raise ValueError(f"{path}: {e}") from e
+    except (KeyError, TypeError, AttributeError, ZeroDivisionError) as e:
+        raise ValueError(f"{path}: a field is missing or has a value of the wrong kind "
+                         f"({type(e).__name__}: {e})") from e
+
+
+def _inside(folder: Path, f: Path, where: str) -> Path:
+    """``f``, if it lies inside ``folder`` once links are resolved (or, in a Hugging
+    Face hub cache snapshot, in the repository's ``blobs/``); else ``CheckpointError``."""
+    root, target = folder.resolve(), f.resolve()
+    if target.is_relative_to(root):
+        return f
+    if root.parent.name == "snapshots" and target.is_relative_to(root.parent.parent / "blobs") \
+            and f.parent.resolve() == root:
+        return f  # the hub cache: snapshots/<revision>/<file> -> ../../blobs/<hash>
+    raise CheckpointError(f"{where} names {f}, which lies outside the checkpoint folder "
+                          f"{folder} (it resolves to {target}); refused")
+
+
+@contextlib.contextmanager
+def _open(f: Path, device: str | None = None) -> Iterator:
+    """``safe_open``, with a broken file reported as a ``CheckpointError`` naming it."""
+    try:
+        sf = safe_open(f, framework="pt", **({"device": device} if device else {}))
+    except SafetensorError as e:
+        raise CheckpointError(f"{f} is not a readable safetensors file: {e}") from None
+    with sf:
+        yield sf
+
+
+def _tensor(sf, f: Path, name: str) -> torch.Tensor:
+    try:
+        return sf.get_tensor(name)
+    except SafetensorError as e:
+        raise CheckpointError(f"{f}: tensor {name} cannot be read: {e}") from None
+
+
 def weight_files(folder: str | Path) -> dict[str, Path]:
     """Tensor name -> the safetensors file holding it (reads headers only)."""
     folder = Path(folder)
     index = folder / INDEX_FILE
     if index.is_file():
-        weight_map = json.loads(index.read_text()).get("weight_map")
+        data = _read_json(index)
+        weight_map = data.get("weight_map") if isinstance(data, dict) else None
         if not isinstance(weight_map, dict):
             raise CheckpointError(f"{index} has no 'weight_map' object")
-        missing = sorted({f for f in weight_map.values() if not (folder / f).is_file()})
+        for name, f in weight_map.items():
+            if not isinstance(f, str) or Path(f).name in ("", ".", ".."):
+                raise CheckpointError(f"{index}: weight_map[{name!r}] must be a file name, "
+                                      f"got {f!r}")
+        files = {f: _inside(folder, folder / f, f"{index}: weight_map")
+                 for f in set(weight_map.values())}
+        missing = sorted(f for f, p in files.items() if not p.is_file())
         if missing:
             raise FileNotFoundError(f"shard(s) listed in {INDEX_FILE} not found in {folder}: "
                                     f"{_listing(missing)}")
-        return {name: folder / f for name, f in weight_map.items()}
+        return {name: files[f] for name, f in weight_map.items()}
     files = sorted(folder.glob("*.safetensors"))
     if not files:
         others = sorted(p.name for ext in ("*.bin", "*.pt", "*.pth") for p in folder.glob(ext))
@@ -55,7 +151,8 @@ def weight_files(folder: str | Path) -> dict[str, Path]:
         raise FileNotFoundError(f"no *.safetensors files in {folder}{hint}")
     names: dict[str, Path] = {}
     for f in files:
-        with safe_open(f, framework="pt") as sf:
+        _inside(folder, f, "the folder listing")
+        with _open(f) as sf:
             for name in sf.keys():
                 if name in names:
                     raise CheckpointError(
@@ -65,7 +162,20 @@ def weight_files(folder: str | Path) -> dict[str, Path]:
     return names
 
 
-def _check_names(model: Llama, stored: dict[str, tuple[int, ...]]) -> None:
+def _check_layer_count(num_layers: int, stored: dict[str, tuple[int, ...]], folder: Path) -> None:
+    """Before the model is built (a config claiming 10^9 layers would take forever): the
+    checkpoint must hold tensors of at least ``num_layers`` decoder layers (extra ones
+    are listed by :func:`_check_names`)."""
+    found = {int(n.split(".")[2]) for n in stored
+             if n.startswith("model.layers.") and n.split(".")[2].isdigit()}
+    if num_layers > len(found):
+        have = f"layers 0..{max(found)}" if found and found == set(range(len(found))) else \
+            f"{len(found)} layer indices"
+        raise CheckpointError(f"{folder / 'config.json'}: field num_hidden_layers = {num_layers}, "
+                              f"but the checkpoint holds tensors of {have}")
+
+
+def _check_names(model: Llama, stored: dict[str, tuple[int, ...]], folder: Path) -> None:
     expected = {n: tuple(t.shape) for n, t in model.state_dict().items()}
     tied = model.config.tie_word_embeddings
     if tied:
@@ -86,8 +196,8 @@ def _check_names(model: Llama, stored: dict[str, tuple[int, ...]]) -> None:
         problems.append(f"mis-shaped tensors ({len(wrong)}): {_listing(shapes)}")
     if problems:
         raise CheckpointError(
-            f"checkpoint does not match the {model.config.architecture} model that its "
-            "config.json describes:\n  "
+            f"checkpoint {folder} does not match the {model.config.architecture} model that "
+            "its config.json describes:\n  "
             + "\n  ".join(problems)
         )
 
@@ -97,6 +207,8 @@ def load_pretrained(
     dtype: torch.dtype | None = None,
     device: str | torch.device | None = None,
     ops: LlamaOps | None = None,
+    *,
+    check_finite: bool = False,
 ) -> Llama:
     """Build the model that ``path/config.json`` describes and load its safetensors weights.
 
@@ -104,50 +216,77 @@ def load_pretrained(
     is one (:func:`llmnote.device.placement`), where ``dtype=None`` means bf16 (fp16 on
     GPUs without bf16); on the CPU ``dtype=None`` keeps the checkpoint's floating dtype.
     ``ops=None``: :func:`~llmnote.models.llama.auto_ops` (llmnote's kernels on the GPU).
+    ``check_finite``: refuse tensors holding NaN or inf (after the cast to ``dtype``, so a
+    weight past fp16's range is caught too); one pass over the weights.
     Returns the model in eval mode. Raises :class:`CheckpointError` (a ``ValueError``)
-    listing missing, unexpected or mis-shaped tensors, ``ValueError`` for an
-    unsupported architecture or config value, ``FileNotFoundError`` for missing files.
+    listing missing, unexpected or mis-shaped tensors, for unreadable files and
+    non-finite weights; ``ValueError`` for an unsupported architecture or a missing or
+    ill-typed config field; ``FileNotFoundError`` for missing files; ``TypeError`` or
+    ``ValueError`` for a bad argument. Each names the file and the field or tensor.
     """
     folder = Path(path)
     if not folder.is_dir():
         raise FileNotFoundError(f"checkpoint folder {folder} does not exist")
-    config = from_hf_config(folder / "config.json")
+    if dtype is not None and dtype not in LOAD_DTYPES:
+        raise (ValueError if isinstance(dtype, torch.dtype) else TypeError)(
+            f"dtype must be None or one of {', '.join(map(str, LOAD_DTYPES))}, got {dtype!r}")
+    if not isinstance(check_finite, bool):
+        raise TypeError(f"check_finite must be a bool, got {check_finite!r}")
+    config = read_config(folder)
     device, dtype = placement(device, dtype)
     files = weight_files(folder)
 
-    with torch.device("meta"):  # shapes only: no memory, no random init
-        model = Llama(config, ops=ops)
     stored: dict[str, tuple[int, ...]] = {}
     for f in sorted(set(files.values())):
-        with safe_open(f, framework="pt") as sf:
+        with _open(f) as sf:
             for name in sf.keys():
                 if files.get(name) == f:
                     stored[name] = tuple(sf.get_slice(name).get_shape())
-    _check_names(model, stored)
+    _check_layer_count(config.num_hidden_layers, stored, folder)
+    try:
+        with torch.device("meta"):  # shapes only: no memory, no random init
+            model = Llama(config, ops=ops)
+    except (RuntimeError, TypeError, ValueError, OverflowError) as e:  # sizes past int64, ...
+        first = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise CheckpointError(f"{folder / 'config.json'}: the model it describes cannot be "
+                              f"built ({first})") from e
+    _check_names(model, stored, folder)
 
     state: dict[str, torch.Tensor] = {}
     expected = model.state_dict().keys()
     for f in sorted(set(files.values())):
-        with safe_open(f, framework="pt", device="cpu") as sf:
+        with _open(f, device="cpu") as sf:
             for name in sf.keys():
                 if files.get(name) != f or (name not in expected and name != "lm_head.weight"):
                     continue
-                t = sf.get_tensor(name)
+                t = _tensor(sf, f, name)
                 if not t.is_floating_point():
-                    raise CheckpointError(f"tensor {name} has dtype {t.dtype}; expected floating "
-                                          "point weights (quantized checkpoints are not supported)")
+                    raise CheckpointError(f"{f}: tensor {name} has dtype {t.dtype}; expected "
+                                          "floating point weights (quantized checkpoints are "
+                                          "not supported)")
                 dtype = dtype or t.dtype
                 state[name] = t.to(device=device, dtype=dtype)
+                if check_finite:
+                    _check_finite(state[name], t, f, name)
     if config.tie_word_embeddings:
         embed = state["model.embed_tokens.weight"]
         copy = state.pop("lm_head.weight", None)
         if copy is not None and not torch.equal(copy, embed):
-            raise CheckpointError("tie_word_embeddings is true but lm_head.weight differs from "
-                                  "model.embed_tokens.weight")
+            raise CheckpointError(f"{folder / 'config.json'}: tie_word_embeddings is true but "
+                                  "lm_head.weight differs from model.embed_tokens.weight")
         state["lm_head.weight"] = embed
     model.load_state_dict(state, strict=True, assign=True)
     model.tie_weights()  # assign=True replaced the shared Parameter by two
     return model.eval()
+
+
+def _check_finite(t: torch.Tensor, stored: torch.Tensor, f: Path, name: str) -> None:
+    bad = int((~torch.isfinite(t)).sum())
+    if bad:
+        was = int((~torch.isfinite(stored)).sum())
+        why = "NaN or inf" if was else f"values beyond the range of {t.dtype} (inf once cast)"
+        raise CheckpointError(f"{f}: tensor {name} holds {bad} {why} of {t.numel()} "
+                              "(check_finite=True)")
 
 
 def save_pretrained(model: Llama, path: str | Path, max_shard_bytes: int | None = None) -> Path:

@@ -20,7 +20,14 @@ about seven passes forward; PyTorch's own ``F.layer_norm`` is a fused kernel
 too, so it is the peer to beat.
 
 Math is fp32 whatever the input dtype; ``y`` has ``x``'s dtype, ``dw``/``db``
-those of ``weight``/``bias``. Rows up to ``MAX_N`` = 65536 elements.
+those of ``weight``/``bias``. Rows up to ``MAX_N`` = 65536 elements. A row whose
+largest magnitude exceeds ``2**50`` is first divided by a power of two near it
+(exact, and LayerNorm does not change under scaling but for ``eps``, which is
+scaled with it), so ``(x - mean)^2`` cannot overflow: the forward is right for
+every finite row (a row of ``3e38`` gives what fp64 gives, not the bias), and a
+NaN anywhere in a row gives a NaN row, as ``torch`` does. The mean is corrected
+once by the mean of ``x - mean`` (the corrected two-pass algorithm; Chan, Golub
+& LeVeque, 1983), so a constant row gives exactly the bias at any magnitude.
 
 Sources: J. L. Ba, J. R. Kiros, G. E. Hinton, "Layer Normalization" (2016),
 https://arxiv.org/abs/1607.06450; Triton's layer-norm tutorial,
@@ -44,16 +51,30 @@ from llmnote.ops._validate import check_tensor
 
 __all__ = ["MAX_N", "layernorm", "layernorm_ref"]
 
+# Rows with max|x| above this are scaled first: N (2 max|x|)^2 < 2^128 for N <= 2^16.
+SCALE_ABOVE = 2.0**50
+TINY = 2.0**-126  # smallest normal fp32: the floor of var + eps once eps has underflowed
+_SCALE_ABOVE, _TINY = tl.constexpr(SCALE_ABOVE), tl.constexpr(TINY)  # the kernel's copies
+
 
 def layernorm_ref(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float = 1e-5
 ) -> torch.Tensor:
-    """LayerNorm over the last dimension in plain PyTorch (fp32 math, ``x``'s dtype out)."""
+    """LayerNorm over the last dimension in plain PyTorch (fp32 math, ``x``'s dtype out);
+    huge rows scaled by a power of two first, as the kernel does."""
+    if x.shape[-1] == 0:
+        return torch.empty_like(x)
     xf = x.float()
-    mean = xf.mean(dim=-1, keepdim=True)  # (..., 1)
-    xc = xf - mean
-    rstd = torch.rsqrt(xc.pow(2).mean(dim=-1, keepdim=True) + eps)  # biased variance
-    return (xc * rstd * weight.float() + bias.float()).to(x.dtype)
+    amax = xf.abs().amax(dim=-1, keepdim=True)  # (..., 1); NaN propagates, and a = 1
+    e = torch.floor(torch.log2(amax)).clamp(max=126)  # (2^127 would make 1 / a subnormal)
+    a = torch.where(amax > SCALE_ABOVE, torch.exp2(e), 1.0)
+    xs = xf / a  # exact: a is a power of two
+    mean = xs.mean(dim=-1, keepdim=True)  # (..., 1)
+    xc = xs - mean
+    xc = xc - xc.mean(dim=-1, keepdim=True)  # the rounding error of the mean, removed
+    var = xc.pow(2).mean(dim=-1, keepdim=True) + eps / a / a  # biased variance, scaled
+    var = torch.where((var == 0) & (eps > 0), TINY, var)  # eps underflowed: xc is 0 there
+    return (xc * torch.rsqrt(var) * weight.float() + bias.float()).to(x.dtype)
 
 
 @triton.jit
@@ -71,17 +92,28 @@ def _layernorm_fwd_kernel(
         mask = (rows[:, None] < M) & (cols[None, :] < N)  # (BLOCK_M, BLOCK_N)
         x = tl.load(x_ptr + rows[:, None] * stride_xm + cols[None, :] * stride_xn,
                     mask=mask, other=0.0).to(tl.float32)  # read MN
+        # huge rows: divide by a power of two a ~ max|x| (exact), so xc * xc cannot overflow
+        amax = tl.max(tl.abs(x), axis=1)  # (BLOCK_M,)
+        e = tl.minimum(tl.floor(tl.log2(tl.maximum(amax, _SCALE_ABOVE))), 126.0)  # 1/a normal
+        a = tl.where(amax > _SCALE_ABOVE, tl.exp2(e), 1.0)
+        x = x * (1.0 / a)[:, None]  # one division per row
         mean = tl.sum(x, axis=1) / N  # (BLOCK_M,)
         xc = tl.where(mask, x - mean[:, None], 0.0)  # padding must not count in the variance
-        rstd = 1.0 / tl.sqrt(tl.sum(xc * xc, axis=1) / N + eps)
+        d = tl.sum(xc, axis=1) / N  # the rounding error of the mean (corrected two-pass)
+        mean += d
+        xc = tl.where(mask, xc - d[:, None], 0.0)
+        var = tl.sum(xc * xc, axis=1) / N + eps / a / a
+        var = tl.where((var == 0) & (eps > 0), _TINY, var)  # eps underflowed: xc is 0 there
+        rstd = 1.0 / tl.sqrt(var)
         # weight and bias are loaded after the reductions: no registers held while waiting
         w = tl.load(w_ptr + cols * stride_wn, mask=cols < N, other=0.0).to(tl.float32)
         b = tl.load(b_ptr + cols * stride_bn, mask=cols < N, other=0.0).to(tl.float32)
         y = xc * rstd[:, None] * w[None, :] + b[None, :]
         tl.store(y_ptr + rows[:, None] * stride_ym + cols[None, :],
                  y.to(y_ptr.dtype.element_ty), mask=mask)  # write MN
-        tl.store(mean_ptr + rows, mean, mask=rows < M)  # write 2M (fp32), kept for backward
-        tl.store(rstd_ptr + rows, rstd, mask=rows < M)
+        # write 2M (fp32), kept for backward: the statistics of x itself
+        tl.store(mean_ptr + rows, mean * a, mask=rows < M)
+        tl.store(rstd_ptr + rows, rstd / a, mask=rows < M)
 
 
 @triton.jit

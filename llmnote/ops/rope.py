@@ -36,6 +36,7 @@ interpreter has no libdevice and uses numpy's cos and sin, which are exact too.
 from __future__ import annotations
 
 import functools
+import math
 
 import torch
 import triton
@@ -56,7 +57,8 @@ INT_DTYPES = (torch.int32, torch.int64)
 MAX_TILE_PAIRS = 512  # (heads x pairs) per tile; more heads are looped over (see _config)
 
 
-def _check_args(q: object, k: object, positions: object, theta: float) -> None:
+def _check_args(q: object, k: object, positions: object, theta: float,
+                interleaved: bool = False) -> None:
     """Shapes, dtypes and layouts (not devices: the reference runs anywhere)."""
     for name, t in (("q", q), ("k", k), ("positions", positions)):
         if not isinstance(t, torch.Tensor):
@@ -91,8 +93,11 @@ def _check_args(q: object, k: object, positions: object, theta: float) -> None:
             f"positions must have shape (seq,) = ({s},) or (batch, seq) = ({b}, {s}), "
             f"got {tuple(positions.shape)}"
         )
-    if not (isinstance(theta, (int, float)) and theta > 0):
-        raise ValueError(f"theta must be a number > 0, got {theta!r}")
+    if (isinstance(theta, bool) or not isinstance(theta, (int, float))
+            or not (math.isfinite(theta) and theta > 0)):
+        raise ValueError(f"theta must be a finite number > 0, got {theta!r}")
+    if not isinstance(interleaved, bool):
+        raise TypeError(f"interleaved must be a bool, got {interleaved!r}")
 
 
 def _rotate(
@@ -120,7 +125,7 @@ def rope_ref(
     q: (batch, heads, seq, head_dim); k: (batch, kv_heads, seq, head_dim);
     positions: (seq,) or (batch, seq) integers.
     """
-    _check_args(q, k, positions, theta)
+    _check_args(q, k, positions, theta, interleaved)
     d = q.shape[-1]
     cos, sin = rope_cos_sin(positions, d, theta, scaling)  # (S, D/2) or (B, S, D/2)
     if cos.ndim == 2:
@@ -264,7 +269,7 @@ def _plan_key(q, k, positions, theta, interleaved, scaling) -> tuple | None:
         return None
     return (q.shape, q.stride(), q.dtype, q.device, k.shape, k.stride(), k.dtype, k.device,
             positions.shape, positions.stride(), positions.dtype, positions.device,
-            type(theta), theta, bool(interleaved), scaling, device.backend())
+            type(theta), theta, type(interleaved), interleaved, scaling, device.backend())
 
 
 def rope(
@@ -290,7 +295,7 @@ def rope(
     key = _plan_key(q, k, positions, theta, interleaved, scaling)
     plan = _PLANS.get(key) if key is not None else None
     if plan is None:
-        _check_args(q, k, positions, theta)
+        _check_args(q, k, positions, theta, interleaved)
         for name, t in (("q", q), ("k", k), ("positions", positions)):
             check_device(name, t)
     if device.use_reference("rope", min_capability=(7, 0)):

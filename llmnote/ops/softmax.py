@@ -23,7 +23,9 @@ Two kernels:
   1 write), the price of rows that do not fit on chip.
 
 Math is in fp32 for fp16/bf16 inputs; the output has the input's dtype. A row
-that is all ``-inf`` gives NaN, as ``torch.softmax`` does.
+that is all ``-inf``, or holds a NaN, gives NaN, as ``torch.softmax`` does (the
+two-pass kernel tracks NaN explicitly: its running maximum would skip it). The
+backward, ``dx = y * (dy - sum(dy * y))``, is plain PyTorch.
 """
 
 from __future__ import annotations
@@ -45,6 +47,8 @@ ONLINE_WARPS = 32
 
 def softmax_ref(x: torch.Tensor) -> torch.Tensor:
     """Safe softmax over the last dimension in plain PyTorch (fp32 math)."""
+    if x.shape[-1] == 0:  # no columns: nothing to normalise (amax has no identity)
+        return torch.empty_like(x)
     xf = x.float()
     m = xf.amax(dim=-1, keepdim=True)  # read MN, write M
     e = torch.exp(xf - m)  # read MN, write MN
@@ -84,11 +88,13 @@ def _softmax_online_kernel(
     # Pass 1: per-lane running max m_i and running sum s_i (rescaled when m_i grows).
     m_i = tl.full((BLOCK_N,), -float("inf"), tl.float32)
     s_i = tl.zeros((BLOCK_N,), tl.float32)
+    nan_i = tl.zeros((BLOCK_N,), tl.int32)  # lane has seen a NaN (maximum() may drop it)
     for start in range(0, N, BLOCK_N):
         c = start + cols
         # evict_last: ask L2 to keep the row for pass 2 (a row of 65536 fp32 is 256 KiB)
         x = tl.load(x_row + c * stride_xn, mask=c < N, other=-float("inf"),
                     eviction_policy="evict_last").to(tl.float32)
+        nan_i = tl.maximum(nan_i, (x != x).to(tl.int32))  # noqa: PLR0124 - NaN != NaN
         m_new = tl.maximum(m_i, x)
         empty = m_new == -float("inf")  # lane has seen only -inf: keep its sum at 0
         scaled = s_i * tl.exp2((m_i - m_new) * 1.4426950408889634)
@@ -97,6 +103,7 @@ def _softmax_online_kernel(
     # Combine the lanes: one max, and every lane's sum rescaled to it.
     m = tl.max(m_i, axis=0)
     s = tl.sum(tl.where(m_i == -float("inf"), 0.0, s_i * tl.exp2((m_i - m) * 1.4426950408889634)), axis=0)
+    s = tl.where(tl.max(nan_i, axis=0) > 0, float("nan"), s)  # a NaN anywhere: a NaN row
     # Pass 2: read the row again and write exp(x - m) / s.
     for start in range(0, N, BLOCK_N):
         c = start + cols
@@ -122,14 +129,34 @@ def _fused_config(n: int) -> tuple[int, int, int]:
     return block_m, block_n, num_warps
 
 
+class _Softmax(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
+        y = _softmax_forward(x)
+        ctx.save_for_backward(y)
+        return y
+
+    @staticmethod
+    def backward(ctx, dy: torch.Tensor) -> torch.Tensor:
+        (y,) = ctx.saved_tensors
+        yf, dyf = y.float(), dy.float()
+        return (yf * (dyf - (dyf * yf).sum(dim=-1, keepdim=True))).to(y.dtype)
+
+
 def softmax(x: torch.Tensor) -> torch.Tensor:
     """Softmax over the last dimension of ``x`` (any leading shape, any row stride).
 
-    Returns a new contiguous tensor of ``x``'s shape and dtype.
+    Returns a new contiguous tensor of ``x``'s shape and dtype; differentiable.
     """
     check_tensor("x", x, dtypes=FLOAT_DTYPES, min_ndim=1)
     if device.use_reference("softmax", min_capability=(7, 0)):
         return softmax_ref(x)
+    if x.requires_grad and torch.is_grad_enabled():
+        return _Softmax.apply(x)
+    return _softmax_forward(x)
+
+
+def _softmax_forward(x: torch.Tensor) -> torch.Tensor:
     n = x.shape[-1]
     if x.numel() == 0:
         return torch.empty_like(x, memory_format=torch.contiguous_format)

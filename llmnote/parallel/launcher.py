@@ -19,15 +19,21 @@ Why it is built this way:
 - Rank 0 listens on a free TCP port of 127.0.0.1 that the parent picks; nothing
   leaves the machine. Each child uses one intra-op thread so that N ranks on N
   cores do not oversubscribe the CPU.
+- When a rank raises, its peers fail too, a moment later, inside the collective
+  they were waiting in ("Connection reset by peer"). Each failing rank writes
+  its exception, traceback and the time to the folder before it exits, and
+  :func:`launch` raises the earliest: the cause, not its echo.
 """
 
 from __future__ import annotations
 
 import os
+import pickle
 import socket
 import sys
 import tempfile
 import time
+import traceback
 from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
@@ -59,37 +65,84 @@ def _check_importable(fn: Callable) -> None:
         )
 
 
+class RankTraceback(Exception):
+    """The traceback of an exception raised in a rank, as text (the ``__cause__`` of the
+    exception :func:`launch` raises)."""
+
+
+def _save_error(folder: str, rank: int, e: BaseException) -> None:
+    """Write what a failing rank raised: time first, so the parent can tell cause from echo."""
+    record = {"time": time.time(), "type": type(e).__name__, "message": str(e),
+              "traceback": "".join(traceback.format_exception(type(e), e, e.__traceback__))}
+    try:  # the exception itself, when it survives a round trip through pickle
+        blob = pickle.dumps(e)
+        pickle.loads(blob)
+        record["exception"] = blob
+    except Exception:  # noqa: BLE001 - an unpicklable exception is reported as text
+        record["exception"] = None
+    tmp = Path(folder) / f"rank{rank}.err.part"
+    tmp.write_bytes(pickle.dumps(record))
+    os.replace(tmp, Path(folder) / f"rank{rank}.err")
+
+
 def _worker(rank: int, fn: Callable, world_size: int, port: int, folder: str,
             timeout_s: float) -> None:
     torch.set_num_threads(1)
     if sys.platform.startswith("linux"):
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # stay on the loopback device
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
-        timeout=timedelta(seconds=timeout_s),
-    )
     try:
+        dist.init_process_group(
+            "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
+            timeout=timedelta(seconds=timeout_s),
+        )
         args = torch.load(Path(folder) / "args.pt", weights_only=False)
         out = fn(rank, world_size, *args)
         tmp = Path(folder) / f"rank{rank}.part"
         torch.save(out, tmp)
         os.replace(tmp, Path(folder) / f"rank{rank}.pt")  # complete files only
-    finally:
         dist.destroy_process_group()
-    # Success, and the result is on disk: skip the interpreter's teardown (freeing
-    # torch's modules takes about a second). Errors above propagate normally.
+        code = 0
+    except BaseException as e:  # noqa: BLE001 - KeyboardInterrupt in a rank is reported too
+        _save_error(folder, rank, e)
+        code = 1
+    # Either way what the parent needs is on disk: skip the interpreter's teardown
+    # (freeing torch's modules takes about a second; on error, the peers stop sooner).
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(0)
+    os._exit(code)
+
+
+def _raise_rank_error(folder: str, world_size: int, fallback: BaseException) -> None:
+    """Raise the earliest exception a rank recorded (with its traceback as the cause);
+    ``fallback`` (what the process context reported) when none recorded one."""
+    records = []
+    for r in range(world_size):
+        f = Path(folder) / f"rank{r}.err"
+        if f.is_file():
+            records.append((pickle.loads(f.read_bytes()), r))
+    if not records:
+        raise fallback  # a rank died without a Python exception (a signal, os._exit)
+    rec, rank = min(records, key=lambda x: x[0]["time"])
+    where = f"rank {rank} of {world_size}"
+    cause = RankTraceback(f"in {where}:\n{rec['traceback']}")
+    exc = pickle.loads(rec["exception"]) if rec["exception"] is not None else None
+    if not isinstance(exc, Exception):  # KeyboardInterrupt, SystemExit, or unpicklable
+        exc = RuntimeError(f"{where} raised {rec['type']}: {rec['message']}")
+    if hasattr(exc, "add_note"):
+        exc.add_note(f"(raised in {where}; its traceback is above)")
+    raise exc from cause
 
 
 def launch(fn: Callable, world_size: int, *args: Any, timeout_s: float = 120.0) -> list[Any]:
     """Run ``fn(rank, world_size, *args)`` in ``world_size`` new processes joined in a
     gloo process group; return the list of their return values, rank 0 first.
 
-    An exception in any rank is raised here with that rank's traceback; ranks
-    still running after ``timeout_s`` seconds are terminated and ``TimeoutError``
-    is raised.
+    An exception in a rank is raised here: the exception the rank raised first
+    (not the errors its peers then meet in a collective), with that rank's
+    traceback as its cause (:class:`RankTraceback`); one that is not an
+    ``Exception`` (``KeyboardInterrupt``) or cannot be pickled comes as a
+    ``RuntimeError`` naming it. The other ranks are terminated. Ranks still
+    running after ``timeout_s`` seconds are terminated and ``TimeoutError`` is raised.
     """
     if not (isinstance(world_size, int) and not isinstance(world_size, bool) and world_size >= 1):
         raise ValueError(f"world_size must be an int >= 1, got {world_size!r}")
@@ -108,6 +161,9 @@ def launch(fn: Callable, world_size: int, *args: Any, timeout_s: float = 120.0) 
                 if time.monotonic() >= deadline:
                     raise TimeoutError(f"{world_size} ranks running {fn.__qualname__} did not "
                                        f"finish within timeout_s={timeout_s} s")
+        except (mp.ProcessRaisedException, mp.ProcessExitedException) as e:  # a rank failed
+            # (join has stopped the others)
+            _raise_rank_error(folder, world_size, e)
         finally:
             for p in ctx.processes:  # only ours; normally all have exited already
                 if p.is_alive():

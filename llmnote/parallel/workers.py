@@ -77,3 +77,21 @@ def all_reduce_times(rank: int, world_size: int, sizes: list[int], repeats: int 
 def block_forward_cases(rank: int, world_size: int, cases: list[dict]) -> list[dict]:
     """:func:`block_forward` on several cases (keyword dicts) in one launch."""
     return [block_forward(rank, world_size, **case) for case in cases]
+
+
+class RankFailure(ValueError):
+    """What :func:`fail_in_rank` raises."""
+
+
+def fail_in_rank(rank: int, world_size: int, failing_rank: int, kind: str = "error") -> int:
+    """Rank ``failing_rank`` fails (``kind``: ``"error"`` raises :class:`RankFailure`,
+    ``"interrupt"`` raises ``KeyboardInterrupt``) while the others wait in an all-reduce
+    that it never joins: how :func:`~llmnote.parallel.launch` reports a failing rank."""
+    if rank == failing_rank:
+        time.sleep(0.2)  # let the peers enter the collective first
+        if kind == "interrupt":
+            raise KeyboardInterrupt
+        raise RankFailure(f"rank {rank} failed on purpose")
+    t = torch.ones(4)
+    dist.all_reduce(t)  # never completes: the failing rank does not join it
+    return rank

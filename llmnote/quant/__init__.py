@@ -40,12 +40,19 @@ def _linears(model: nn.Module) -> list[tuple[nn.Module, str, nn.Linear]]:
     layers = getattr(getattr(model, "model", None), "layers", None)
     if layers is None:
         raise TypeError(f"model must be an llmnote Llama (model.model.layers), got {type(model).__name__}")
-    out = []
-    for layer in layers:
+    out, done = [], []
+    for i, layer in enumerate(layers):
         for parent in layer.modules():
             for name, child in parent.named_children():
                 if type(child) is nn.Linear:
                     out.append((parent, name, child))
+                elif isinstance(child, (W8A8Linear, W4A16Linear)):
+                    done.append(f"layers.{i}...{name} ({type(child).__name__})")
+    if done:  # quantizing again would skip them silently (or stack two roundings)
+        raise ValueError(f"model is already quantized ({', '.join(done[:3])}"
+                         f"{', ...' if len(done) > 3 else ''}); quantize a full-precision model")
+    if not out:
+        raise ValueError("model has no nn.Linear layers in model.model.layers to quantize")
     return out
 
 
@@ -62,6 +69,8 @@ def quantize_model(model: nn.Module, method: str = "smoothquant", calibration=No
     """
     if method not in METHODS:
         raise ValueError(f"method must be one of {METHODS}, got {method!r}")
+    if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1:
+        raise ValueError(f"group_size must be an int >= 1, got {group_size!r}")
     targets = _linears(model)
     if method in ("smoothquant", "awq"):
         calibration_batches(calibration)  # fails early on empty or malformed data

@@ -4,7 +4,11 @@ Each computes the textbook formula and materialises the ``(N_q, N_k)`` score
 matrix: ``O = softmax(scale * Q K^T + mask) V``. The matrix products run in the
 inputs' dtype (so a bf16 call is "PyTorch's own bf16 result" of the tolerance
 rule in :mod:`llmnote.testing`) and the softmax in fp32; called on fp32 inputs
-they are the fp32 references the kernels are checked against.
+they are the fp32 references the kernels are checked against. fp16 scores are
+the exception: ``Q K^T`` is computed in fp32 from the fp16 inputs, as the
+kernels accumulate it, since an fp16 score overflows past 65504. Cache slots a
+kernel does not read (past ``seq_lens``) are not read here either: garbage there
+(NaN, inf) changes nothing.
 
 Conventions shared with the kernels:
 
@@ -43,6 +47,14 @@ def causal_mask(n_q: int, n_k: int, device: torch.device | str = "cpu") -> torch
     return j <= i + (n_k - n_q)
 
 
+def _scores(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+    """``q @ k^T`` in fp32: in the inputs' dtype, but from fp16 inputs in fp32 (the
+    kernels accumulate in fp32; an fp16 result overflows past 65504)."""
+    if q.dtype == torch.float16:
+        return torch.matmul(q.float(), k.float().transpose(-2, -1))
+    return torch.matmul(q, k.transpose(-2, -1)).float()
+
+
 def _masked_softmax(s: torch.Tensor, mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
     """Safe softmax of fp32 scores over the last dim; rows with no key give 0 (and lse -inf)."""
     if mask is not None:
@@ -70,7 +82,7 @@ def flash_attention_ref(
     scale = 1.0 / math.sqrt(q.shape[-1]) if sm_scale is None else sm_scale
     kk = _expand_kv(k, q.shape[1], 1)
     vv = _expand_kv(v, q.shape[1], 1)
-    s = torch.matmul(q, kk.transpose(-2, -1)).float() * scale  # (B, H, N_q, N_k)
+    s = _scores(q, kk) * scale  # (B, H, N_q, N_k)
     mask = causal_mask(q.shape[2], k.shape[2], q.device) if causal else None
     p, lse = _masked_softmax(s, mask)
     out = torch.matmul(p.to(q.dtype), vv)  # (B, H, N_q, D)
@@ -116,10 +128,11 @@ def decode_attention_ref(
     scale = 1.0 / math.sqrt(q.shape[-1]) if sm_scale is None else sm_scale
     kk = _expand_kv(k_cache, q.shape[1], 1)
     vv = _expand_kv(v_cache, q.shape[1], 1)
-    s = torch.matmul(q[:, :, None, :], kk.transpose(-2, -1)).float() * scale  # (B, H, 1, S)
+    s = _scores(q[:, :, None, :], kk) * scale  # (B, H, 1, S)
     pos = torch.arange(k_cache.shape[2], device=q.device)
     mask = (pos[None, :] < seq_lens.to(q.device).long()[:, None])[:, None, None, :]  # (B, 1, 1, S)
-    p, lse = _masked_softmax(s, mask)
+    p, lse = _masked_softmax(s, mask)  # unused slots' scores masked to -inf ...
+    vv = torch.where(mask[:, :, 0, :, None], vv, 0)  # ... and their values not read: 0 * NaN
     out = torch.matmul(p.to(q.dtype), vv)[:, :, 0]  # (B, H, D)
     return (out, lse[:, :, 0]) if return_lse else out
 

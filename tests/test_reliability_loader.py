@@ -1,0 +1,233 @@
+"""load_pretrained on broken and hostile checkpoints: only its documented errors
+(``CheckpointError``/``ValueError``, ``FileNotFoundError``, ``TypeError`` for a bad
+argument), each naming the file and the field or tensor; weight files outside the
+folder refused once links are resolved (the hub cache's links into ``blobs/`` still
+load); NaN/inf weights refused with ``check_finite=True``."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from llmnote.models import CheckpointError, Llama, get_preset, load_pretrained, save_pretrained
+from llmnote.models.loader import INDEX_FILE
+
+DOCUMENTED = (ValueError, TypeError, FileNotFoundError)  # CheckpointError is a ValueError
+
+
+@pytest.fixture
+def ckpt(tmp_path, seed):
+    model = Llama(get_preset("qwen2-tiny").replace(tie_word_embeddings=False)).eval()
+    return model, save_pretrained(model, tmp_path / "ckpt")
+
+
+def edit_config(folder, change):
+    path = folder / "config.json"
+    c = json.loads(path.read_text())
+    c = change(c)
+    path.write_text(json.dumps(c))
+
+
+@pytest.mark.parametrize("cut", ["half", "random", "two bytes", "empty"])
+def test_a_broken_safetensors_file_is_named(ckpt, cut):
+    _, folder = ckpt
+    f = folder / "model.safetensors"
+    data = f.read_bytes()
+    f.write_bytes({"half": data[:len(data) // 2], "random": os.urandom(5000),
+                   "two bytes": b"12", "empty": b""}[cut])
+    with pytest.raises(CheckpointError, match=f"{f} is not a readable safetensors file"):
+        load_pretrained(folder)
+
+
+@pytest.mark.parametrize("change, match", [
+    (lambda c: {k: v for k, v in c.items() if k != "hidden_size"}, "field hidden_size is missing"),
+    (lambda c: {**c, "num_attention_heads": 0},
+     "field num_attention_heads must be a positive int, got 0"),
+    (lambda c: {**c, "num_key_value_heads": 0},
+     "field num_key_value_heads must be a positive int, got 0"),
+    (lambda c: {**c, "vocab_size": "256"}, "field vocab_size must be a positive int, got '256'"),
+    (lambda c: {**c, "num_hidden_layers": True},
+     "field num_hidden_layers must be a positive int, got True"),
+    (lambda c: [c], "must hold a JSON object, got a list"),
+    (lambda c: {**c, "quantization_config": "awq"},
+     "field quantization_config must be an object, got 'awq'"),
+    (lambda c: {**c, "rope_scaling": [1, 2]}, "field rope_scaling must be an object"),
+    (lambda c: {**c, "rms_norm_eps": "small"}, "field rms_norm_eps must be a number"),
+    (lambda c: {**c, "num_hidden_layers": 10**9},  # refused before building 10^9 layers
+     "field num_hidden_layers = 1000000000, but the checkpoint holds tensors of layers 0..1"),
+    (lambda c: {**c, "num_hidden_layers": 3}, "num_hidden_layers = 3, but .* layers 0..1"),
+    (lambda c: {**c, "num_key_value_heads": 3}, r"num_attention_heads \(4\) must be a multiple"),
+])
+def test_config_errors_name_the_file_and_the_field(ckpt, change, match):
+    _, folder = ckpt
+    edit_config(folder, change)
+    with pytest.raises(ValueError, match=match) as info:
+        load_pretrained(folder)
+    assert str(folder / "config.json") in str(info.value)
+
+
+def test_invalid_json_is_named(ckpt):
+    _, folder = ckpt
+    (folder / "config.json").write_text("{'vocab_size': 3")
+    with pytest.raises(ValueError, match="config.json is not valid JSON"):
+        load_pretrained(folder)
+    (folder / "config.json").write_bytes(b"\xff\xfe\x00")
+    with pytest.raises(ValueError, match="config.json is not valid JSON"):
+        load_pretrained(folder)
+
+
+@pytest.mark.parametrize("dtype, exc", [(torch.int8, ValueError), (torch.bool, ValueError),
+                                        ("float16", TypeError), (16, TypeError)])
+def test_dtype_must_be_a_floating_dtype(ckpt, dtype, exc):
+    _, folder = ckpt
+    with pytest.raises(exc, match=f"dtype must be None or one of .*, got {dtype!r}"):
+        load_pretrained(folder, dtype=dtype)
+
+
+def shard(model, tmp_path):
+    folder = save_pretrained(model, tmp_path / "sharded", max_shard_bytes=60_000)
+    index = json.loads((folder / INDEX_FILE).read_text())
+    return folder, index
+
+
+def write_index(folder, index):
+    (folder / INDEX_FILE).write_text(json.dumps(index))
+
+
+def test_a_weight_map_entry_outside_the_folder_is_refused(ckpt, tmp_path):
+    model, _ = ckpt
+    folder, index = shard(model, tmp_path / "models")  # tmp_path/models/sharded
+    first = min(index["weight_map"].values())
+    # a copy of a real shard outside the folder: loading it would "work"
+    outside = tmp_path / "outside.safetensors"
+    shutil.copy(folder / first, outside)
+    for entry in ["../../outside.safetensors", str(outside), f"../sharded/../../{outside.name}"]:
+        bad = {n: entry if f == first else f for n, f in index["weight_map"].items()}
+        write_index(folder, {**index, "weight_map": bad})
+        with pytest.raises(CheckpointError, match="lies outside the checkpoint folder"):
+            load_pretrained(folder)
+
+
+def test_links_out_of_the_folder_are_refused(ckpt, tmp_path):
+    model, _ = ckpt
+    folder, index = shard(model, tmp_path)
+    first = min(index["weight_map"].values())
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    shutil.move(folder / first, elsewhere / first)
+    (folder / "sub").symlink_to(elsewhere)  # a folder link: sub/<shard> is outside
+    bad = {n: f"sub/{f}" if f == first else f for n, f in index["weight_map"].items()}
+    write_index(folder, {**index, "weight_map": bad})
+    with pytest.raises(CheckpointError, match=f"resolves to {elsewhere / first}"):
+        load_pretrained(folder)
+    (folder / first).symlink_to(elsewhere / first)  # a file link, not the hub layout
+    write_index(folder, index)
+    with pytest.raises(CheckpointError, match="lies outside the checkpoint folder"):
+        load_pretrained(folder)
+    os.remove(folder / INDEX_FILE)  # the same for a folder without an index
+    with pytest.raises(CheckpointError, match="the folder listing names"):
+        load_pretrained(folder)
+
+
+@pytest.mark.parametrize("entry", ["", ".", "..", 7, None])
+def test_a_weight_map_entry_must_be_a_file_name(ckpt, tmp_path, entry):
+    model, _ = ckpt
+    folder, index = shard(model, tmp_path)
+    name = next(iter(index["weight_map"]))
+    write_index(folder, {**index, "weight_map": {**index["weight_map"], name: entry}})
+    with pytest.raises(CheckpointError, match=f"weight_map\\['{name}'\\] must be a file name"):
+        load_pretrained(folder)
+
+
+def test_the_hub_cache_layout_still_loads(ckpt, tmp_path):
+    """snapshots/<revision>/<file> are links to ../../blobs/<hash>, as huggingface_hub
+    lays out its cache."""
+    model, folder = ckpt
+    repo = tmp_path / "models--x--tiny"
+    snap = repo / "snapshots" / "abc123"
+    (repo / "blobs").mkdir(parents=True)
+    snap.mkdir(parents=True)
+    for i, f in enumerate(sorted(folder.iterdir())):
+        shutil.copy(f, repo / "blobs" / f"blob{i}")
+        (snap / f.name).symlink_to(f"../../blobs/blob{i}")
+    loaded = load_pretrained(snap)
+    ids = torch.randint(0, 256, (1, 5))
+    with torch.no_grad():
+        assert torch.equal(loaded(ids), model(ids))
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), -float("inf")])
+def test_non_finite_weights_are_refused_with_check_finite(ckpt, value):
+    _, folder = ckpt
+    f = folder / "model.safetensors"
+    tensors = load_file(f)
+    tensors["model.layers.1.mlp.up_proj.weight"][3, 5] = value
+    save_file(tensors, f)
+    load_pretrained(folder)  # off by default
+    with pytest.raises(CheckpointError, match=f"{f}: tensor model.layers.1.mlp.up_proj.weight "
+                                              "holds 1 NaN or inf"):
+        load_pretrained(folder, check_finite=True)
+
+
+def test_weights_past_the_target_dtype_are_refused_with_check_finite(ckpt):
+    _, folder = ckpt
+    f = folder / "model.safetensors"
+    tensors = load_file(f)
+    tensors["lm_head.weight"][0, 0] = 1e6  # finite in fp32, inf in fp16
+    save_file(tensors, f)
+    load_pretrained(folder, dtype=torch.bfloat16, check_finite=True)  # bf16 holds it
+    with pytest.raises(CheckpointError, match="lm_head.weight holds 1 values beyond the range "
+                                              "of torch.float16"):
+        load_pretrained(folder, dtype=torch.float16, check_finite=True)
+    with pytest.raises(TypeError, match="check_finite must be a bool"):
+        load_pretrained(folder, check_finite="yes")
+
+
+JUNK = [None, "x", -1, 0, 1.5, True, [], {}, [1], {"a": 1}, 10**9, 10**30]
+
+
+def test_every_config_field_set_to_junk_raises_only_documented_errors(ckpt):
+    """Each field of config.json in turn set to each junk value (a layer count of 10^9
+    included: refused before the model is built)."""
+    _, folder = ckpt
+    config = json.loads((folder / "config.json").read_text())
+    for field in sorted(config):
+        for junk in JUNK:
+            (folder / "config.json").write_text(json.dumps({**config, field: junk}))
+            try:
+                load_pretrained(folder)
+            except DOCUMENTED as e:
+                assert str(folder) in str(e), (field, junk, repr(e))
+
+
+def test_fuzzed_configs_and_files_raise_only_documented_errors(ckpt, seed):
+    """Random fields set to junk, random bytes of the weights flipped: every failure is a
+    documented error, and one that names the file (or the folder)."""
+    _, folder = ckpt
+    rng = random.Random(seed)
+    config = json.loads((folder / "config.json").read_text())
+    weights = (folder / "model.safetensors").read_bytes()
+    header = 8 + int.from_bytes(weights[:8], "little")
+    failures = 0
+    for _ in range(60):
+        c = dict(config)
+        for field in rng.sample(sorted(c), rng.randint(1, 3)):
+            c[field] = rng.choice(JUNK)
+        (folder / "config.json").write_text(json.dumps(c))
+        data = bytearray(weights)
+        if rng.random() < 0.5:  # flip a few bytes of the header
+            for _ in range(rng.randint(1, 4)):
+                data[rng.randrange(header)] = rng.randrange(256)
+        (folder / "model.safetensors").write_bytes(bytes(data))
+        try:
+            load_pretrained(folder)
+        except DOCUMENTED as e:
+            failures += 1
+            assert str(folder) in str(e), repr(e)  # names the file (or the folder)
+    assert failures > 30  # most of the junk is refused

@@ -1,0 +1,160 @@
+"""Ops and their references on bad or extreme input: NaN in gives NaN out, as torch
+does, at every row length (both softmax kernels); references give the kernel's answer
+where it is defined (unused decode-cache slots never read, fp16 scores in fp32);
+LayerNorm of rows near the fp32 limit gives what fp64 gives; softmax keeps autograd;
+RoPE refuses a theta it cannot use."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from llmnote.ops.attention import decode_attention, flash_attention
+from llmnote.ops.attention.reference import decode_attention_ref, flash_attention_ref
+from llmnote.ops.layernorm import layernorm, layernorm_ref
+from llmnote.ops.rope import rope, rope_ref
+from llmnote.ops.softmax import MAX_FUSED_N, softmax, softmax_ref
+from llmnote.testing import assert_close
+
+NAN = float("nan")
+# short rows (fused kernel, several to a program), the longest fused row, and rows
+# for the two-pass kernel: one past the fused limit, and one over several chunks
+SOFTMAX_LENGTHS = [1, 7, 1000, MAX_FUSED_N, MAX_FUSED_N + 1, 40000]
+
+
+def nan_rows(x: torch.Tensor) -> list[bool]:
+    return x.isnan().all(dim=-1).tolist()
+
+
+@pytest.mark.filterwarnings("ignore:All-NaN slice:RuntimeWarning")  # the CPU interpreter
+@pytest.mark.parametrize("n", SOFTMAX_LENGTHS)
+def test_softmax_nan_in_nan_out_at_every_row_length(n, dev, seed):
+    x = torch.randn(3, n, device=dev)
+    x[0, torch.randint(n, ()).item()] = NAN  # a NaN anywhere: a NaN row
+    x[1, :] = float("-inf")  # all -inf: NaN, as torch
+    want = torch.softmax(x, -1)
+    assert nan_rows(want) == [True, True, False]
+    for fn in (softmax, softmax_ref):
+        got = fn(x)
+        assert nan_rows(got) == [True, True, False], fn.__name__
+        assert_close(got[2], want[2], atol=1e-6, rtol=1e-5, name=fn.__name__)
+
+
+def test_softmax_width_zero_matches_torch(dev):
+    x = torch.empty(3, 0, device=dev)
+    for fn in (softmax, softmax_ref, lambda t: torch.softmax(t, -1)):
+        assert fn(x).shape == (3, 0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_softmax_keeps_autograd(dtype, dev, seed):
+    x = torch.randn(5, 37, device=dev).to(dtype)
+    dy = torch.randn(5, 37, device=dev).to(dtype)
+    a = x.clone().requires_grad_()
+    softmax(a).backward(dy)
+    b = x.float().requires_grad_()
+    torch.softmax(b, -1).backward(dy.float())
+    assert a.grad is not None and a.grad.dtype == dtype
+    assert_close(a.grad.float(), b.grad, atol=1e-6 if dtype == torch.float32 else 2e-2,
+                 rtol=1e-4 if dtype == torch.float32 else 2e-2)
+
+
+@pytest.mark.parametrize("n", [8, 300, 4100])
+def test_layernorm_of_rows_near_the_fp32_limit_is_the_fp64_answer(n, dev, seed):
+    x = torch.randn(6, n, device=dev)
+    x[0, 2] = 3e38  # one huge element
+    x[1] = 3e38  # a constant huge row: exactly the bias
+    x[2, :3] = torch.tensor([3e38, -3e38, 1e38])  # huge of both signs
+    x[3] *= 1e25  # a row scaled far up: LayerNorm does not change
+    x[4] = 7.25e3  # a constant row of a moderate size
+    x[5, 1] = NAN
+    w, b = torch.randn(n, device=dev), torch.randn(n, device=dev)
+    want = F.layer_norm(x.double(), (n,), w.double(), b.double(), 1e-5)
+    for fn in (layernorm, layernorm_ref):
+        got = fn(x, w, b)
+        assert nan_rows(got) == [False] * 5 + [True], fn.__name__
+        assert_close(got[:5].double(), want[:5], atol=1e-5, rtol=1e-5, name=fn.__name__)
+        assert torch.equal(got[1], b) and torch.equal(got[4], b)
+
+
+@pytest.mark.filterwarnings("ignore:divide by zero:RuntimeWarning")  # eps = 0: padding rows
+def test_layernorm_huge_rows_keep_a_gradient(dev, seed):
+    """With eps = 0 LayerNorm does not change when a row is scaled, and dx scales by the
+    inverse: a row times 2^100 (exactly) gets the gradient of the row over 2^100."""
+    x = torch.randn(4, 33, device=dev)
+    w, b = torch.randn(33, device=dev), torch.randn(33, device=dev)
+    big = x * 2.0**100
+    dy = torch.randn(4, 33, device=dev)
+    ga = torch.autograd.grad(layernorm(x.requires_grad_(), w, b, 0.0), x, dy)[0]
+    gb = torch.autograd.grad(layernorm(big.requires_grad_(), w, b, 0.0), big, dy)[0]
+    assert_close(gb * 2.0**100, ga, atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("fn", [rope, rope_ref])
+@pytest.mark.parametrize("theta, exc", [
+    (float("inf"), ValueError), (float("nan"), ValueError), (True, ValueError), (0, ValueError),
+    (-5.0, ValueError), ("1e4", ValueError),
+])
+def test_rope_refuses_a_theta_it_cannot_use(fn, theta, exc, dev):
+    q = torch.randn(1, 2, 3, 8, device=dev)
+    k = torch.randn(1, 2, 3, 8, device=dev)
+    with pytest.raises(exc, match=f"theta must be a finite number > 0, got {theta!r}"):
+        fn(q, k, torch.arange(3, device=dev), theta)
+    with pytest.raises(TypeError, match="interleaved must be a bool, got 1"):
+        fn(q, k, torch.arange(3, device=dev), 1e4, 1)
+
+
+def test_rope_nan_in_nan_out(dev, seed):
+    q = torch.randn(1, 2, 4, 8, device=dev)
+    k = torch.randn(1, 2, 4, 8, device=dev)
+    q[0, 1, 2, 3] = NAN
+    qr, kr = q.clone(), k.clone()
+    rope(q, k, torch.arange(4, device=dev))
+    rope_ref(qr, kr, torch.arange(4, device=dev))
+    for got in (q, qr):  # the NaN's pair becomes NaN, nothing else
+        assert got.isnan().sum() == 2 and got[0, 1, 2].isnan().sum() == 2
+    assert not k.isnan().any() and not kr.isnan().any()
+
+
+@pytest.mark.parametrize("garbage", [NAN, float("inf"), 1e30])
+def test_decode_reference_never_reads_unused_cache_slots(garbage, dev, seed):
+    b, h, kvh, cap, d = 3, 4, 2, 40, 16
+    q = torch.randn(b, h, d, device=dev)
+    k = torch.randn(b, kvh, cap, d, device=dev)
+    v = torch.randn(b, kvh, cap, d, device=dev)
+    lens = torch.tensor([3, cap, 1], dtype=torch.int32, device=dev)
+    clean = decode_attention_ref(q, k, v, lens)
+    k2, v2 = k.clone(), v.clone()
+    for i, n in enumerate(lens.tolist()):
+        k2[i, :, n:] = garbage
+        v2[i, :, n:] = garbage
+    got = decode_attention_ref(q, k2, v2, lens)
+    assert torch.equal(got, clean)
+    assert_close(decode_attention(q, k2, v2, lens), got, atol=1e-5, rtol=1e-5)  # the kernel
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_fp16_reference_scores_past_65504_are_finite(causal, dev, seed):
+    # |q.k| has std 60 * 60 * 8 = 28800: its max passes 65504, while the inputs fit fp16
+    q = (torch.randn(1, 2, 37, 64, device=dev) * 60).half()
+    k = (torch.randn(1, 2, 37, 64, device=dev) * 60).half()
+    v = torch.randn(1, 2, 37, 64, device=dev).half()
+    s = q.float() @ k.float().transpose(-2, -1)
+    assert s.abs().max() > 65504
+    want = flash_attention_ref(q.float(), k.float(), v.float(), causal=causal)
+    got = flash_attention_ref(q, k, v, causal=causal)
+    assert not got.isnan().any()
+    assert_close(got.float(), want, atol=2e-3, rtol=2e-3)  # P and O rounded to fp16
+    assert_close(flash_attention(q, k, v, causal=causal).float(), want, atol=2e-3, rtol=2e-3)
+
+
+def test_attention_nan_in_nan_out(dev, seed):
+    q = torch.randn(1, 2, 5, 16, device=dev)
+    k = torch.randn(1, 2, 5, 16, device=dev)
+    v = torch.randn(1, 2, 5, 16, device=dev)
+    q[0, 0, 3, 0] = NAN  # one query row
+    for fn in (flash_attention_ref, flash_attention):
+        out = fn(q, k, v)
+        assert out[0, 0, 3].isnan().all() and not out[0, 0, [0, 1, 2, 4]].isnan().any()
+        assert not out[0, 1].isnan().any()
