@@ -180,8 +180,10 @@ def random_config(rng: random.Random) -> EngineConfig:
     block_size = rng.choice([2, 4])
     need = -(-20 // block_size)  # the largest request: 12 prompt + 8 new tokens
     chunked = rng.random() < 0.8
+    blocks = need + rng.randint(0, 8)
     return EngineConfig(
-        block_size=block_size, cpu_num_blocks=need + rng.randint(0, 8), max_model_len=32,
+        block_size=block_size, cpu_num_blocks=blocks,
+        max_model_len=min(32, blocks * block_size),  # what the cache can hold, at most 32
         max_num_batched_tokens=rng.choice([4, 8, 32]) if chunked else 32,
         enable_chunked_prefill=chunked, max_num_seqs=rng.choice([2, 3, 8]),
         enable_prefix_caching=rng.random() < 0.8, decode_steps=rng.choice([1, 3]),
