@@ -30,7 +30,7 @@ MODES = {
     "chunked+cache": dict(enable_prefix_caching=True, enable_chunked_prefill=True,
                           max_num_batched_tokens=13),
     "preempt": dict(enable_prefix_caching=True, enable_chunked_prefill=True,
-                    max_num_batched_tokens=24, num_blocks=10),
+                    max_num_batched_tokens=24, num_blocks=10, max_model_len=80),
     # up to 4 decode steps per scheduler step, the tokens read once per run (see EngineConfig)
     "multi-step": dict(enable_prefix_caching=True, enable_chunked_prefill=True,
                        max_num_batched_tokens=13, decode_steps=4),

@@ -88,6 +88,13 @@ def _venv(path: Path) -> Path:
     return path / "bin" / "python"
 
 
+def _clean_env() -> dict[str, str]:
+    """This environment without PYTHONPATH: the fresh virtualenv must not see the checkout."""
+    import os
+
+    return {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+
+
 NO_NETWORK = ("Failed to establish a new connection", "Temporary failure in name resolution",
               "Network is unreachable", "No matching distribution found")
 
@@ -129,13 +136,15 @@ def test_setup_cell_installs_llmnote_and_keeps_the_runtimes_torch(tmp_path):
     clone = tmp_path / "clone"
     subprocess.run(["git", "clone", "-q", str(ROOT), str(clone)], check=True, timeout=300)
     r = subprocess.run([str(py), "-c", _install_part(f"llmnote @ git+file://localhost{clone}")],
-                       capture_output=True, text=True, timeout=1200, cwd=tmp_path)
+                       capture_output=True, text=True, timeout=1200, cwd=tmp_path,
+                       env=_clean_env())
     if r.returncode != 0 and any(m in r.stderr for m in NO_NETWORK):
         pytest.skip("llmnote's dependencies cannot be fetched here (no package index)")
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     show = subprocess.run([str(py), "-c", "import importlib.metadata as m; "
                            "print(m.version('torch'), m.version('triton'), m.version('llmnote'))"],
-                          capture_output=True, text=True, timeout=60, cwd=tmp_path)
+                          capture_output=True, text=True, timeout=60, cwd=tmp_path,
+                          env=_clean_env())
     assert show.stdout.split() == ["2.5.0", "3.1.0", "0.1.0"], show.stdout + show.stderr
 
 
@@ -145,7 +154,8 @@ def test_setup_cell_stops_cleanly_with_one_message_when_the_install_fails(tmp_pa
     py = _venv(tmp_path / "venv")
     bad = f"llmnote @ git+file://localhost{tmp_path / 'no-such-repository'}"
     r = subprocess.run([str(py), "-c", _install_part(bad) + "\nprint('NOT REACHED')\n"],
-                       capture_output=True, text=True, timeout=600, cwd=tmp_path)
+                       capture_output=True, text=True, timeout=600, cwd=tmp_path,
+                       env=_clean_env())
     assert r.returncode == 1 and "NOT REACHED" not in r.stdout
     last = r.stderr.strip().splitlines()[-1]
     assert last.startswith("Could not install llmnote @ git+file://localhost") and "repository.url" in last
