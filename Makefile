@@ -48,7 +48,7 @@ test: $(STAMP) $(VENDOR_STAMP)
 check-site: $(STAMP) $(VENDOR_STAMP)
 	test -f _build/html/index.html || $(MAKE) book
 	command -v chromium >/dev/null || (apt-get update -qq && apt-get install -y -qq chromium)
-	$(BIN)/python -c "import playwright" 2>/dev/null || $(BIN)/python -m pip install -q playwright
+	$(BIN)/python -c "import playwright" 2>/dev/null || $(BIN)/python -m pip install -q playwright==1.65.2
 	$(BIN)/python tools/check_site.py _build/html
 
 ## sync: stamp the standard setup cell into every chapter and re-pair .md <-> .ipynb
