@@ -5,7 +5,15 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: book test test-gpu sync clean student instructor-book gradescope
+.PHONY: book test test-gpu sync clean student instructor-book gradescope check-site
+
+# The site's scripts, served from the site itself (no CDN): MathJax, and
+# RequireJS + the ipywidgets HTML manager that render the widgets' saved
+# state. Fetched from the npm registry by `npm pack` (which checks each
+# tarball's integrity); _config.yml puts _build/vendor on html_static_path.
+VENDOR       := _build/vendor
+VENDOR_STAMP := $(VENDOR)/.fetched
+NPM_ASSETS   := mathjax@3.2.2 requirejs@2.3.7 @jupyter-widgets/html-manager@1.0.6
 
 $(STAMP): requirements.txt pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -14,12 +22,24 @@ $(STAMP): requirements.txt pyproject.toml
 	$(BIN)/python -m pip install -q --no-deps -e .
 	touch $(STAMP)
 
+$(VENDOR_STAMP): Makefile
+	rm -rf $(VENDOR) && mkdir -p $(VENDOR)/npm $(VENDOR)/mathjax $(VENDOR)/html-manager
+	cd $(VENDOR)/npm && npm pack --silent $(NPM_ASSETS) >/dev/null
+	tar -xzf $(VENDOR)/npm/mathjax-*.tgz -C $(VENDOR)/mathjax --strip-components=2 package/es5
+	tar -xzf $(VENDOR)/npm/requirejs-*.tgz -C $(VENDOR) --strip-components=1 package/require.js
+	tar -xzf $(VENDOR)/npm/jupyter-widgets-html-manager-*.tgz -C $(VENDOR)/html-manager \
+	    --strip-components=2 package/dist
+	rm -rf $(VENDOR)/npm
+	cd $(VENDOR)/html-manager && rm -f *.map *.embed.js embed.js libembed-amd.js
+	find $(VENDOR)/mathjax -maxdepth 1 -name '*.js' ! -name tex-mml-chtml.js -delete
+	touch $@
+
 ## book: execute every chapter on this machine and render the site into _build/html
-book: $(STAMP)
+book: $(STAMP) $(VENDOR_STAMP)
 	$(BIN)/jupyter-book build . --warningiserror --keep-going
 
 ## test: unit tests, every notebook through nbval, and a book build check
-test: $(STAMP)
+test: $(STAMP) $(VENDOR_STAMP)
 	$(BIN)/python -m pytest
 
 # With a CUDA GPU: no virtualenv (it would bring the CPU build of torch); the python3 that
@@ -42,6 +62,15 @@ test-gpu:
 	PYTHONPATH=$(CURDIR) LLMNOTE_GPU_MEMORY_GB=$(GPU_MEMORY_GB) \
 	  LLMNOTE_TIMINGS=$(CURDIR)/_build/chapters-gpu.csv \
 	  $(GPU_PYTHON) -m pytest -p no:cacheprovider --nbval-cell-timeout=600 $(PYTEST_ARGS)
+
+## check-site: open every page of _build/html (built by `make book` when
+## missing) in headless Chromium with the network off; fails on unrendered
+## math, broken images or links, and code, tables or math wider than the column
+check-site: $(STAMP) $(VENDOR_STAMP)
+	test -f _build/html/index.html || $(MAKE) book
+	command -v chromium >/dev/null || (apt-get update -qq && apt-get install -y -qq chromium)
+	$(BIN)/python -c "import playwright" 2>/dev/null || $(BIN)/python -m pip install -q playwright==1.65.2
+	$(BIN)/python tools/check_site.py _build/html
 
 ## sync: stamp the standard setup cell into every chapter and re-pair .md <-> .ipynb
 sync: $(STAMP)

@@ -19,8 +19,16 @@ ROOT = Path(__file__).resolve().parent.parent
 @pytest.fixture(scope="module")
 def html(tmp_path_factory) -> Path:
     tmp = tmp_path_factory.mktemp("book")
+    # the site's MathJax and widget scripts (from npm), as `make book` does
+    fetched = subprocess.run(["make", "-s", "_build/vendor/.fetched"], cwd=ROOT,
+                             capture_output=True, text=True, timeout=600)
+    assert fetched.returncode == 0, f"fetching the site's scripts failed:\n{fetched.stderr[-2000:]}"
     cfg = yaml.safe_load((ROOT / "_config.yml").read_text())
     cfg["execute"]["execute_notebooks"] = "off"
+    # Without execution no cell glues its figures into the prose: the glue
+    # roles' "no key" warnings are expected here (`make book` executes, and
+    # tests/test_chapter_text.py checks that every glued name is glued).
+    cfg["sphinx"]["config"]["suppress_warnings"] = ["mystnb.glue"]
     config = tmp / "_config.yml"
     config.write_text(yaml.safe_dump(cfg))
     jb = Path(sys.executable).with_name("jupyter-book")
