@@ -15,6 +15,8 @@ def glue(name: str, value: object) -> object:
     """Store ``value`` under ``name`` for ``{glue:text}`` in the prose; returns ``value``."""
     if not isinstance(name, str) or not name.isidentifier():
         raise ValueError(f"glue: name must be an identifier-like str, got {name!r}")
+    if hasattr(value, "item") and getattr(value, "ndim", None) == 0:
+        value = value.item()  # a numpy or torch scalar: its text would not format
     try:
         from myst_nb import glue as myst_glue
     except ImportError:  # not building the book
