@@ -232,17 +232,18 @@ def test_batch1_paged_decode_leaves_the_combine_to_the_output_projection(monkeyp
     """On the paged backend a batch-1 step keeps attention in split-KV partials and the
     output projection merges them (llmnote.ops.gemv.combine_gemv, one kernel less a layer);
     the tokens equal those of the reference ops."""
-    from llmnote.engine import model_runner
+    from llmnote.engine import batch1
     from llmnote.models.llama import kernel_ops
 
     m = decisive_qwen3(4)
     prompts, p = [[5, 9, 2, 7, 1, 3]], SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
     want = make(m).generate(prompts, p, use_tqdm=False)[0].token_ids
     calls = []
-    real = model_runner.combine_gemv
-    monkeypatch.setattr(model_runner, "combine_gemv", lambda *a, **k: calls.append(1) or real(*a, **k))
+    real = batch1.combine_gemv
+    monkeypatch.setattr(batch1, "combine_gemv", lambda *a, **k: calls.append(1) or real(*a, **k))
     k = copy.deepcopy(m).use_ops(kernel_ops())
-    llm = LLM(k, config=EngineConfig(block_size=16, cpu_num_blocks=8, attention_backend="paged"))
+    llm = LLM(k, device=next(k.parameters()).device,
+              config=EngineConfig(block_size=16, cpu_num_blocks=8, attention_backend="paged"))
     assert llm.runner.use_gemv
     assert llm.generate(prompts, p, use_tqdm=False)[0].token_ids == want
     assert len(calls) == 4 * len(k.model.layers)  # the four one-token steps, every layer

@@ -22,7 +22,7 @@ import random
 import pytest
 import torch
 
-from llmnote.engine import LLM, EngineConfig, SamplingParams, Status, model_runner
+from llmnote.engine import LLM, EngineConfig, SamplingParams, Status, model_runner, multistep
 from llmnote.models import Llama, get_preset
 
 EOS = 7
@@ -112,7 +112,8 @@ def faulty_sampler(monkeypatch):
         FAULTS.hit("sample")
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(model_runner, "sample", sample)
+    monkeypatch.setattr(model_runner, "sample", sample)  # a step's sampling
+    monkeypatch.setattr(multistep, "sample", sample)  # a multi-step run's
     yield
     FAULTS.disarm()
 
