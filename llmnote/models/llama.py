@@ -319,7 +319,8 @@ class Llama(nn.Module):
         self.ops = ops or auto_ops()
         self.model = Decoder(config, self.ops)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-        self.apply(self._init_weights)
+        if self.lm_head.weight.device.type != "meta":  # (meta: shapes only, weights to come)
+            self.apply(self._init_weights)
         self.tie_weights()
 
     @staticmethod
