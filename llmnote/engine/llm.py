@@ -6,7 +6,9 @@ of a preset of :mod:`llmnote.models.presets` (random weights), or a loaded
 :class:`~llmnote.models.llama.Llama`. Each call of :meth:`LLM.step` asks the
 scheduler for a batch, runs it and appends the sampled tokens;
 :meth:`LLM.generate` steps until its requests finish, :meth:`LLM.stream`
-yields tokens as they come.
+yields tokens as they come. On a CUDA GPU the defaults are the fast path (the GPU,
+bf16, llmnote's kernels; ``device=``, ``dtype=``, ``ops=`` choose otherwise), and
+:meth:`LLM.close` (or a ``with`` block) gives the engine's GPU memory back.
 
 Requests are checked when submitted: an empty prompt, a prompt that leaves no
 room to generate within ``max_model_len``, token ids outside the vocabulary
