@@ -59,7 +59,11 @@ def test_ceiling_rows_on_this_machine():
 def test_recorded_results_name_their_gpu_and_ceilings(name):
     df = bench.load(name)
     assert list(df.columns[: len(COLUMNS)]) == COLUMNS
-    assert df.gpu_name.notna().all() and (df.gpu_name != "CPU").all(), "recorded on a GPU"
+    assert df.gpu_name.notna().all()
+    if name == "chapters":  # chapter times: the CPU build's too, each row naming its machine
+        assert ((df.gpu_name != "CPU") | (df.provider == "interpreter")).all()
+    else:
+        assert (df.gpu_name != "CPU").all(), "recorded on a GPU"
     assert (df.p20 <= df.p50).all() and (df.p50 <= df.p80).all()
     if name in ("softmax", "vector_add"):
         copy = bench.ceiling(df, "copy")
