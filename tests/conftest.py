@@ -23,3 +23,19 @@ def seed() -> int:
 def dev() -> torch.device:
     """Where kernel inputs live: the GPU when compiled, the CPU under the interpreter."""
     return llmnote.device.default_device()
+
+
+@pytest.fixture(scope="module")
+def tiny_llama():
+    """A llama-tiny model with weights large enough (std 0.2, norms left at 1) that its
+    greedy tokens depend on the whole context and have clear argmax margins: batching,
+    chunking or preemption change no greedy token (see test_engine_hf)."""
+    from llmnote.models import Llama, get_preset
+
+    torch.manual_seed(1)
+    m = Llama(get_preset("llama-tiny")).eval()
+    with torch.no_grad():
+        for name, p in m.named_parameters():
+            if "norm" not in name:
+                p.normal_(0, 0.2)
+    return m

@@ -18,14 +18,8 @@ GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
-def model():
-    torch.manual_seed(1)
-    m = Llama(get_preset("llama-tiny")).eval()
-    with torch.no_grad():
-        for name, p in m.named_parameters():
-            if "norm" not in name:
-                p.normal_(0, 0.2)  # context-dependent greedy tokens (see test_engine_hf)
-    return m
+def model(tiny_llama):
+    return tiny_llama
 
 
 def make(model, **kw):

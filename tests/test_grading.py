@@ -95,19 +95,7 @@ def instructor(name: str) -> nbformat.NotebookNode:
     return jupytext.read(NOTEBOOKS[name], fmt="md:myst")
 
 
-def solved(name: str) -> nbformat.NotebookNode:
-    """What a student who got everything right hands in: the instructor's notebook with
-    the hidden tests removed and the solution markers dropped."""
-    nb = instructor(name)
-    cells = []
-    for c in nb.cells:
-        if c.cell_type == "code":
-            c.source = gnb.solution_source(c.source, name)
-            if not c.source.strip():
-                continue
-        cells.append(c)
-    nb.cells = cells
-    return nb
+solved = gnb.solved_notebook  # what a student who got everything right hands in
 
 
 # ------------------------------------------------------------------ the generator

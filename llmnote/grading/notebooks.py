@@ -160,6 +160,24 @@ def solution_sources(name: str, *, hidden_tests: bool = False,
     return out
 
 
+def solved_notebook(name: str):
+    """The instructor notebook of assignment ``name`` as a student who solved it hands it
+    in: code cells through :func:`solution_source` (hidden tests removed, solution markers
+    dropped), code cells left empty removed. Needs jupytext."""
+    import jupytext
+
+    nb = jupytext.read(notebook_path(name), fmt="md:myst")
+    cells = []
+    for c in nb.cells:
+        if c.cell_type == "code":
+            c.source = solution_source(c.source, name)
+            if not c.source.strip():
+                continue
+        cells.append(c)
+    nb.cells = cells
+    return nb
+
+
 def run_notebook(name: str, *, hidden_tests: bool = False, skip_check_cells: bool = False
                  ) -> dict[str, Any]:
     """Run the instructor's solution of assignment ``name`` top to bottom outside Jupyter
