@@ -255,22 +255,42 @@ def _apply_memory_cap() -> float | None:
     total = torch.cuda.get_device_properties(0).total_memory
     fraction = min(1.0, gib * 2**30 / total)
     for i in range(torch.cuda.device_count()):
-        torch.cuda.set_per_process_memory_fraction(fraction, i)
+        set_memory_cap(fraction, i)
     return fraction
 
 
-_MEMORY_FRACTION = _apply_memory_cap()
+_MEMORY_FRACTIONS: dict[int, float] = {}  # the caps set through set_memory_cap, by GPU index
+
+
+def set_memory_cap(fraction: float, dev: torch.device | int | str = 0) -> None:
+    """Cap this process's memory on GPU ``dev`` at ``fraction`` of the card
+    (``torch.cuda.set_per_process_memory_fraction``), and remember it for
+    :func:`memory_available`: a torch without ``get_per_process_memory_fraction``
+    (before 2.12) cannot report a cap set directly through torch."""
+    if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) \
+            or not 0.0 < fraction <= 1.0:
+        raise ValueError(f"fraction must lie in (0, 1], got {fraction!r}")
+    index = torch.device("cuda", dev).index if isinstance(dev, int) else torch.device(dev).index
+    index = torch.cuda.current_device() if index is None else index
+    torch.cuda.set_per_process_memory_fraction(float(fraction), index)
+    _MEMORY_FRACTIONS[index] = float(fraction)
+
+
+_apply_memory_cap()
 
 
 def memory_available(dev: torch.device) -> int:
     """Bytes this process can still allocate on GPU ``dev``: the device's free memory,
-    within the per-process cap when one is set (``torch.cuda.set_per_process_memory_fraction``
-    or :data:`MEMORY_CAP_ENV`); memory PyTorch caches but does not use counts as free."""
+    within the per-process cap when one is set (:func:`set_memory_cap`,
+    :data:`MEMORY_CAP_ENV`, or ``torch.cuda.set_per_process_memory_fraction`` on a torch
+    that can report it); memory PyTorch caches but does not use counts as free."""
     free, total = torch.cuda.mem_get_info(dev)
     allocated = torch.cuda.memory_allocated(dev)
     free += torch.cuda.memory_reserved(dev) - allocated  # cached by PyTorch, reusable
     get_fraction = getattr(torch.cuda, "get_per_process_memory_fraction", None)
-    fraction = get_fraction(dev) if get_fraction is not None else (_MEMORY_FRACTION or 1.0)
+    index = dev.index if dev.index is not None else torch.cuda.current_device()
+    fraction = get_fraction(dev) if get_fraction is not None else \
+        _MEMORY_FRACTIONS.get(index, 1.0)
     if fraction < 1.0:
         free = min(free, int(fraction * total) - allocated)
     return max(0, free)

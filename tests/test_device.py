@@ -107,11 +107,11 @@ def test_memory_available_respects_the_per_process_cap():
     dev = torch.device("cuda")
     total = torch.cuda.get_device_properties(dev).total_memory
     get = getattr(torch.cuda, "get_per_process_memory_fraction", None)
-    old = get(dev) if get is not None else 1.0
+    old = get(dev) if get is not None else device._MEMORY_FRACTIONS.get(0, 1.0)
     try:
-        torch.cuda.set_per_process_memory_fraction(0.05, dev)
+        device.set_memory_cap(0.05, dev)
         # (this process may already hold more than the cap: then nothing is available)
         cap_left = max(0, int(0.05 * total) - torch.cuda.memory_allocated(dev))
         assert device.memory_available(dev) <= cap_left
     finally:
-        torch.cuda.set_per_process_memory_fraction(old, dev)
+        device.set_memory_cap(old, dev)

@@ -100,7 +100,7 @@ def _naive_fits(b: int, h: int, n: int, direction: str) -> None:
     if not device.on_gpu():
         return
     need = b * h * n * n * 4 * (5 if direction == "fwd" else 10)
-    free, _ = torch.cuda.mem_get_info()
+    free = device.memory_available(torch.device("cuda", torch.cuda.current_device()))
     if need > 0.5 * free:
         raise Skip(f"the naive reference needs ~{need / 2**30:.0f} GiB of scores from N = {n}")
 

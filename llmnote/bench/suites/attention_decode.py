@@ -74,7 +74,8 @@ def _decode_providers(setup: Setup, b: int, dtype) -> dict:
         h, _, d = setup.decode_heads
         if device.on_gpu():  # the reference repeats K and V for every query head, in fp32 scores
             need = 2 * b * h * ctx * d * torch.empty((), dtype=dtype).element_size() + b * h * ctx * 12
-            if need > 0.4 * torch.cuda.mem_get_info()[0]:
+            free = device.memory_available(torch.device("cuda", torch.cuda.current_device()))
+            if need > 0.4 * free:
                 raise Skip(f"the naive reference needs ~{need / 2**30:.0f} GiB from context {ctx}")
         q, k, v, lens = _decode_inputs(b, ctx, setup, dtype)
         return lambda: decode_attention_ref(q, k, v, lens)
