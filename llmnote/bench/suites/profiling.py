@@ -47,6 +47,7 @@ PARTS = ("decode", "ncu")
 MODEL = "qwen3-0.6b"
 TOTAL = 256 * 2**20  # bytes of each (M, N) tensor of the norm cases, as in the norms suite
 STEP_RANGE = "llmnote.step"
+MAX_TRACE_BYTES = 1_000_000  # the shipped trace stays under this
 TRACE_CATS = ("kernel", "gpu_memcpy", "gpu_memset", "cuda_runtime", "cuda_driver", "user_annotation")
 
 
@@ -139,7 +140,7 @@ def decode_part(model_name: str = MODEL, new: int = 64, trace_steps: int = 2,
     env = environment()
     tool = f"torch.profiler {torch.__version__}"
     rows: list[dict] = []
-    events_out: list[dict] = []
+    trims: dict[int, list[dict]] = {}
     variants = (("llmnote-graphs", True), ("llmnote-eager", False)) if device.on_gpu() else (
         ("llmnote-eager", False),)
     for pid, (name, graphs) in enumerate(variants):
@@ -149,20 +150,27 @@ def decode_part(model_name: str = MODEL, new: int = 64, trace_steps: int = 2,
         r, (start, _) = decode_rows(name, ev, tokens, env, tool=tool, model=model_name)
         rows += r
         steps = P.ranges(ev, STEP_RANGE)
-        last = min(len(steps) - 1, trace_steps)  # steps 1..last: the first decode steps
-        events_out += P.trim_trace(trace, start, float(steps["end"].iloc[last]), cats=TRACE_CATS,
-                                   label=name, pid=2 * pid)
+        for k in (trace_steps, 1):  # steps 1..k: the first decode steps
+            end = float(steps["end"].iloc[min(len(steps) - 1, k)])
+            trims.setdefault(k, []).extend(P.trim_trace(trace, start, end, cats=TRACE_CATS,
+                                                        label=name, pid=2 * pid))
+        del trace, ev
         s = {x["metric"]: x["p50"] for x in r if x["bench"] == "profile-decode"}
         print(f"{name}: {s['wall_per_token']:.0f} us wall / token, {s['kernel_time_per_token']:.0f} us "
               f"of kernels ({s['gpu_busy_fraction']:.0%} busy), {s['kernels_per_token']:.0f} kernels "
               f"/ token ({time.perf_counter() - t0:.0f} s)")
     if out_dir is not None:
-        doc = {"traceEvents": events_out, "displayTimeUnit": "ms",
-               "otherData": {**env, "tool": tool, "model": model_name, "new_tokens": new,
-                             "steps_kept": trace_steps}}
+        for k in (trace_steps, 1):  # the most steps that keep the file under MAX_TRACE_BYTES
+            events_out = trims[k]
+            doc = {"traceEvents": events_out, "displayTimeUnit": "ms",
+                   "otherData": {**env, "tool": tool, "model": model_name, "new_tokens": new,
+                                 "decode_steps_kept": k}}
+            text = json.dumps(doc, separators=(",", ":"))
+            if len(text) <= MAX_TRACE_BYTES:
+                break
         path = Path(out_dir) / P.TRACE_FILE
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(doc, separators=(",", ":")), encoding="utf-8")
+        path.write_text(text, encoding="utf-8")
         print(f"wrote {path} ({path.stat().st_size / 1e3:.0f} kB, {len(events_out)} events)")
     return rows
 
