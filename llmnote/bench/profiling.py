@@ -340,3 +340,54 @@ def parse_ncu_csv(text: str) -> pd.DataFrame:
             v, unit = _to_base(v, units[j] if j < len(units) else "")
             out.append((int(r[i_id]), r[i_kernel], name, unit, v))
     return pd.DataFrame(out, columns=cols)
+
+
+# ------------------------------------------------------------------ recorded profiles, figures
+NO_RECORDING = ("no recorded profile yet: run `python benchmarks/profile.py` on a GPU and copy "
+                "profiling.csv and decode_trace.json into llmnote/data/results")
+
+
+def recorded_profile(bench: str | None = None) -> pd.DataFrame | None:
+    """The shipped ``profiling.csv`` (its rows of ``bench`` if given), or None after printing
+    one line saying that no profile is recorded."""
+    path = RESULTS_DIR / "profiling.csv"
+    if not path.exists():
+        print(NO_RECORDING)
+        return None
+    df = pd.read_csv(path)
+    return df if bench is None else df[df["bench"] == bench].reset_index(drop=True)
+
+
+def plot_timeline(trace: dict, ax=None, *, start: float = 0.0, width: float | None = None,
+                  title: str | None = None):
+    """Draw a (trimmed) Chrome trace as a timeline: per process a row of host ranges and
+    launch calls and a row of GPU kernels, from ``start`` for ``width`` microseconds (all
+    of it by default). Processes are labelled by their ``process_name`` metadata."""
+    import matplotlib.pyplot as plt
+
+    ev = trace_events(trace)
+    if ev.empty:
+        raise ValueError("the trace has no complete events to draw")
+    names = {str(e["pid"]): e["args"]["name"] for e in trace["traceEvents"]
+             if e.get("ph") == "M" and e.get("name") == "process_name"}
+    end = start + width if width is not None else float(ev["end"].max())
+    ev = ev[(ev["end"] > start) & (ev["ts"] < end)]
+    if ax is None:
+        _, ax = plt.subplots(figsize=(9, 0.6 + 0.55 * max(2, ev["pid"].nunique())))
+    pids = sorted(ev["pid"].unique(), key=lambda p: (len(p), p), reverse=True)
+    styles = {"kernel": "C0", "gpu_memcpy": "C1", "gpu_memset": "C1", "cuda_runtime": "C3",
+              "cuda_driver": "C3", "user_annotation": "0.75"}
+    for y, pid in enumerate(pids):
+        for cat, g in ev[ev["pid"] == pid].groupby("cat"):
+            h = 0.3 if cat == "user_annotation" else 0.7
+            bars = list(zip(g["ts"] - start, g["dur"].clip(lower=(end - start) * 2e-4)))
+            ax.broken_barh(bars, (y - h / 2, h), color=styles.get(cat, "0.5"), lw=0, label=cat)
+    ax.set_yticks(range(len(pids)), [names.get(p, f"pid {p}") for p in pids])
+    ax.set_xlim(0, end - start)
+    ax.set_xlabel("time (us)")
+    handles, labels = ax.get_legend_handles_labels()
+    keep = dict(zip(labels, handles))
+    ax.legend(keep.values(), keep.keys(), loc="upper right", fontsize=7, ncol=len(keep))
+    if title:
+        ax.set_title(title)
+    return ax

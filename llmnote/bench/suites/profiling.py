@@ -384,6 +384,43 @@ def ncu_part(cases: tuple[str, ...] | None = None, out_dir: Path | None = None) 
     return ncu_rows(reports, ideal, environment(), tool)
 
 
+# ------------------------------------------------------------------ reading the recording
+def pick(df: pd.DataFrame | None, provider: str, metric: str, bench: str | None = None) -> float:
+    """The recorded value of ``metric`` for ``provider`` (NaN when absent or ``df`` is None)."""
+    if df is None or df.empty:
+        return float("nan")
+    sel = df[(df["provider"] == provider) & (df["metric"] == metric)]
+    if bench is not None:
+        sel = sel[sel["bench"] == bench]
+    return float(sel["p50"].iloc[0]) if len(sel) else float("nan")
+
+
+NCU_COLUMNS = ("duration", "dram_bandwidth", "fraction_of_copy", "dram_over_ideal",
+               "memory_throughput_pct", "dram_throughput_pct", "sm_throughput_pct",
+               "achieved_occupancy_pct", "theoretical_occupancy_pct", "registers_per_thread",
+               "warp_cycles_per_issue")
+
+
+def ncu_table(df: pd.DataFrame, metrics: tuple[str, ...] = NCU_COLUMNS) -> pd.DataFrame:
+    """One row per ncu case, one column per metric (duration in microseconds)."""
+    sel = df[(df["bench"] == "ncu") & df["metric"].isin(metrics)]
+    t = sel.pivot_table(index="provider", columns="metric", values="p50", aggfunc="first")
+    t = t[[m for m in metrics if m in t.columns]]
+    if "duration" in t:
+        t["duration"] = t["duration"] * 1e6
+        t = t.rename(columns={"duration": "duration_us"})
+    order = [c for c in CASES if c in t.index]
+    return t.loc[order + [c for c in t.index if c not in order]]
+
+
+def top_stalls(df: pd.DataFrame, case: str, n: int = 3) -> pd.Series:
+    """The ``n`` largest warp stall reasons of ``case`` (cycles per issued instruction)."""
+    sel = df[(df["bench"] == "ncu") & (df["provider"] == case) & df["metric"].str.startswith("stall_")
+             & (df["metric"] != "stall_selected")]  # selected: issuing, not waiting
+    s = sel.set_index("metric")["p50"].sort_values(ascending=False).head(n)
+    return s.rename(index=lambda m: m.removeprefix("stall_"))
+
+
 def run(quick: bool = False, *, parts: tuple[str, ...] = PARTS, cases: tuple[str, ...] | None = None,
         model_name: str = MODEL, new: int | None = None, out_dir: str | Path | None = None) -> pd.DataFrame:
     """All parts; ``quick``: 16 new tokens instead of 64. ``out_dir`` receives the trace
