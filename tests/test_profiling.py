@@ -4,6 +4,7 @@ one-line refusals, trace arithmetic (busy time, launch gaps, decode summary), th
 NVTX/profiler ranges of the engine, and the recording script's arguments."""
 
 import json
+import math
 
 import pandas as pd
 import pytest
@@ -216,3 +217,34 @@ def test_recording_arguments(capsys):
     with pytest.raises(ValueError, match="case must be one of"):
         S.driver("nope")
     assert set(S.CORE.items()) <= set(S.METRICS.items())
+
+
+def test_reading_helpers_on_derived_rows(capsys, monkeypatch, tmp_path):
+    env = {c: "x" for c in ("gpu_name", "capability", "torch", "triton", "llmnote_sha", "date")}
+    reports = {"copy": P.parse_ncu_csv(NCU_COPY), "layernorm-bwd": P.parse_ncu_csv(NCU_RAW)}
+    df = pd.DataFrame(S.ncu_rows(reports, {"layernorm-bwd": S.case_info(NCU_RAW)}, env, "ncu x"))
+    t = S.ncu_table(df)
+    assert list(t.index) == ["copy", "layernorm-bwd"]  # in the order of CASES
+    assert t.loc["layernorm-bwd", "duration_us"] == pytest.approx(400)
+    assert S.top_stalls(df, "layernorm-bwd").to_dict() == {"long_scoreboard": 12.25}
+    assert S.pick(df, "copy", "dram_bandwidth") == pytest.approx(2 * 268435456 / 200e-6 / 1e9)
+    assert math.isnan(S.pick(df, "copy", "nope")) and math.isnan(S.pick(None, "copy", "duration"))
+    monkeypatch.setattr(P, "RESULTS_DIR", tmp_path)
+    assert P.recorded_profile() is None
+    assert capsys.readouterr().out.strip() == P.NO_RECORDING
+    df.to_csv(tmp_path / "profiling.csv", index=False)
+    assert len(P.recorded_profile("ncu")) == len(df)
+    with pytest.raises(FileNotFoundError, match="no recorded trace"):
+        P.recorded_trace()
+
+
+def test_plot_timeline_draws_host_and_gpu_rows():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    trace = {"traceEvents": P.trim_trace(_trace(), 100, 300, label="eager", pid=0)}
+    ax = P.plot_timeline(trace, width=150)
+    assert [t.get_text() for t in ax.get_yticklabels()] == ["eager GPU", "eager host"]
+    assert ax.get_xlim() == (0, 150)
+    with pytest.raises(ValueError, match="no complete events"):
+        P.plot_timeline({"traceEvents": []})

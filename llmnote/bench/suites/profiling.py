@@ -307,7 +307,7 @@ def _ncu_case(case: str, metrics: dict[str, str], raw_dir: Path | None
     target = [sys.executable, "-m", "llmnote.bench.suites.profiling", "--driver", case]
     kw = dict(kernel_regex=CASES[case].kernel_regex, launch_skip=0, launch_count=1)
     try:
-        df, text = P.run_ncu(target, metrics=list(metrics.values()), **kw)
+        df, text = P.run_ncu(target, metrics=list(metrics.values()), timeout=150, **kw)
     except RuntimeError as e:
         if isinstance(e, P.NcuUnavailable):
             raise
@@ -315,7 +315,7 @@ def _ncu_case(case: str, metrics: dict[str, str], raw_dir: Path | None
         keep = {k: v for k, v in metrics.items() if v not in bad} if bad else CORE
         print(f"ncu {case}: failed with {len(metrics)} metrics; again with {len(keep)} "
               f"(left out: {bad or 'all but the core'})")
-        df, text = P.run_ncu(target, metrics=list(keep.values()), **kw)
+        df, text = P.run_ncu(target, metrics=list(keep.values()), timeout=150, **kw)
     if raw_dir is not None:
         raw_dir.mkdir(parents=True, exist_ok=True)
         (raw_dir / f"{case}.txt").write_text(text, encoding="utf-8")
@@ -337,7 +337,10 @@ def ncu_rows(reports: dict[str, pd.DataFrame], ideal: dict[str, tuple[float, flo
         for m, (u, v) in vals.items():
             if m in METRICS:
                 rows.append(_row("ncu", case, "case", case, m, u, v, env, **extra))
-        dur = vals.get("duration", ("", float("nan")))[1]  # seconds (base units)
+        unit, dur = vals.get("duration", ("", float("nan")))
+        if unit != "second":  # parse_ncu_csv converts ncu's time units to seconds
+            print(f"ncu {case}: duration in {unit!r}, not seconds: rates left out")
+            dur = float("nan")
         dram = vals.get("dram_read", ("", 0.0))[1] + vals.get("dram_write", ("", 0.0))[1]
         nbytes, flops = ideal.get(case, (float("nan"), 0.0))
         derived = {"dram_bytes": ("byte", dram), "dram_bandwidth": ("GB/s", dram / dur / 1e9),
@@ -439,6 +442,12 @@ def run(quick: bool = False, *, parts: tuple[str, ...] = PARTS, cases: tuple[str
     df = pd.DataFrame(rows)
     if df.empty:
         return pd.DataFrame(columns=COLUMNS)
+    finite = np.isfinite(df["p50"].astype(float))
+    if not finite.all():  # a ratio with a missing part: left out, said
+        gone = df[~finite]
+        print(f"left out {len(gone)} rows without a finite value: "
+              f"{sorted(set(zip(gone['provider'], gone['metric'])))[:12]}")
+        df = df[finite]
     return df[list(dict.fromkeys(COLUMNS + list(df.columns)))]
 
 
