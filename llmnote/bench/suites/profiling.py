@@ -159,6 +159,10 @@ def decode_part(model_name: str = MODEL, new: int = 64, trace_steps: int = 2,
         print(f"{name}: {s['wall_per_token']:.0f} us wall / token, {s['kernel_time_per_token']:.0f} us "
               f"of kernels ({s['gpu_busy_fraction']:.0%} busy), {s['kernels_per_token']:.0f} kernels "
               f"/ token ({time.perf_counter() - t0:.0f} s)")
+    per = {x["provider"]: x["p50"] for x in rows if x["metric"] == "kernels_per_token"}
+    if len(per) == 2 and per["llmnote-graphs"] < 0.5 * per["llmnote-eager"]:
+        print(f"warning: the graphs trace holds {per['llmnote-graphs']:.0f} kernels per token, eager "
+              f"{per['llmnote-eager']:.0f}: the profiler may not see the kernels of graph replays")
     if out_dir is not None:
         for k in (trace_steps, 1):  # the most steps that keep the file under MAX_TRACE_BYTES
             events_out = trims[k]
