@@ -248,3 +248,30 @@ def test_plot_timeline_draws_host_and_gpu_rows():
     assert ax.get_xlim() == (0, 150)
     with pytest.raises(ValueError, match="no complete events"):
         P.plot_timeline({"traceEvents": []})
+
+
+needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+@needs_gpu
+def test_decode_profile_on_the_gpu(tmp_path):
+    rows = pd.DataFrame(S.decode_part("llama-tiny", new=8, out_dir=tmp_path))
+    dec = rows[rows.bench == "profile-decode"].set_index(["provider", "metric"]).p50
+    for v in ("llmnote-graphs", "llmnote-eager"):
+        assert dec[v, "kernels_per_token"] > 0 and 0 < dec[v, "gpu_busy_fraction"] <= 1
+        assert dec[v, "kernel_time_per_token"] <= dec[v, "wall_per_token"]
+    trace = P.load_trace(tmp_path / P.TRACE_FILE)
+    assert (tmp_path / P.TRACE_FILE).stat().st_size <= S.MAX_TRACE_BYTES
+    assert (P.trace_events(trace).cat == "kernel").any()
+
+
+@needs_gpu
+@pytest.mark.skipif(P.ncu_unavailable() is not None, reason="ncu missing")
+def test_ncu_on_the_gpu(tmp_path):
+    rows = pd.DataFrame(S.ncu_part(("copy", "rmsnorm-fwd"), tmp_path))
+    if rows.empty:
+        pytest.skip("ncu not permitted here (printed above)")
+    t = S.ncu_table(rows)
+    assert 0.5 < t.loc["rmsnorm-fwd", "dram_over_ideal"] < 2  # bytes moved ~ bytes needed
+    assert 0 < t.loc["rmsnorm-fwd", "fraction_of_copy"] <= 1.2
+    assert (tmp_path / "ncu_raw" / "copy.txt").exists()
