@@ -371,23 +371,27 @@ def plot_timeline(trace: dict, ax=None, *, start: float = 0.0, width: float | No
     names = {str(e["pid"]): e["args"]["name"] for e in trace["traceEvents"]
              if e.get("ph") == "M" and e.get("name") == "process_name"}
     end = start + width if width is not None else float(ev["end"].max())
+    pids = sorted(ev["pid"].unique(), key=lambda p: (len(p), p), reverse=True)  # all rows
     ev = ev[(ev["end"] > start) & (ev["ts"] < end)]
     if ax is None:
-        _, ax = plt.subplots(figsize=(9, 0.6 + 0.55 * max(2, ev["pid"].nunique())))
-    pids = sorted(ev["pid"].unique(), key=lambda p: (len(p), p), reverse=True)
-    styles = {"kernel": "C0", "gpu_memcpy": "C1", "gpu_memset": "C1", "cuda_runtime": "C3",
-              "cuda_driver": "C3", "user_annotation": "0.75"}
+        _, ax = plt.subplots(figsize=(9, 0.6 + 0.55 * max(2, len(pids))))
+    styles = {"kernel": ("C0", "kernel"), "gpu_memcpy": ("C1", "copy/memset"),
+              "gpu_memset": ("C1", "copy/memset"), "cuda_runtime": ("C3", "CUDA API call"),
+              "cuda_driver": ("C3", "CUDA API call"), "user_annotation": ("0.75", "range")}
     for y, pid in enumerate(pids):
         for cat, g in ev[ev["pid"] == pid].groupby("cat"):
+            color, label = styles.get(cat, ("0.5", cat))
             h = 0.3 if cat == "user_annotation" else 0.7
             bars = list(zip(g["ts"] - start, g["dur"].clip(lower=(end - start) * 2e-4)))
-            ax.broken_barh(bars, (y - h / 2, h), color=styles.get(cat, "0.5"), lw=0, label=cat)
+            ax.broken_barh(bars, (y - h / 2, h), color=color, lw=0, label=label)
     ax.set_yticks(range(len(pids)), [names.get(p, f"pid {p}") for p in pids])
+    ax.set_ylim(-0.6, len(pids) - 0.4)
     ax.set_xlim(0, end - start)
     ax.set_xlabel("time (us)")
     handles, labels = ax.get_legend_handles_labels()
     keep = dict(zip(labels, handles))
-    ax.legend(keep.values(), keep.keys(), loc="upper right", fontsize=7, ncol=len(keep))
+    ax.legend(keep.values(), keep.keys(), loc="upper left", bbox_to_anchor=(1.01, 1.0),
+              fontsize=7, frameon=False)
     if title:
         ax.set_title(title)
     return ax
