@@ -84,6 +84,8 @@ def test_ncu_command_and_bad_arguments():
         P.ncu_command(["p"], kernel_regex="k", launch_skip=-1)
     with pytest.raises(ValueError, match="target"):
         P.ncu_command([], kernel_regex="k")
+    with pytest.raises(TypeError, match="target must be a list of arguments"):
+        P.ncu_command("python x.py", kernel_regex="k")
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the no-GPU refusal")

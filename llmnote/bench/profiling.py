@@ -241,6 +241,8 @@ def ncu_command(target: Sequence[str], *, kernel_regex: str, metrics: Sequence[s
         raise ValueError(f"launch_skip must be an int >= 0, got {launch_skip!r}")
     if not isinstance(launch_count, int) or launch_count < 1:
         raise ValueError(f"launch_count must be an int >= 1, got {launch_count!r}")
+    if isinstance(target, str):
+        raise TypeError(f"target must be a list of arguments (argv), got the str {target!r}")
     if not target:
         raise ValueError("target must name the program to profile (a non-empty argv)")
     cmd = [exe, "--csv", "--page", "raw", "--print-units", "base", "--clock-control", "none",
