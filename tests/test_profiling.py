@@ -277,3 +277,20 @@ def test_ncu_on_the_gpu(tmp_path):
     assert 0.5 < t.loc["rmsnorm-fwd", "dram_over_ideal"] < 2  # bytes moved ~ bytes needed
     assert 0 < t.loc["rmsnorm-fwd", "fraction_of_copy"] <= 1.2
     assert (tmp_path / "ncu_raw" / "copy.txt").exists()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the no-GPU path of the script")
+def test_recording_script_without_a_gpu_records_nothing(tmp_path, capsys):
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent.parent / "benchmarks" / "profile.py"
+    spec = importlib.util.spec_from_file_location("profile_script", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    df = mod.main(["--parts", "ncu", "--out", str(tmp_path)])
+    out = capsys.readouterr().out
+    assert df.empty and "no CUDA GPU" in out and "nothing recorded" in out
+    assert not list(tmp_path.iterdir())
+    with pytest.raises(ValueError, match="cases must be among"):
+        mod.main(["--parts", "ncu", "--cases", "copy,nope"])
