@@ -46,6 +46,7 @@ from llmnote.engine.scheduler import ScheduledBatch, Scheduler
 from llmnote.engine.sequence import Sequence
 from llmnote.models.llama import Llama, LlamaOps
 from llmnote.models.presets import PRESETS
+from llmnote.nvtx import annotate
 
 
 @dataclass(frozen=True)
@@ -296,7 +297,8 @@ class LLM:
         self._check_open()
         self._in_flight: list[Sequence] = []
         try:
-            return self._step()
+            with annotate("llmnote.step"):
+                return self._step()
         except BaseException:
             self._pending = None  # a queued run belongs to the failed batch
             for s in self._in_flight:
@@ -318,8 +320,12 @@ class LLM:
         steps = self.scheduler.decode_steps(batch, self.runner.decode_steps)
         if steps == 1:
             chunks = batch.chunks()  # (id, new tokens, "decode" | "prefill") per sequence
-            return self._finish_step(batch, chunks, self.runner.run(batch))
-        return self._read_run(self.runner.launch_steps(batch, steps), fresh=True)
+            with annotate("llmnote.run"):
+                sampled = self.runner.run(batch)
+            return self._finish_step(batch, chunks, sampled)
+        with annotate("llmnote.launch_steps"):
+            run = self.runner.launch_steps(batch, steps)
+        return self._read_run(run, fresh=True)
 
     def _read_run(self, run: DecodeRun, fresh: bool) -> list[Sequence]:
         """Read a multi-step run's tokens and append them step by step. With async
@@ -328,10 +334,13 @@ class LLM:
         if self.config.async_scheduling:
             k = self.scheduler.continue_steps(run.batch, run.steps, self.runner.decode_steps)
             if k:
-                self._pending = self.runner.launch_steps(run.batch, k, prev=run)
+                with annotate("llmnote.launch_steps"):
+                    self._pending = self.runner.launch_steps(run.batch, k, prev=run)
                 self.num_runs_ahead += 1
         got, blocks, batch = [], self.scheduler.blocks, run.batch
-        for t, sampled in enumerate(self.runner.collect(run)):
+        with annotate("llmnote.collect"):  # waits for the run's tokens
+            collected = self.runner.collect(run)
+        for t, sampled in enumerate(collected):
             # what a scheduled step does for its sequences: their computed blocks are
             # registered for the prefix cache (a fresh run's step 0: by schedule())
             batch = ScheduledBatch([(s, 1) for s, _ in batch.items if not s.is_finished])
