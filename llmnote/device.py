@@ -284,13 +284,14 @@ def memory_available(dev: torch.device) -> int:
     within the per-process cap when one is set (:func:`set_memory_cap`,
     :data:`MEMORY_CAP_ENV`, or ``torch.cuda.set_per_process_memory_fraction`` on a torch
     that can report it); memory PyTorch caches but does not use counts as free."""
+    if dev.index is None:  # "cuda": the current GPU
+        dev = torch.device("cuda", torch.cuda.current_device())
     free, total = torch.cuda.mem_get_info(dev)
     allocated = torch.cuda.memory_allocated(dev)
     free += torch.cuda.memory_reserved(dev) - allocated  # cached by PyTorch, reusable
     get_fraction = getattr(torch.cuda, "get_per_process_memory_fraction", None)
-    index = dev.index if dev.index is not None else torch.cuda.current_device()
     fraction = get_fraction(dev) if get_fraction is not None else \
-        _MEMORY_FRACTIONS.get(index, 1.0)
+        _MEMORY_FRACTIONS.get(dev.index, 1.0)
     if fraction < 1.0:
         free = min(free, int(fraction * total) - allocated)
     return max(0, free)

@@ -104,7 +104,7 @@ def test_cuda_without_a_gpu_is_a_clear_error():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_memory_available_respects_the_per_process_cap():
-    dev = torch.device("cuda")
+    dev = torch.device("cuda", torch.cuda.current_device())
     total = torch.cuda.get_device_properties(dev).total_memory
     get = getattr(torch.cuda, "get_per_process_memory_fraction", None)
     old = get(dev) if get is not None else device._MEMORY_FRACTIONS.get(0, 1.0)

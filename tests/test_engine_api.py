@@ -370,3 +370,22 @@ def test_close_frees_the_engine_and_refuses_later_use(model):
         llm.generate([[5, 6, 7]], GREEDY, use_tqdm=False)
     llm.close()  # twice is fine
     assert model(torch.tensor([[5, 6, 7]])).shape == (1, 3, 256)  # the model stays usable
+
+
+def test_the_engines_still_open_are_named_when_memory_runs_short(model):
+    """Re-running ``llm = LLM(...)`` in a notebook builds the new engine while the name still
+    holds the old one; when the new one finds no room, its error says which engines hold the
+    memory and how to free them."""
+    from llmnote.engine import llm as llm_module
+
+    import gc
+
+    gc.collect()  # engines of earlier tests, no longer named
+    where = next(model.parameters()).device
+    before = llm_module._others_hint(where)  # "" unless another test keeps one open
+    n = sum(1 for e in list(llm_module._LIVE) if not e._closed and e.runner.device == where)
+    with make(model) as llm:
+        hint = llm_module._others_hint(where)
+        assert llm.runner.kv_cache_bytes() > 0
+        assert f"{n + 1} other engine(s)" in hint and "close()" in hint
+    assert llm_module._others_hint(where) == before  # closed: it holds nothing

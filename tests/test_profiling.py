@@ -37,6 +37,10 @@ def test_parse_ncu_raw_csv_fixture():
     assert v["dram__bytes_read.sum"] == 537_395_200  # thousands separators read
     assert v["gpu__time_duration.sum"] == pytest.approx(400e-6)  # nsecond -> second
     assert dict(zip(df.metric, df.unit))["gpu__time_duration.sum"] == "second"
+    # ncu 2025 prints the duration in "ns" although --print-units base is given
+    short = P.parse_ncu_csv(NCU_COPY.replace('"usecond"', '"ns"'))
+    assert dict(zip(short.metric, short.unit))["gpu__time_duration.sum"] == "second"
+    assert dict(zip(short.metric, short.value))["gpu__time_duration.sum"] == pytest.approx(200e-9)
     assert v["sm__warps_active.avg.pct_of_peak_sustained_active"] == 45.5
     assert "Block Size" not in set(df.metric)  # launch dimensions are not metrics
     assert S.case_info(NCU_RAW) == (805306368.0, 0.0)
@@ -203,7 +207,9 @@ def test_annotate_ranges_show_in_a_cpu_profile(tmp_path):
 def test_engine_steps_are_annotated(tiny_llama):
     from llmnote.engine import LLM, SamplingParams
 
-    llm = LLM(tiny_llama, max_model_len=64, num_blocks=16)
+    # on the CPU (also on a GPU machine): there one step() is one token; on a GPU the
+    # engine may decode several tokens in one step (multi-step decoding)
+    llm = LLM(tiny_llama, max_model_len=64, num_blocks=16, device="cpu")
     sp = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
     ev = P.trace_events(P.profile_trace(lambda: llm.generate([[1, 2, 3]], sp, use_tqdm=False),
                                         cuda=False))

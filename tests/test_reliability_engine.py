@@ -27,6 +27,11 @@ from llmnote.models import Llama
 
 EOS = 7
 VOCAB = 256
+# Every engine here runs on the CPU in fp32, also on a machine with a GPU: the schedules
+# compare each request's tokens with the same request run alone, which holds exactly in
+# fp32 on one device (on a GPU in bf16, batching changes the rounding, and the engine's
+# multi-step decoding changes how many tokens one step() makes).
+DEVICE = "cpu"
 NUM_SCHEDULES = 300
 # what the schedules must have exercised, each many times
 EVENTS = ("fault", "abort", "stream", "generate", "refused", "preemption", "run ahead",
@@ -135,7 +140,7 @@ class Alone:
     """Each request's tokens when it runs alone in a roomy engine (memoised)."""
 
     def __init__(self, model: Llama) -> None:
-        self.llm = LLM(model, tokenizer=Tokenizer(), eos_token_id=EOS,
+        self.llm = LLM(model, tokenizer=Tokenizer(), eos_token_id=EOS, device=DEVICE,
                        config=EngineConfig(block_size=4, cpu_num_blocks=64))
         self.memo: dict = {}
 
@@ -208,7 +213,8 @@ def snapshot(llm: LLM) -> tuple:
 def run_schedule(model: Llama, alone: Alone, seed: int) -> dict[str, int]:
     rng = random.Random(seed)
     tok = Tokenizer()
-    llm = instrument(LLM(model, tokenizer=tok, eos_token_id=EOS, config=random_config(rng)))
+    llm = instrument(LLM(model, tokenizer=tok, eos_token_id=EOS, device=DEVICE,
+                         config=random_config(rng)))
     pool = request_pool(rng)
     ours: set[int] = set()  # aborted by abort(), a dropped stream or a failed generate()
     exposed: set[int] = set()  # unfinished when a fault fired: may end with "error"
@@ -351,7 +357,7 @@ GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
 
 
 def make(model, **kw) -> LLM:
-    return instrument(LLM(model, tokenizer=Tokenizer(), config=EngineConfig(
+    return instrument(LLM(model, tokenizer=Tokenizer(), device=DEVICE, config=EngineConfig(
         block_size=4, cpu_num_blocks=16, **kw)))
 
 

@@ -282,6 +282,7 @@ def run_ncu(target: Sequence[str], *, timeout: float = 240, env: dict | None = N
 
 _SCALE = {"n": 1e-9, "u": 1e-6, "µ": 1e-6, "m": 1e-3, "": 1.0, "K": 1e3, "k": 1e3, "M": 1e6,
           "G": 1e9, "T": 1e12}
+_SHORT_TIME = {"ns": 1e-9, "us": 1e-6, "µs": 1e-6, "ms": 1e-3, "s": 1.0}
 _BASE_UNITS = ("second", "byte", "cycle", "hz", "inst", "warp", "thread", "block", "register")
 
 
@@ -289,6 +290,8 @@ def _to_base(value: float, unit: str) -> tuple[float, str]:
     """(value, unit) in base units: ``usecond`` -> ``second``, ``Mbyte/second`` ->
     ``byte/second`` (ncu prints scaled units unless ``--print-units base``)."""
     head, sep, tail = unit.partition("/")
+    if head in _SHORT_TIME:  # ncu 2025+ prints durations as "ns" even with base units
+        return value * _SHORT_TIME[head], "second" + sep + tail
     for base in _BASE_UNITS:
         if head.endswith(base) and head[: -len(base)] in _SCALE:
             factor = _SCALE[head[: -len(base)]]

@@ -33,6 +33,7 @@ import gc
 import json
 import time
 import warnings
+import weakref
 from collections.abc import Iterator, Sequence as Seq
 from dataclasses import dataclass
 from pathlib import Path
@@ -125,6 +126,21 @@ def _load(model: object, dtype: torch.dtype | None, device: str | torch.device |
                      f"preset (presets: {sorted(PRESETS)})")
 
 
+_LIVE: weakref.WeakSet = weakref.WeakSet()  # the engines of this process not yet closed
+
+
+def _others_hint(dev: torch.device) -> str:
+    """What the open engines of this process hold on GPU ``dev``: the usual reason a new
+    engine finds no memory is the engine of a cell run before, still named by a variable."""
+    held = [e.runner.kv_cache_bytes() for e in list(_LIVE)
+            if not e._closed and e.runner.device == dev]
+    if not held:
+        return ""
+    return (f"; {len(held)} other engine(s) of this process still hold "
+            f"{sum(held) / 2**30:.2f} GiB of KV cache on {dev}: call close() on them, "
+            f"or `del` them, before building another (`with LLM(...) as llm:` does it)")
+
+
 class LLM:
     def __init__(self, model: Llama | str | Path, tokenizer: object | None = None,
                  config: EngineConfig | None = None, eos_token_id: int | list[int] | None = None,
@@ -137,13 +153,21 @@ class LLM:
         if torch.cuda.is_available():
             gc.collect()  # engines dropped without close() hold reference cycles:
             torch.cuda.empty_cache()  # give their GPU memory back before this one sizes its own
-        self.model, tok, eos = _load(model, dtype, device, ops, config.seed)
-        self._owns_model = not isinstance(model, Llama)  # loaded here: close() drops it
-        self.tokenizer = tokenizer if tokenizer is not None else tok
-        if eos_token_id is not None:
-            eos = [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id)
-        self.eos_token_ids = frozenset(eos)
-        self.runner = ModelRunner(self.model, config)
+        try:
+            self.model, tok, eos = _load(model, dtype, device, ops, config.seed)
+            self._owns_model = not isinstance(model, Llama)  # loaded here: close() drops it
+            self.tokenizer = tokenizer if tokenizer is not None else tok
+            if eos_token_id is not None:
+                eos = [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id)
+            self.eos_token_ids = frozenset(eos)
+            self.runner = ModelRunner(self.model, config)
+        except (torch.OutOfMemoryError, ValueError) as e:
+            hint = _others_hint(torch.device("cuda", torch.cuda.current_device())) \
+                if torch.cuda.is_available() else ""
+            if not hint:
+                raise
+            raise type(e)(f"{e}{hint}") from e
+        _LIVE.add(self)
         self.max_model_len = self.runner.max_model_len
         self.scheduler = Scheduler(config, self.runner.num_blocks, self.max_model_len)
         self._next_id = 0

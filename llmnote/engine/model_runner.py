@@ -277,6 +277,10 @@ class ModelRunner(CudaGraphs, GraphTuning, MultiStep, Batch1Paths):
     def release(self, seq_id: int) -> None:
         self.generators.pop(seq_id, None)
 
+    def kv_cache_bytes(self) -> int:
+        """Bytes of the KV cache this runner holds (0 once closed)."""
+        return sum(t.numel() * t.element_size() for t in self.k_caches + self.v_caches)
+
     def close(self) -> None:
         """Drop the KV cache, the CUDA graphs and their buffers (the model stays)."""
         if self.device.type == "cuda":
