@@ -97,9 +97,12 @@ def _layernorm_fwd_kernel(
         e = tl.minimum(tl.floor(tl.log2(tl.maximum(amax, _SCALE_ABOVE))), 126.0)  # 1/a normal
         a = tl.where(amax > _SCALE_ABOVE, tl.exp2(e), 1.0)
         x = x * (1.0 / a)[:, None]  # one division per row
-        mean = tl.sum(x, axis=1) / N  # (BLOCK_M,)
+        # div_rn: IEEE division (a plain `/` compiles to an approximate one on NVIDIA
+        # GPUs); with it a constant row's correction d cancels its xc exactly, to 0
+        nf = N.to(tl.float32)
+        mean = tl.math.div_rn(tl.sum(x, axis=1), nf)  # (BLOCK_M,)
         xc = tl.where(mask, x - mean[:, None], 0.0)  # padding must not count in the variance
-        d = tl.sum(xc, axis=1) / N  # the rounding error of the mean (corrected two-pass)
+        d = tl.math.div_rn(tl.sum(xc, axis=1), nf)  # the mean's rounding error (corrected two-pass)
         mean += d
         xc = tl.where(mask, xc - d[:, None], 0.0)
         var = tl.sum(xc * xc, axis=1) / N + eps / a / a
