@@ -66,7 +66,8 @@ def test_greedy_tokens_match_hf(checkpoint, mode, monkeypatch):
     calls = []
     kernel = M.mla_decode
     monkeypatch.setattr(M, "mla_decode", lambda *a, **k: calls.append(1) or kernel(*a, **k))
-    with LLM(path, device="cpu", dtype=torch.float32, ops=reference_ops(), block_size=8,
+    where = device.default_device() if mode == "kernel" else "cpu"  # the kernel: where it runs
+    with LLM(path, device=where, dtype=torch.float32, ops=reference_ops(), block_size=8,
              **MODES[mode]) as llm:
         assert isinstance(llm.model, DeepseekV3)
         assert llm.runner.kv_caches[0].shape[1:] == (8, CFG["kv_lora_rank"] + CFG["qk_rope_head_dim"])
