@@ -70,7 +70,8 @@ def test_greedy_tokens_match_hf(checkpoint, mode, monkeypatch):
     with LLM(path, device=where, dtype=torch.float32, ops=reference_ops(), block_size=8,
              **MODES[mode]) as llm:
         assert isinstance(llm.model, DeepseekV3)
-        assert llm.runner.kv_caches[0].shape[1:] == (8, CFG["kv_lora_rank"] + CFG["qk_rope_head_dim"])
+        row = CFG["kv_lora_rank"] + CFG["qk_rope_head_dim"]
+        assert llm.runner.kv_caches[0].shape[1:] == (8, row)
         outs = llm.generate(prompts, SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0))
     assert [o.token_ids for o in outs] == want
     # the kernel mode's decode steps ran the Triton kernel (the interpreter here)
@@ -79,7 +80,8 @@ def test_greedy_tokens_match_hf(checkpoint, mode, monkeypatch):
 
 def test_unsupported_engine_switches(checkpoint):
     path, _, _ = checkpoint
-    for kw, match in ((dict(attention_backend="flash"), "flash"), (dict(decode_steps=4), "decode_steps")):
+    for kw, match in ((dict(attention_backend="flash"), "flash"),
+                      (dict(decode_steps=4), "decode_steps")):
         with pytest.raises(ValueError, match=match):
             LLM(path, device="cpu", dtype=torch.float32, **kw)
 

@@ -55,7 +55,8 @@ def pair(request, tmp_path_factory):
 def test_config_and_scale(pair):
     hf, ours, _ = pair
     assert isinstance(ours, DeepseekV3)
-    assert ours.config.softmax_scale == pytest.approx(hf.model.layers[0].self_attn.scaling, rel=1e-12)
+    want = hf.model.layers[0].self_attn.scaling
+    assert ours.config.softmax_scale == pytest.approx(want, rel=1e-12)
     assert ours.num_parameters() == sum(p.numel() for p in hf.parameters())
 
 

@@ -72,7 +72,8 @@ def mla_decode_cost(heads: int, kv_lora_rank: int, qk_nope_head_dim: int, qk_rop
                     v_head_dim: int, context: int, form: str = "absorbed", elem_bytes: int = 2,
                     batch: int = 1) -> DecodeCost:
     """FLOPs and bytes of one sequence's decode step (see the module docstring's table)."""
-    h, r, dn, dr, dv, n = heads, kv_lora_rank, qk_nope_head_dim, qk_rope_head_dim, v_head_dim, context
+    h, r, dn, dr = heads, kv_lora_rank, qk_nope_head_dim, qk_rope_head_dim
+    dv, n = v_head_dim, context
     cache = n * (r + dr) * elem_bytes
     weight = h * (dn + dv) * r * elem_bytes / batch  # kv_b_proj = [W_UK; W_UV]
     if form == "naive":

@@ -215,7 +215,8 @@ def absorb_weights(w_kv_b: torch.Tensor, num_heads: int, qk_nope_head_dim: int
 
 
 def mla_decode_absorbed(q_nope: torch.Tensor, q_rope: torch.Tensor, latent: torch.Tensor,
-                        k_rope: torch.Tensor, w_kv_b: torch.Tensor, sm_scale: float) -> torch.Tensor:
+                        k_rope: torch.Tensor, w_kv_b: torch.Tensor, sm_scale: float
+                        ) -> torch.Tensor:
     """The same result with ``W_UK`` folded into the query and ``W_UV`` into the output:
 
     ``q_h . (W_UK[h] c) = (W_UK[h]^T q_h) . c`` and ``sum_l p_l W_UV[h] c_l =

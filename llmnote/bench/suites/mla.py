@@ -51,7 +51,8 @@ def _inputs(b: int, ctx: int, s: dict, dtype, page: int = PAGE, seed: int = 0) -
     rows = rnd(b, per * page, r + dr)  # the latent cache, contiguous: (B, L, r + dr)
     perm = torch.randperm(b * per, generator=g, device=dev)
     cache = torch.empty((b * per, page, r + dr), dtype=dtype, device=dev)
-    cache[perm] = rows.view(b * per, page, r + dr)  # sequence i's page j sits in block perm[i per + j]
+    # page j of sequence i goes to block perm[i * per + j]
+    cache[perm] = rows.view(b * per, page, r + dr)
     return dict(
         q_lat=rnd(b, h, r, scale=r ** -0.25), q_rope=rnd(b, h, dr, scale=r ** -0.25),
         q_nope=rnd(b, h, dn, scale=dn ** -0.25), rows=rows[:, :ctx], cache=cache,
