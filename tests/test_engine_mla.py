@@ -102,3 +102,19 @@ def test_kv_capacity_against_gqa_of_the_same_width():
     assert per_token == [2 * 80 * 2, 2 * 2 * 2 * 32 * 2]
     assert tokens == [budget // per_token[0] // bs * bs, budget // per_token[1] // bs * bs]
     assert tokens[0] / tokens[1] == pytest.approx(128 / 80, rel=0.01)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_defaults(checkpoint):
+    """On a GPU: fp32 with llmnote's kernels (RoPE, norms, SwiGLU, the MLA decode) gives
+    transformers' tokens; the plain call (bf16, kernels) runs on the paged kernel."""
+    path, prompts, want = checkpoint
+    with LLM(path, dtype=torch.float32, block_size=16) as llm:
+        assert llm.runner.backend == "paged" and llm.runner.kv_caches[0].is_cuda
+        outs = llm.generate(prompts, SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0))
+    assert [o.token_ids for o in outs] == want
+    with LLM(path) as llm:
+        assert llm.runner.kv_caches[0].dtype == torch.bfloat16
+        outs = llm.generate(prompts, SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0))
+    assert all(len(o.token_ids) == MAX_TOKENS for o in outs)

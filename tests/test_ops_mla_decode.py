@@ -4,6 +4,7 @@ absorbed form of the model; odd lengths, shuffled block tables, every dtype, bad
 import pytest
 import torch
 
+from llmnote import device
 from llmnote.models.deepseek import absorb_weights, mla_decode_naive
 from llmnote.ops.attention import _common
 from llmnote.ops.attention.mla_decode import mla_decode, mla_decode_ref
@@ -118,3 +119,14 @@ def test_bad_input(dev):
         mla_decode(ql, qr, cache, tables.long(), lens, 0.1)
     with pytest.raises(ValueError, match="sm_scale"):
         mla_decode(ql, qr, cache, tables, lens, None)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not device.on_gpu(), reason="needs a CUDA GPU (compiled kernel)")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_deepseek_v3_shapes_compiled(dtype):
+    """128 heads (two tiles), latent 512, rope 64, 64-token pages, long and odd lengths."""
+    args = paged([4097, 1, 300, 2500], h=128, r=512, dr=64, page=64, dtype=dtype,
+                 dev=torch.device("cuda"))
+    for splits in (None, 1, 7):
+        check(args, (128 + 64) ** -0.5, num_splits=splits)
