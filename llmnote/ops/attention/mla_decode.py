@@ -40,6 +40,7 @@ from llmnote.ops.attention._common import (
 from llmnote.ops.attention.decode import (
     MAX_SPLITS, choose_num_splits, combine_splits, finish_split, store_split,
 )
+from llmnote.ops.attention.reference import _scores
 
 MAX_HEADS = 128  # DeepSeek-V2/V3's head count; larger tiles are not tuned
 MAX_HEAD_TILE = 64  # query heads one program takes (an (64, 512) fp32 accumulator)
@@ -50,26 +51,27 @@ def mla_decode_ref(q_latent: torch.Tensor, q_rope: torch.Tensor, kv_cache: torch
                    block_tables: torch.Tensor, seq_lens: torch.Tensor, sm_scale: float,
                    num_splits: int | None = None, return_lse: bool = False
                    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """Plain PyTorch, fp32 math. ``q_latent (B, H, r)``, ``q_rope (B, H, dr)``, ``kv_cache
+    """Plain PyTorch. ``q_latent (B, H, r)``, ``q_rope (B, H, dr)``, ``kv_cache
     (num_blocks, page_size, r + dr)``, ``block_tables (B, max_blocks)`` int32, ``seq_lens
     (B,)`` int32 -> ``(B, H, r)`` in q's dtype (and the lse ``(B, H)``, natural log).
-    ``num_splits`` is the kernel's knob and changes nothing here; a sequence of length 0
-    gives 0 (lse ``-inf``)."""
+    As the other references: the products in the inputs' dtype (fp16 scores in fp32),
+    the softmax in fp32, the probabilities rounded to the dtype before ``P V``; pass fp32
+    inputs for an fp32 oracle. ``num_splits`` is the kernel's knob and changes nothing
+    here; a sequence of length 0 gives 0 (lse ``-inf``)."""
     b, h, r = q_latent.shape
-    page = kv_cache.shape[1]
-    out = torch.zeros((b, h, r), dtype=torch.float32, device=q_latent.device)
+    page, dt = kv_cache.shape[1], q_latent.dtype
+    out = torch.zeros((b, h, r), dtype=dt, device=q_latent.device)
     lse = torch.full((b, h), float("-inf"), dtype=torch.float32, device=q_latent.device)
-    q = torch.cat([q_latent, q_rope], dim=-1).float()  # (B, H, r + dr)
+    q = torch.cat([q_latent, q_rope], dim=-1)  # (B, H, r + dr)
     for i in range(b):
         n = int(seq_lens[i])
         if n == 0:
             continue
         blocks = block_tables[i, : -(-n // page)].long()
-        rows = kv_cache[blocks].flatten(0, 1)[:n].float()  # (n, r + dr)
-        s = q[i] @ rows.T * sm_scale  # (H, n)
+        rows = kv_cache[blocks].flatten(0, 1)[:n]  # (n, r + dr)
+        s = _scores(q[i], rows) * sm_scale  # (H, n) fp32
         lse[i] = torch.logsumexp(s, dim=-1)
-        out[i] = torch.softmax(s, dim=-1) @ rows[:, :r]
-    out = out.to(q_latent.dtype)
+        out[i] = torch.softmax(s, dim=-1).to(dt) @ rows[:, :r]
     return (out, lse) if return_lse else out
 
 
