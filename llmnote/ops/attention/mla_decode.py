@@ -7,9 +7,12 @@ with one shared "head" for keys and values. The cache is paged,
 ``kv_cache (num_blocks, page_size, r + dr)``, with a block table per sequence.
 
 One program handles one split of one sequence's positions for a tile of
-``BLOCK_H`` query heads (all heads of the token when ``H <= 64``; DeepSeek-V3's
-128 take two tiles, whose second read of a row mostly hits L2). Per tile of
-``BLOCK_N`` positions it reads the rows once, through the block table::
+``BLOCK_H`` query heads, reading each row once for all of them. Under the
+interpreter the tile holds all heads of the token (up to 64); on a GPU the
+autotuner picks 16, 32 or 64 heads: DeepSeek-V3's 128 heads would need a
+(128, 512) fp32 accumulator, the whole register file of an SM, so its rows are
+read by several programs, the later reads mostly from L2. Per tile of
+``BLOCK_N`` positions the program reads the rows through the block table::
 
     s   = q_lat c^T + q_rope k_rope^T          # (BH, BN): two dots, r and dr wide
     acc = acc * alpha + p c                    # (BH, r): the rows just read, as values
@@ -75,26 +78,41 @@ def mla_decode_ref(q_latent: torch.Tensor, q_rope: torch.Tensor, kv_cache: torch
     return (out, lse) if return_lse else out
 
 
-def _config(bn: int, warps: int, stages: int) -> triton.Config:
-    return triton.Config({"BLOCK_N": bn}, num_warps=warps, num_stages=stages)
+def _config(bh: int, bn: int, warps: int, stages: int) -> triton.Config:
+    return triton.Config({"BLOCK_H": bh, "BLOCK_N": bn}, num_warps=warps, num_stages=stages)
 
 
-# A (BLOCK_N, 512) bf16 latent tile is 16-64 KB per stage; the (BLOCK_H, 512) fp32
-# accumulator wants 8 warps at BLOCK_H = 64 to stay in registers.
-GPU_CONFIGS = [_config(16, 4, 2), _config(32, 4, 2), _config(32, 8, 2), _config(64, 8, 2),
-               _config(32, 8, 3), _config(16, 8, 3)]
-CONFIGS = [_config(16, 4, 1)] if device.interpreting() else GPU_CONFIGS
+# Registers decide the head tile: at r = 512 the (BLOCK_H, r) fp32 accumulator and the
+# (BLOCK_H, r) query take 96 registers a thread at BLOCK_H = 16 with 4 warps, 192 at 64
+# heads with 8 warps (of 255); a smaller tile reads each row more often, mostly from L2.
+# A (BLOCK_N, 512) bf16 latent tile is 16-64 KB of shared memory per stage.
+GPU_CONFIGS = [_config(16, 32, 4, 2), _config(16, 64, 4, 2), _config(16, 32, 4, 3),
+               _config(32, 32, 8, 2), _config(32, 64, 8, 2), _config(32, 32, 4, 2),
+               _config(64, 32, 8, 2), _config(64, 16, 8, 2)]
+# the interpreter: one program takes all heads of a token (up to 64), 16-position tiles
+CONFIGS = [_config(bh, 16, 4, 1) for bh in (16, 32, 64)] if device.interpreting() \
+    else GPU_CONFIGS
 
 
-@triton.autotune(configs=CONFIGS, key=["CAP_BUCKET", "NUM_SPLITS", "LATENT", "ROPE", "BLOCK_H"])
+def _prune(configs, named_args, **kwargs):
+    """No head tile wider than the heads (padded to 16); under the interpreter exactly the
+    tile that holds them all (at most MAX_HEAD_TILE)."""
+    cover = max(16, triton.next_power_of_2(named_args["H"]))
+    if device.interpreting():
+        return [c for c in configs if c.kwargs["BLOCK_H"] == min(cover, MAX_HEAD_TILE)]
+    return [c for c in configs if c.kwargs["BLOCK_H"] <= cover] or configs[:1]
+
+
+@triton.autotune(configs=CONFIGS, key=["H", "CAP_BUCKET", "NUM_SPLITS", "LATENT", "ROPE"],
+                 prune_configs_by={"early_config_prune": _prune})
 @triton.jit
 def _mla_split_kernel(
     QL, QR, KV, TABLES, SEQ_LENS, O_PART, L_PART, OUT, LSE, qk_scale,
     stride_qlb, stride_qlh, stride_qrb, stride_qrh, stride_kvb, stride_kvs, stride_tb,
     stride_pb, stride_ph, stride_ps, stride_lb, stride_lh, stride_ob, stride_oh,
     H, NUM_SPLITS, CAPACITY, CAP_BUCKET,
-    LATENT: tl.constexpr, ROPE: tl.constexpr, PAGE: tl.constexpr, BLOCK_H: tl.constexpr,
-    FINAL: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr, BLOCK_N: tl.constexpr,
+    LATENT: tl.constexpr, ROPE: tl.constexpr, PAGE: tl.constexpr, FINAL: tl.constexpr,
+    UPCAST: tl.constexpr, PRECISION: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     """One program: one split of one sequence, for BLOCK_H of its query heads."""
     split = tl.program_id(0)
@@ -219,21 +237,21 @@ def mla_decode(q_latent: torch.Tensor, q_rope: torch.Tensor, kv_cache: torch.Ten
     lse = poisoned(torch.empty((b, h), dtype=torch.float32, device=q_latent.device))
     if b == 0:
         return (out, lse) if return_lse else out
-    block_h = min(max(16, triton.next_power_of_2(h)), MAX_HEAD_TILE)
-    tiles = triton.cdiv(h, block_h)
-    splits = num_splits or choose_num_splits(b, tiles, cap, num_sms(q_latent.device))
+    # splits sized as if 32 heads made a program (the autotuned tile is 16 to 64)
+    splits = num_splits or choose_num_splits(b, triton.cdiv(h, 32), cap,
+                                             num_sms(q_latent.device))
     final = splits == 1
     part = poisoned(torch.empty((b, h, splits, r) if not final else (1, 1, 1, r),
                                 dtype=torch.float32, device=q_latent.device))
     lpart = poisoned(torch.empty(part.shape[:3], dtype=torch.float32, device=q_latent.device))
-    _mla_split_kernel[(splits, b, tiles)](
+    _mla_split_kernel[lambda meta: (splits, b, triton.cdiv(h, meta["BLOCK_H"]))](
         q_latent, q_rope, kv_cache, block_tables, seq_lens, part, lpart, out, lse,
         sm_scale * LOG2E,
         q_latent.stride(0), q_latent.stride(1), q_rope.stride(0), q_rope.stride(1),
         kv_cache.stride(0), kv_cache.stride(1), block_tables.stride(0),
         part.stride(0), part.stride(1), part.stride(2), lpart.stride(0), lpart.stride(1),
         out.stride(0), out.stride(1), h, splits, cap, triton.next_power_of_2(max(cap, 1)),
-        LATENT=r, ROPE=dr, PAGE=page, BLOCK_H=block_h, FINAL=final,
+        LATENT=r, ROPE=dr, PAGE=page, FINAL=final,
         UPCAST=upcast(q_latent.dtype), PRECISION=dot_precision(q_latent.dtype),
     )
     if not final:
