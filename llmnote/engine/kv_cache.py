@@ -1,8 +1,9 @@
 """The paged KV cache's size: bytes per block and how many blocks an engine gets.
 
 Each layer holds ``(num_blocks, block_size, kv_heads, head_dim)`` for keys and the
-same for values (an MLA model: one ``(num_blocks, block_size, r + dr)`` latent cache). On the CPU the number of blocks is fixed (``cpu_num_blocks``); on a
-GPU it is what ``max_num_seqs`` sequences of ``max_model_len`` tokens need, capped by
+same for values (an MLA model: one ``(num_blocks, block_size, r + dr)`` latent cache).
+On the CPU the number of blocks is fixed (``cpu_num_blocks``); on a GPU it is what
+``max_num_seqs`` sequences of ``max_model_len`` tokens need, capped by
 ``gpu_memory_utilization`` of the memory still available to this process, less room
 for the activations of the largest step.
 """

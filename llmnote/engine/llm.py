@@ -3,9 +3,10 @@
 ``model`` is a folder with a Hugging Face checkpoint (its ``tokenizer.json``
 is loaded when present), ``"shakespeare"`` (the book's small model), the name
 of a preset of :mod:`llmnote.models.presets` (random weights), or a loaded
-:class:`~llmnote.models.llama.Llama` (or :class:`~llmnote.models.deepseek.DeepseekV3`, served from
-a latent cache by :mod:`llmnote.engine.mla_runner`). Each call of :meth:`LLM.step` asks the
-scheduler for a batch, runs it and appends the sampled tokens;
+:class:`~llmnote.models.llama.Llama` (or a
+:class:`~llmnote.models.deepseek.DeepseekV3`, served from a latent cache by
+:mod:`llmnote.engine.mla_runner`). Each call of :meth:`LLM.step` asks the scheduler
+for a batch, runs it and appends the sampled tokens;
 :meth:`LLM.generate` steps until its requests finish, :meth:`LLM.stream`
 yields tokens as they come. On a CUDA GPU the defaults are the fast path (the GPU,
 bf16, llmnote's kernels; ``device=``, ``dtype=``, ``ops=`` choose otherwise), and

@@ -9,7 +9,7 @@ from llmnote.models.loader import CheckpointError, load_pretrained, save_pretrai
 from llmnote.models.presets import PRESETS, as_config, from_hf_config, get_preset, to_hf_config
 
 __all__ = [
-    "PRESETS", "CheckpointError", "DeepseekV3", "KVCache", "Llama", "LlamaConfig", "LlamaOps", "as_config",
-    "auto_ops", "from_hf_config", "get_preset", "kernel_ops", "load_pretrained", "MLAConfig",
-    "reference_ops", "save_pretrained", "to_hf_config",
+    "PRESETS", "CheckpointError", "DeepseekV3", "KVCache", "Llama", "LlamaConfig", "LlamaOps",
+    "MLAConfig", "as_config", "auto_ops", "from_hf_config", "get_preset", "kernel_ops",
+    "load_pretrained", "reference_ops", "save_pretrained", "to_hf_config",
 ]

@@ -10,7 +10,7 @@ op                         what                                  file
 ``flash_attention``        FlashAttention-2, fwd + bwd, GQA      ``flash2.py``, ``flash2_bwd.py``
 ``flash_attention_varlen`` the same on packed variable lengths   ``flash2.py``
 ``decode_attention``       split-KV decoding over a KV cache     ``decode.py``
-``mla_decode``             paged split-KV decode over MLA latents ``mla_decode.py``
+``mla_decode``             paged split-KV decode, MLA latents    ``mla_decode.py``
 ``flash_attention_v3``     fwd, TMA + warp specialisation        ``flash3.py`` (Hopper)
 ``flash_attention_fp8``    FP8 (e4m3) forward, per-block scales  ``flash3.py`` (Hopper)
 =========================  ====================================  ==========================
