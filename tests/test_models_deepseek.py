@@ -23,19 +23,22 @@ BASE = dict(vocab_size=151, hidden_size=64, intermediate_size=96, num_hidden_lay
             num_attention_heads=4, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8,
             v_head_dim=24, max_position_embeddings=64, first_k_dense_replace=2,
             bos_token_id=None, eos_token_id=None, pad_token_id=None)
-CASES = {  # q_lora_rank or not; interleaved rope or not; YaRN with V3's mscale; biases
+CASES = {  # q_lora_rank or not; interleaved rope or not; YaRN with V3's mscale; biases; V2
     "v3-qlora-yarn": dict(q_lora_rank=48, rope_parameters={"rope_theta": 10000.0, **YARN}),
     "v3-noqlora-halfsplit": dict(q_lora_rank=None, rope_interleave=False),
     "v3-bias-tied-5heads": dict(q_lora_rank=24, attention_bias=True, tie_word_embeddings=True,
                                 num_attention_heads=5),
+    "v2-qlora-yarn": dict(family="V2", q_lora_rank=40,
+                          rope_parameters={"rope_theta": 10000.0, **YARN}),
 }
 
 
-def hf_model(**kw):
+def hf_model(family="V3", **kw):
     kw = {**BASE, **kw}
-    cfg = transformers.DeepseekV3Config(num_key_value_heads=kw["num_attention_heads"], **kw)
+    cfg_cls = getattr(transformers, f"Deepseek{family}Config")
+    cfg = cfg_cls(num_key_value_heads=kw["num_attention_heads"], **kw)
     torch.manual_seed(0)
-    model = transformers.DeepseekV3ForCausalLM(cfg).eval()
+    model = getattr(transformers, f"Deepseek{family}ForCausalLM")(cfg).eval()
     with torch.no_grad():  # norm weights and biases random too, not 1 and 0
         for name, p in model.named_parameters():
             if name.endswith("bias") or "norm" in name:
@@ -55,6 +58,7 @@ def pair(request, tmp_path_factory):
 def test_config_and_scale(pair):
     hf, ours, _ = pair
     assert isinstance(ours, DeepseekV3)
+    assert ours.config.architecture == hf.config.model_type
     want = hf.model.layers[0].self_attn.scaling
     assert ours.config.softmax_scale == pytest.approx(want, rel=1e-12)
     assert ours.num_parameters() == sum(p.numel() for p in hf.parameters())

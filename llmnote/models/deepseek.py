@@ -15,7 +15,8 @@ and ``softmax(q_h . k_h * scale) v_h`` per head, then ``o_proj``. ``scale`` is
 has ``mscale_all_dim`` (DeepSeek-V3). RoPE touches only the ``dr`` rope part,
 so ``W_UK`` can be folded into the query (:func:`mla_decode_absorbed`).
 
-Names follow Hugging Face's ``DeepseekV3ForCausalLM`` checkpoints (``q_a_proj``,
+Names follow Hugging Face's ``DeepseekV3ForCausalLM`` (and ``DeepseekV2ForCausalLM``,
+whose RoPE pairs are always interleaved) checkpoints (``q_a_proj``,
 ``q_a_layernorm``, ``q_b_proj``, ``kv_a_proj_with_mqa``, ``kv_a_layernorm``,
 ``kv_b_proj``, ``o_proj``); ``W_DKV`` and ``W_KR`` are the two row blocks of
 ``kv_a_proj_with_mqa``, ``W_UK``/``W_UV`` those of each head in ``kv_b_proj``.
@@ -34,8 +35,9 @@ from torch import nn
 from llmnote.models.llama import MLP, LlamaOps, RMSNorm, attention_torch, auto_ops
 from llmnote.ops.rope_scaling import RopeScaling, as_rope_scaling
 
-MLA_ARCHITECTURES = {"DeepseekV3ForCausalLM": "deepseek_v3"}
-MLA_MODEL_TYPES = {"deepseek_v3": "DeepseekV3ForCausalLM"}
+MLA_ARCHITECTURES = {"DeepseekV2ForCausalLM": "deepseek_v2",
+                     "DeepseekV3ForCausalLM": "deepseek_v3"}
+MLA_MODEL_TYPES = {v: k for k, v in MLA_ARCHITECTURES.items()}
 
 
 # ---------------------------------------------------------------- config
@@ -113,8 +115,14 @@ class MLAConfig:
 
     @classmethod
     def from_hf(cls, c: dict) -> MLAConfig:
-        """From a Hugging Face ``config.json`` dict of ``DeepseekV3ForCausalLM``;
+        """From a Hugging Face ``config.json`` dict of ``DeepseekV3ForCausalLM`` or
+        ``DeepseekV2ForCausalLM`` (whose RoPE always takes interleaved pairs);
         ``ValueError`` naming a field this model does not build (MoE layers, ...)."""
+        archs = c.get("architectures") or [MLA_MODEL_TYPES.get(c.get("model_type"), "?")]
+        if len(archs) != 1 or archs[0] not in MLA_ARCHITECTURES:
+            raise ValueError(f"unsupported architecture {archs!r}; supported: "
+                             f"{', '.join(MLA_ARCHITECTURES)}")
+        arch = MLA_ARCHITECTURES[archs[0]]
         layers = c["num_hidden_layers"]
         dense = c.get("first_k_dense_replace", 3)
         if dense is None or dense < layers:
@@ -139,13 +147,14 @@ class MLAConfig:
             max_position_embeddings=max_pos, rms_norm_eps=float(c.get("rms_norm_eps", 1e-6)),
             rope_theta=float(theta),
             rope_scaling=RopeScaling.from_hf(rope, max_pos) if rope else None,
-            rope_interleave=bool(c.get("rope_interleave", True)),
+            rope_interleave=arch == "deepseek_v2" or bool(c.get("rope_interleave", True)),
             attention_bias=bool(c.get("attention_bias", False)),
-            tie_word_embeddings=bool(c.get("tie_word_embeddings", False)), **kw,
+            tie_word_embeddings=bool(c.get("tie_word_embeddings", False)), architecture=arch,
+            **kw,
         )
 
     def to_hf(self) -> dict:
-        """The ``config.json`` dict transformers' ``DeepseekV3ForCausalLM`` reads."""
+        """The ``config.json`` dict transformers' ``DeepseekV3ForCausalLM`` (or V2) reads."""
         rope = {"rope_type": "default", "rope_theta": self.rope_theta}
         if self.rope_scaling is not None:
             s = self.rope_scaling
@@ -155,7 +164,8 @@ class MLAConfig:
                     **{k: getattr(s, k) for k in ("mscale", "mscale_all_dim", "attention_factor")
                        if getattr(s, k) is not None}}
         return {
-            "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3",
+            "architectures": [MLA_MODEL_TYPES[self.architecture]],
+            "model_type": self.architecture,
             **{k: getattr(self, k) for k in (
                 "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                 "num_attention_heads", "kv_lora_rank", "q_lora_rank", "qk_nope_head_dim",
@@ -335,7 +345,7 @@ class MLADecoder(nn.Module):
 
 
 class DeepseekV3(nn.Module):
-    """A DeepSeek-V3-style causal LM of dense layers: ``forward(input_ids)`` -> logits."""
+    """A DeepSeek-V2/V3-style causal LM of dense layers: ``forward(input_ids)`` -> logits."""
 
     def __init__(self, config: MLAConfig, ops: LlamaOps | None = None) -> None:
         super().__init__()
