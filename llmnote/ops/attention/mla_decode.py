@@ -86,9 +86,8 @@ def _config(bh: int, bn: int, warps: int, stages: int) -> triton.Config:
 # (BLOCK_H, r) query take 96 registers a thread at BLOCK_H = 16 with 4 warps, 192 at 64
 # heads with 8 warps (of 255); a smaller tile reads each row more often, mostly from L2.
 # A (BLOCK_N, 512) bf16 latent tile is 16-64 KB of shared memory per stage.
-GPU_CONFIGS = [_config(16, 32, 4, 2), _config(16, 64, 4, 2), _config(16, 32, 4, 3),
-               _config(32, 32, 8, 2), _config(32, 64, 8, 2), _config(32, 32, 4, 2),
-               _config(64, 32, 8, 2), _config(64, 16, 8, 2)]
+GPU_CONFIGS = [_config(16, 32, 4, 2), _config(16, 64, 4, 2), _config(32, 32, 4, 2),
+               _config(32, 32, 8, 2), _config(32, 64, 8, 2), _config(64, 32, 8, 2)]
 # the interpreter: one program takes all heads of a token (up to 64), 16-position tiles
 CONFIGS = [_config(bh, 16, 4, 1) for bh in (16, 32, 64)] if device.interpreting() \
     else GPU_CONFIGS
