@@ -1,8 +1,9 @@
 """The paged KV cache's size: bytes per block and how many blocks an engine gets.
 
 Each layer holds ``(num_blocks, block_size, kv_heads, head_dim)`` for keys and the
-same for values. On the CPU the number of blocks is fixed (``cpu_num_blocks``); on a
-GPU it is what ``max_num_seqs`` sequences of ``max_model_len`` tokens need, capped by
+same for values (an MLA model: one ``(num_blocks, block_size, r + dr)`` latent cache).
+On the CPU the number of blocks is fixed (``cpu_num_blocks``); on a GPU it is what
+``max_num_seqs`` sequences of ``max_model_len`` tokens need, capped by
 ``gpu_memory_utilization`` of the memory still available to this process, less room
 for the activations of the largest step.
 """
@@ -18,6 +19,8 @@ from llmnote.models.llama import Llama
 def kv_bytes_per_block(model: Llama, block_size: int, dtype: torch.dtype) -> int:
     c = model.config
     elem = torch.empty((), dtype=dtype).element_size()
+    if hasattr(c, "latent_dim"):  # MLA: one row [c, k_rope] per token (engine.mla_runner)
+        return c.num_hidden_layers * block_size * c.latent_dim * elem
     return 2 * c.num_hidden_layers * block_size * c.num_key_value_heads * c.head_dim * elem
 
 

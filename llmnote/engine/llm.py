@@ -3,8 +3,10 @@
 ``model`` is a folder with a Hugging Face checkpoint (its ``tokenizer.json``
 is loaded when present), ``"shakespeare"`` (the book's small model), the name
 of a preset of :mod:`llmnote.models.presets` (random weights), or a loaded
-:class:`~llmnote.models.llama.Llama`. Each call of :meth:`LLM.step` asks the
-scheduler for a batch, runs it and appends the sampled tokens;
+:class:`~llmnote.models.llama.Llama` (or a
+:class:`~llmnote.models.deepseek.DeepseekV3`, served from a latent cache by
+:mod:`llmnote.engine.mla_runner`). Each call of :meth:`LLM.step` asks the scheduler
+for a batch, runs it and appends the sampled tokens;
 :meth:`LLM.generate` steps until its requests finish, :meth:`LLM.stream`
 yields tokens as they come. On a CUDA GPU the defaults are the fast path (the GPU,
 bf16, llmnote's kernels; ``device=``, ``dtype=``, ``ops=`` choose otherwise), and
@@ -45,9 +47,14 @@ from llmnote.engine.model_runner import DecodeRun, ModelRunner
 from llmnote.engine.sampling_params import SamplingParams
 from llmnote.engine.scheduler import ScheduledBatch, Scheduler
 from llmnote.engine.sequence import Sequence
+from llmnote.engine.mla_runner import MLAModelRunner
+from llmnote.models.deepseek import DeepseekV3
 from llmnote.models.llama import Llama, LlamaOps
 from llmnote.models.presets import PRESETS
 from llmnote.nvtx import annotate
+
+
+MODEL_CLASSES = (Llama, DeepseekV3)  # the models an engine serves as they are given
 
 
 @dataclass(frozen=True)
@@ -81,7 +88,7 @@ def _load(model: object, dtype: torch.dtype | None, device: str | torch.device |
     kernels; on the CPU checkpoints keep their dtype, the rest is fp32."""
     from llmnote.device import placement
 
-    if isinstance(model, Llama):
+    if isinstance(model, MODEL_CLASSES):
         p = next(model.parameters())
         default_dev, default_dt = placement()
         if device is None and p.device.type == "cpu" and default_dev.type == "cuda":
@@ -155,12 +162,14 @@ class LLM:
             torch.cuda.empty_cache()  # give their GPU memory back before this one sizes its own
         try:
             self.model, tok, eos = _load(model, dtype, device, ops, config.seed)
-            self._owns_model = not isinstance(model, Llama)  # loaded here: close() drops it
+            # loaded here: close() drops it
+            self._owns_model = not isinstance(model, MODEL_CLASSES)
             self.tokenizer = tokenizer if tokenizer is not None else tok
             if eos_token_id is not None:
                 eos = [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id)
             self.eos_token_ids = frozenset(eos)
-            self.runner = ModelRunner(self.model, config)
+            mla = isinstance(self.model, DeepseekV3)  # the latent cache (engine.mla_runner)
+            self.runner = (MLAModelRunner if mla else ModelRunner)(self.model, config)
         except (torch.OutOfMemoryError, ValueError) as e:
             hint = _others_hint(torch.device("cuda", torch.cuda.current_device())) \
                 if torch.cuda.is_available() else ""

@@ -279,7 +279,8 @@ class ModelRunner(CudaGraphs, GraphTuning, MultiStep, Batch1Paths):
 
     def kv_cache_bytes(self) -> int:
         """Bytes of the KV cache this runner holds (0 once closed)."""
-        return sum(t.numel() * t.element_size() for t in self.k_caches + self.v_caches)
+        return sum(t.numel() * t.element_size() for name in ("k_caches", "v_caches", "kv_caches")
+                   for t in getattr(self, name, []))  # kv_caches: the latent cache of MLA
 
     def close(self) -> None:
         """Drop the KV cache, the CUDA graphs and their buffers (the model stays)."""

@@ -29,6 +29,7 @@ from safetensors import SafetensorError, safe_open
 
 from llmnote.device import placement
 from llmnote.models.config import LlamaConfig
+from llmnote.models.deepseek import DeepseekV3, MLAConfig, is_mla_config
 from llmnote.models.llama import Llama, LlamaOps
 from llmnote.models.presets import from_hf_config
 
@@ -60,7 +61,7 @@ def _read_json(path: Path) -> object:
         raise ValueError(f"{path} is not valid JSON: {e}") from None
 
 
-def read_config(folder: str | Path) -> LlamaConfig:
+def read_config(folder: str | Path) -> LlamaConfig | MLAConfig:
     """The :class:`~llmnote.models.config.LlamaConfig` of ``folder/config.json``; a
     missing or ill-typed field is a ``ValueError`` naming the file and the field."""
     path = Path(folder) / "config.json"
@@ -85,6 +86,8 @@ def read_config(folder: str | Path) -> LlamaConfig:
         if v is not None and not isinstance(v, dict):
             raise ValueError(f"{path}: field {field} must be an object, got {v!r}")
     try:
+        if is_mla_config(c):  # DeepSeek-V3's latent attention (llmnote.models.deepseek)
+            return MLAConfig.from_hf(c)
         return from_hf_config(c)
     except ValueError as e:  # an unsupported architecture or value: it names the field
         raise ValueError(f"{path}: {e}") from e
@@ -245,7 +248,7 @@ def load_pretrained(
     _check_layer_count(config.num_hidden_layers, stored, folder)
     try:
         with torch.device("meta"):  # shapes only: no memory, no random init
-            model = Llama(config, ops=ops)
+            model = (DeepseekV3 if isinstance(config, MLAConfig) else Llama)(config, ops=ops)
     except (RuntimeError, TypeError, ValueError, OverflowError) as e:  # sizes past int64, ...
         first = str(e).splitlines()[0] if str(e) else type(e).__name__
         raise CheckpointError(f"{folder / 'config.json'}: the model it describes cannot be "
@@ -298,7 +301,8 @@ def save_pretrained(model: Llama, path: str | Path, max_shard_bytes: int | None 
 
     folder = Path(path)
     folder.mkdir(parents=True, exist_ok=True)
-    config = to_hf_config(model.config)
+    config = model.config.to_hf() if isinstance(model.config, MLAConfig) else \
+        to_hf_config(model.config)
     state = {n: t.detach().contiguous().cpu() for n, t in model.state_dict().items()}
     if model.config.tie_word_embeddings:
         state.pop("lm_head.weight")

@@ -10,6 +10,7 @@ op                         what                                  file
 ``flash_attention``        FlashAttention-2, fwd + bwd, GQA      ``flash2.py``, ``flash2_bwd.py``
 ``flash_attention_varlen`` the same on packed variable lengths   ``flash2.py``
 ``decode_attention``       split-KV decoding over a KV cache     ``decode.py``
+``mla_decode``             paged split-KV decode, MLA latents    ``mla_decode.py``
 ``flash_attention_v3``     fwd, TMA + warp specialisation        ``flash3.py`` (Hopper)
 ``flash_attention_fp8``    FP8 (e4m3) forward, per-block scales  ``flash3.py`` (Hopper)
 =========================  ====================================  ==========================
@@ -30,6 +31,7 @@ from llmnote.ops.attention.flash2 import flash_attention, flash_attention_varlen
 from llmnote.ops.attention.flash3 import (
     flash_attention_fp8, flash_attention_fp8_quantized, flash_attention_v3,
 )
+from llmnote.ops.attention.mla_decode import mla_decode, mla_decode_ref
 from llmnote.ops.attention.online_softmax import online_softmax, softmax_stats, softmax_three_pass
 from llmnote.ops.attention.reference import (
     causal_mask, decode_attention_ref, dequantize_fp8_blocks, dequantize_fp8_channels,
@@ -41,7 +43,8 @@ from llmnote.ops.attention.reference import (
 __all__ = [
     "causal_mask", "decode_attention", "decode_attention_ref", "flash_attention",
     "flash_attention_ref", "flash_attention_v1", "flash_attention_v1_ref",
-    "flash_attention_varlen", "flash_attention_varlen_ref", "online_softmax",
+    "flash_attention_varlen", "flash_attention_varlen_ref", "mla_decode", "mla_decode_ref",
+    "online_softmax",
     "online_softmax_ref", "softmax_stats", "softmax_stats_ref", "softmax_three_pass",
     "softmax_three_pass_ref", "dequantize_fp8_blocks", "dequantize_fp8_channels",
     "flash_attention_fp8", "flash_attention_fp8_quantized", "flash_attention_fp8_ref",

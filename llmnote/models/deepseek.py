@@ -1,0 +1,422 @@
+"""DeepSeek-V2/V3 multi-head latent attention (MLA) in a decoder of dense layers.
+
+MLA (DeepSeek-AI, 2024, "DeepSeek-V2") caches one small vector per token instead
+of a key and a value per head. With ``r = kv_lora_rank``, ``dn = qk_nope_head_dim``,
+``dr = qk_rope_head_dim``, ``dv = v_head_dim`` and ``H`` heads, for a token ``x``::
+
+    c      = RMSNorm(W_DKV x)              # (r,)   the latent: cached
+    k_rope = RoPE(W_KR x)                  # (dr,)  one rope key shared by all heads: cached
+    k_h    = [W_UK[h] c, k_rope]           # (dn + dr,) per head, never cached
+    v_h    =  W_UV[h] c                    # (dv,)
+    q_h    = [q_nope_h, RoPE(q_rope_h)]    # from W_UQ RMSNorm(W_DQ x) (q_lora_rank) or W_Q x
+
+and ``softmax(q_h . k_h * scale) v_h`` per head, then ``o_proj``. ``scale`` is
+``(dn + dr)^-1/2``, times ``mscale^2`` under YaRN when the config's RoPE scaling
+has ``mscale_all_dim`` (DeepSeek-V3). RoPE touches only the ``dr`` rope part,
+so ``W_UK`` can be folded into the query (:func:`mla_decode_absorbed`).
+
+Names follow Hugging Face's ``DeepseekV3ForCausalLM`` (and ``DeepseekV2ForCausalLM``,
+whose RoPE pairs are always interleaved) checkpoints (``q_a_proj``,
+``q_a_layernorm``, ``q_b_proj``, ``kv_a_proj_with_mqa``, ``kv_a_layernorm``,
+``kv_b_proj``, ``o_proj``); ``W_DKV`` and ``W_KR`` are the two row blocks of
+``kv_a_proj_with_mqa``, ``W_UK``/``W_UV`` those of each head in ``kv_b_proj``.
+With ``rope_interleave`` the checkpoint's rope dimensions are pairs ``(2i, 2i+1)``.
+Only dense layers are built: ``first_k_dense_replace`` must cover every layer.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, replace
+
+import torch
+from torch import nn
+
+from llmnote.models.llama import MLP, LlamaOps, RMSNorm, attention_torch, auto_ops
+from llmnote.ops.rope_scaling import RopeScaling, as_rope_scaling
+
+MLA_ARCHITECTURES = {"DeepseekV2ForCausalLM": "deepseek_v2",
+                     "DeepseekV3ForCausalLM": "deepseek_v3"}
+MLA_MODEL_TYPES = {v: k for k, v in MLA_ARCHITECTURES.items()}
+
+
+# ---------------------------------------------------------------- config
+@dataclass(frozen=True)
+class MLAConfig:
+    """Shapes of a DeepSeek-V3-style model with MLA attention and dense SwiGLU layers."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    kv_lora_rank: int = 512
+    q_lora_rank: int | None = 1536  # None: one q_proj, no low-rank query
+    qk_nope_head_dim: int = 128
+    qk_rope_head_dim: int = 64
+    v_head_dim: int = 128
+    max_position_embeddings: int = 4096
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: RopeScaling | None = None
+    rope_interleave: bool = True
+    attention_bias: bool = False
+    tie_word_embeddings: bool = False
+    architecture: str = "deepseek_v3"
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "rope_scaling", as_rope_scaling(self.rope_scaling))
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                     "num_attention_heads", "kv_lora_rank", "qk_nope_head_dim",
+                     "qk_rope_head_dim", "v_head_dim", "max_position_embeddings"):
+            v = getattr(self, name)
+            if not (isinstance(v, int) and not isinstance(v, bool) and v > 0):
+                raise ValueError(f"{name} must be a positive int, got {v!r}")
+        q = self.q_lora_rank
+        if q is not None and not (isinstance(q, int) and not isinstance(q, bool) and q > 0):
+            raise ValueError(f"q_lora_rank must be None or a positive int, got {q!r}")
+        if self.qk_rope_head_dim % 2:
+            raise ValueError(f"qk_rope_head_dim must be even for RoPE, got {self.qk_rope_head_dim}")
+        if self.architecture not in MLA_MODEL_TYPES:
+            raise ValueError(f"architecture must be one of {tuple(MLA_MODEL_TYPES)}, "
+                             f"got {self.architecture!r}")
+
+    # what the engine's cache sizing reads from any config
+    @property
+    def head_dim(self) -> int:
+        """The query/key head width ``dn + dr``."""
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    @property
+    def num_key_value_heads(self) -> int:
+        """The latent cache has one "head", shared by keys and values."""
+        return 1
+
+    @property
+    def latent_dim(self) -> int:
+        """Cached numbers per token and layer: ``kv_lora_rank + qk_rope_head_dim``."""
+        return self.kv_lora_rank + self.qk_rope_head_dim
+
+    @property
+    def softmax_scale(self) -> float:
+        """``(dn + dr)^-1/2``, times ``mscale^2`` under YaRN with ``mscale_all_dim``."""
+        scale = self.head_dim ** -0.5
+        s = self.rope_scaling
+        if s is not None and s.rope_type == "yarn" and s.mscale_all_dim and s.factor > 1:
+            m = 0.1 * s.mscale_all_dim * math.log(s.factor) + 1.0
+            scale *= m * m
+        return scale
+
+    def replace(self, **changes: object) -> MLAConfig:
+        return replace(self, **changes)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_hf(cls, c: dict) -> MLAConfig:
+        """From a Hugging Face ``config.json`` dict of ``DeepseekV3ForCausalLM`` or
+        ``DeepseekV2ForCausalLM`` (whose RoPE always takes interleaved pairs);
+        ``ValueError`` naming a field this model does not build (MoE layers, ...)."""
+        archs = c.get("architectures") or [MLA_MODEL_TYPES.get(c.get("model_type"), "?")]
+        if len(archs) != 1 or archs[0] not in MLA_ARCHITECTURES:
+            raise ValueError(f"unsupported architecture {archs!r}; supported: "
+                             f"{', '.join(MLA_ARCHITECTURES)}")
+        arch = MLA_ARCHITECTURES[archs[0]]
+        layers = c["num_hidden_layers"]
+        dense = c.get("first_k_dense_replace", 3)
+        if dense is None or dense < layers:
+            raise ValueError(f"first_k_dense_replace = {dense} < num_hidden_layers = {layers}: "
+                             "mixture-of-experts layers are not built by this model (only "
+                             "dense layers)")
+        if c.get("hidden_act", "silu") != "silu":
+            raise ValueError(f"hidden_act {c['hidden_act']!r} is not supported (only 'silu')")
+        if c.get("quantization_config"):
+            raise ValueError("quantization_config: quantized checkpoints are not loaded")
+        heads = c["num_attention_heads"]
+        # num_key_value_heads is not read: the latent is shared by every head
+        rope = c.get("rope_parameters") or c.get("rope_scaling") or {}
+        theta = rope.get("rope_theta", c.get("rope_theta", 10000.0))
+        max_pos = c["max_position_embeddings"]
+        kw = {k: c[k] for k in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim",
+                                "v_head_dim") if c.get(k) is not None}
+        return cls(
+            vocab_size=c["vocab_size"], hidden_size=c["hidden_size"],
+            intermediate_size=c["intermediate_size"], num_hidden_layers=layers,
+            num_attention_heads=heads, q_lora_rank=c.get("q_lora_rank"),
+            max_position_embeddings=max_pos, rms_norm_eps=float(c.get("rms_norm_eps", 1e-6)),
+            rope_theta=float(theta),
+            rope_scaling=RopeScaling.from_hf(rope, max_pos) if rope else None,
+            rope_interleave=arch == "deepseek_v2" or bool(c.get("rope_interleave", True)),
+            attention_bias=bool(c.get("attention_bias", False)),
+            tie_word_embeddings=bool(c.get("tie_word_embeddings", False)), architecture=arch,
+            **kw,
+        )
+
+    def to_hf(self) -> dict:
+        """The ``config.json`` dict transformers' ``DeepseekV3ForCausalLM`` (or V2) reads."""
+        rope = {"rope_type": "default", "rope_theta": self.rope_theta}
+        if self.rope_scaling is not None:
+            s = self.rope_scaling
+            rope = {"rope_theta": self.rope_theta, "rope_type": s.rope_type, "factor": s.factor,
+                    "original_max_position_embeddings": s.original_max_position_embeddings,
+                    "beta_fast": s.beta_fast, "beta_slow": s.beta_slow,
+                    **{k: getattr(s, k) for k in ("mscale", "mscale_all_dim", "attention_factor")
+                       if getattr(s, k) is not None}}
+        return {
+            "architectures": [MLA_MODEL_TYPES[self.architecture]],
+            "model_type": self.architecture,
+            **{k: getattr(self, k) for k in (
+                "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                "num_attention_heads", "kv_lora_rank", "q_lora_rank", "qk_nope_head_dim",
+                "qk_rope_head_dim", "v_head_dim", "max_position_embeddings", "rms_norm_eps",
+                "rope_interleave", "attention_bias", "tie_word_embeddings")},
+            "num_key_value_heads": self.num_attention_heads,
+            "first_k_dense_replace": self.num_hidden_layers, "hidden_act": "silu",
+            "rope_parameters": rope,
+        }
+
+
+# ---------------------------------------------------------------- the latent cache
+class LatentCache:
+    """Per layer, the latent ``c (B, L, r)`` and the rope key ``k_rope (B, L, dr)`` of the
+    tokens seen so far: ``r + dr`` numbers per token and layer (a growing ``torch.cat``
+    cache; the engine keeps the same rows in pages)."""
+
+    def __init__(self, num_layers: int) -> None:
+        self.latent: list[torch.Tensor | None] = [None] * num_layers
+        self.k_rope: list[torch.Tensor | None] = [None] * num_layers
+
+    @property
+    def length(self) -> int:
+        return 0 if self.latent[0] is None else self.latent[0].shape[1]
+
+    def update(self, layer: int, c: torch.Tensor, k_rope: torch.Tensor
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.latent[layer] is not None:
+            c = torch.cat([self.latent[layer], c], dim=1)  # (B, L + S, r)
+            k_rope = torch.cat([self.k_rope[layer], k_rope], dim=1)  # (B, L + S, dr)
+        self.latent[layer], self.k_rope[layer] = c, k_rope
+        return c, k_rope
+
+
+# ---------------------------------------------------------------- the two decode forms
+def mla_decode_naive(q_nope: torch.Tensor, q_rope: torch.Tensor, latent: torch.Tensor,
+                     k_rope: torch.Tensor, w_kv_b: torch.Tensor, sm_scale: float) -> torch.Tensor:
+    """One query per sequence, keys and values decompressed from the latent cache.
+
+    ``q_nope (B, H, dn)``, ``q_rope (B, H, dr)`` (RoPE applied), ``latent (B, L, r)``,
+    ``k_rope (B, L, dr)``, ``w_kv_b`` = ``kv_b_proj.weight (H (dn + dv), r)``.
+    Returns ``o (B, H, dv)``. Builds ``K, V (B, L, H, dn + dv)``: ``2 L r H (dn + dv)``
+    FLOPs per sequence and step before attention starts."""
+    b, h, dn = q_nope.shape
+    kv = (latent @ w_kv_b.T).view(b, latent.shape[1], h, -1)  # (B, L, H, dn + dv)
+    k_nope, v = kv[..., :dn], kv[..., dn:]
+    s = torch.einsum("bhd,blhd->bhl", q_nope, k_nope) + torch.einsum("bhd,bld->bhl", q_rope, k_rope)
+    p = torch.softmax(s.float() * sm_scale, dim=-1).to(v.dtype)  # (B, H, L)
+    return torch.einsum("bhl,blhd->bhd", p, v)
+
+
+def absorb_weights(w_kv_b: torch.Tensor, num_heads: int, qk_nope_head_dim: int
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``kv_b_proj.weight (H (dn + dv), r)`` -> ``W_UK (H, dn, r)``, ``W_UV (H, dv, r)`` (views)."""
+    w = w_kv_b.view(num_heads, -1, w_kv_b.shape[1])
+    return w[:, :qk_nope_head_dim], w[:, qk_nope_head_dim:]
+
+
+def mla_decode_absorbed(q_nope: torch.Tensor, q_rope: torch.Tensor, latent: torch.Tensor,
+                        k_rope: torch.Tensor, w_kv_b: torch.Tensor, sm_scale: float
+                        ) -> torch.Tensor:
+    """The same result with ``W_UK`` folded into the query and ``W_UV`` into the output:
+
+    ``q_h . (W_UK[h] c) = (W_UK[h]^T q_h) . c`` and ``sum_l p_l W_UV[h] c_l =
+    W_UV[h] (sum_l p_l c_l)``, so attention runs over the cached rows
+    ``[c, k_rope]`` directly, as multi-query attention with head width ``r + dr``
+    for scores and ``r`` for values. Same arguments as :func:`mla_decode_naive`."""
+    w_uk, w_uv = absorb_weights(w_kv_b, q_nope.shape[1], q_nope.shape[2])
+    q_lat = torch.einsum("bhd,hdr->bhr", q_nope, w_uk)  # (B, H, r)
+    s = torch.einsum("bhr,blr->bhl", q_lat, latent) + torch.einsum("bhd,bld->bhl", q_rope, k_rope)
+    p = torch.softmax(s.float() * sm_scale, dim=-1).to(latent.dtype)  # (B, H, L)
+    o_lat = torch.einsum("bhl,blr->bhr", p, latent)  # (B, H, r)
+    return torch.einsum("bhr,hdr->bhd", o_lat, w_uv)  # (B, H, dv)
+
+
+# ---------------------------------------------------------------- the layers
+class MLAttention(nn.Module):
+    """Multi-head latent attention; ``absorb`` picks the form used over a cache."""
+
+    def __init__(self, cfg: MLAConfig, layer_idx: int, ops: LlamaOps) -> None:
+        super().__init__()
+        h, n = cfg.hidden_size, cfg.num_attention_heads
+        self.n_heads, self.r, self.dn = n, cfg.kv_lora_rank, cfg.qk_nope_head_dim
+        self.dr, self.dv = cfg.qk_rope_head_dim, cfg.v_head_dim
+        qk = self.dn + self.dr
+        bias = cfg.attention_bias
+        if cfg.q_lora_rank is None:
+            self.q_proj = nn.Linear(h, n * qk, bias=False)
+        else:
+            self.q_a_proj = nn.Linear(h, cfg.q_lora_rank, bias=bias)
+            self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, cfg.rms_norm_eps, ops)
+            self.q_b_proj = nn.Linear(cfg.q_lora_rank, n * qk, bias=False)
+        self.kv_a_proj_with_mqa = nn.Linear(h, self.r + self.dr, bias=bias)
+        self.kv_a_layernorm = RMSNorm(self.r, cfg.rms_norm_eps, ops)
+        self.kv_b_proj = nn.Linear(self.r, n * (self.dn + self.dv), bias=False)
+        self.o_proj = nn.Linear(n * self.dv, h, bias=bias)
+        self.q_lora = cfg.q_lora_rank is not None
+        self.layer_idx, self.ops, self.scale = layer_idx, ops, cfg.softmax_scale
+        self.rope_args = (cfg.rope_theta, cfg.rope_interleave, cfg.rope_scaling)
+        self.absorb = False
+
+    def project(self, x: torch.Tensor, positions: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``x (B, S, hidden)`` -> ``q_nope (B, H, S, dn)``, ``q_rope (B, H, S, dr)``,
+        ``c (B, S, r)``, ``k_rope (B, S, dr)``, RoPE applied to the rope parts."""
+        b, s, _ = x.shape
+        q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x))) if self.q_lora else self.q_proj(x)
+        q = q.view(b, s, self.n_heads, self.dn + self.dr).transpose(1, 2)  # (B, H, S, dn + dr)
+        q_nope, q_rope = q[..., :self.dn], q[..., self.dn:].contiguous()
+        ckv = self.kv_a_proj_with_mqa(x)  # (B, S, r + dr)
+        c = self.kv_a_layernorm(ckv[..., :self.r])
+        k_rope = ckv[..., self.r:][:, None].contiguous()  # (B, 1, S, dr)
+        self.ops.rope(q_rope, k_rope, positions, *self.rope_args)  # in place
+        return q_nope, q_rope, c, k_rope[:, 0]
+
+    def attend(self, q_nope: torch.Tensor, q_rope: torch.Tensor, c: torch.Tensor,
+               k_rope: torch.Tensor) -> torch.Tensor:
+        """Queries ``(B, H, S, *)`` over the cached rows ``c (B, L, r)``, ``k_rope (B, L, dr)``
+        (the queries are the last S of the L positions) -> ``(B, H, S, dv)``."""
+        b, h = q_nope.shape[:2]
+        if self.absorb:  # MQA over [c, k_rope] with the absorbed query, then W_UV
+            w_uk, w_uv = absorb_weights(self.kv_b_proj.weight, h, self.dn)
+            q = torch.cat([torch.einsum("bhsd,hdr->bhsr", q_nope, w_uk), q_rope], dim=-1)
+            k = torch.cat([c, k_rope], dim=-1)[:, None]  # (B, 1, L, r + dr)
+            o = attention_torch(q, k, c[:, None], True, self.scale)  # (B, H, S, r)
+            return torch.einsum("bhsr,hdr->bhsd", o, w_uv)
+        kv = self.kv_b_proj(c).view(b, c.shape[1], h, self.dn + self.dv).transpose(1, 2)
+        k_nope, v = kv[..., :self.dn], kv[..., self.dn:]  # (B, H, L, dn), (B, H, L, dv)
+        k = torch.cat([k_nope, k_rope[:, None].expand(-1, h, -1, -1)], dim=-1)
+        return attention_torch(torch.cat([q_nope, q_rope], dim=-1), k, v, True, self.scale)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor,
+                cache: LatentCache | None = None) -> torch.Tensor:
+        b, s, _ = x.shape
+        q_nope, q_rope, c, k_rope = self.project(x, positions)
+        if cache is not None:
+            c, k_rope = cache.update(self.layer_idx, c, k_rope)  # (B, L + S, r), (B, L + S, dr)
+        o = self.attend(q_nope, q_rope, c, k_rope)  # (B, H, S, dv)
+        return self.o_proj(o.transpose(1, 2).reshape(b, s, self.n_heads * self.dv))
+
+
+class MLADecoderLayer(nn.Module):
+    def __init__(self, cfg: MLAConfig, layer_idx: int, ops: LlamaOps) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
+        self.self_attn = MLAttention(cfg, layer_idx, ops)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
+        self.mlp = MLP(_MLPShape(cfg.hidden_size, cfg.intermediate_size), ops)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor,
+                cache: LatentCache | None) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), positions, cache)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+@dataclass(frozen=True)
+class _MLPShape:  # what llama.MLP reads from a config
+    hidden_size: int
+    intermediate_size: int
+    mlp_bias: bool = False
+
+
+class MLADecoder(nn.Module):
+    def __init__(self, cfg: MLAConfig, ops: LlamaOps) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(MLADecoderLayer(cfg, i, ops)
+                                    for i in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
+
+    def forward(self, ids: torch.Tensor, positions: torch.Tensor,
+                cache: LatentCache | None) -> torch.Tensor:
+        x = self.embed_tokens(ids)
+        for layer in self.layers:
+            x = layer(x, positions, cache)
+        return self.norm(x)
+
+
+class DeepseekV3(nn.Module):
+    """A DeepSeek-V2/V3-style causal LM of dense layers: ``forward(input_ids)`` -> logits."""
+
+    def __init__(self, config: MLAConfig, ops: LlamaOps | None = None) -> None:
+        super().__init__()
+        self.config = config
+        self.ops = ops or auto_ops()
+        self.model = MLADecoder(config, self.ops)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if self.lm_head.weight.device.type != "meta":
+            for m in self.modules():
+                if isinstance(m, (nn.Linear, nn.Embedding)):
+                    nn.init.normal_(m.weight, std=0.02)
+                if isinstance(m, nn.Linear) and m.bias is not None:
+                    nn.init.zeros_(m.bias)
+        self.tie_weights()
+
+    def tie_weights(self) -> None:
+        if self.config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def use_ops(self, ops: LlamaOps) -> DeepseekV3:
+        for m in self.modules():
+            if hasattr(m, "ops"):
+                m.ops = ops
+        return self
+
+    def use_absorbed(self, absorb: bool = True) -> DeepseekV3:
+        """Attend over the cache in the absorbed form (True) or the naive one (False)."""
+        for layer in self.model.layers:
+            layer.self_attn.absorb = bool(absorb)
+        return self
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor | None = None,
+                cache: LatentCache | None = None) -> torch.Tensor:
+        """input_ids (B, S) ints -> logits (B, S, vocab); positions default to
+        ``past .. past + S - 1`` after the cache's length."""
+        ids = input_ids
+        if not isinstance(ids, torch.Tensor) or ids.dtype not in (torch.int32, torch.int64):
+            raise TypeError(f"input_ids must be an int32/int64 torch.Tensor, got "
+                            f"{getattr(ids, 'dtype', type(ids).__name__)}")
+        if ids.ndim != 2 or ids.shape[1] == 0:
+            raise ValueError(f"input_ids must have shape (batch, seq) with seq >= 1, got "
+                             f"{tuple(ids.shape)}")
+        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.config.vocab_size):
+            raise ValueError(f"input_ids must lie in [0, {self.config.vocab_size}), got values "
+                             f"in [{int(ids.min())}, {int(ids.max())}]")
+        past = cache.length if cache is not None else 0
+        if positions is None:
+            positions = torch.arange(past, past + ids.shape[1], device=ids.device)
+        return self.lm_head(self.model(ids, positions, cache))
+
+    @torch.no_grad()
+    def generate(self, input_ids: torch.Tensor, max_new_tokens: int) -> torch.Tensor:
+        """Greedy decoding over a :class:`LatentCache`; returns (B, S + new) ids."""
+        cache = LatentCache(self.config.num_hidden_layers)
+        out = input_ids
+        logits = self(input_ids, cache=cache)
+        for _ in range(max_new_tokens):
+            nxt = logits[:, -1].argmax(-1)
+            out = torch.cat([out, nxt[:, None]], dim=1)
+            logits = self(nxt[:, None], cache=cache)
+        return out
+
+    def num_parameters(self) -> int:
+        return sum(p.numel() for p in self.parameters())
+
+
+def is_mla_config(c: dict) -> bool:
+    """Whether an HF ``config.json`` dict describes a model of this file."""
+    archs = c.get("architectures") or []
+    return c.get("model_type") in MLA_MODEL_TYPES or any(a in MLA_ARCHITECTURES for a in archs)
+
+
+__all__ = ["DeepseekV3", "LatentCache", "MLAConfig", "MLAttention", "absorb_weights",
+           "is_mla_config", "mla_decode_absorbed", "mla_decode_naive"]

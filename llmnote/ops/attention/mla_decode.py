@@ -1,0 +1,261 @@
+"""Paged decode attention for multi-head latent attention (the absorbed form).
+
+After absorption (:func:`llmnote.models.deepseek.mla_decode_absorbed`) every head
+of a token attends over the same cached rows ``[c, k_rope]`` (``r + dr`` wide) and
+takes its values from ``c`` (the first ``r`` columns): multi-query attention
+with one shared "head" for keys and values. The cache is paged,
+``kv_cache (num_blocks, page_size, r + dr)``, with a block table per sequence.
+
+One program handles one split of one sequence's positions for a tile of
+``BLOCK_H`` query heads, reading each row once for all of them. Under the
+interpreter the tile holds all heads of the token (up to 64); on a GPU the
+autotuner picks 16, 32 or 64 heads: DeepSeek-V3's 128 heads would need a
+(128, 512) fp32 accumulator, the whole register file of an SM, so its rows are
+read by several programs, the later reads mostly from L2. Per tile of
+``BLOCK_N`` positions the program reads the rows through the block table::
+
+    s   = q_lat c^T + q_rope k_rope^T          # (BH, BN): two dots, r and dr wide
+    acc = acc * alpha + p c                    # (BH, r): the rows just read, as values
+
+with the online-softmax step of :func:`~llmnote.ops.attention._common.online_softmax_update`.
+Splits and their merge are those of the split-KV decode kernel
+(:mod:`llmnote.ops.attention.decode`): ``finish_split``/``store_split`` and
+``combine_splits``, with the number of splits from ``choose_num_splits``.
+
+Traffic per step: ``sum(seq_lens) * (r + dr) * elem`` bytes of cache (576 * 2 =
+1152 bytes per token for DeepSeek-V3 in bf16), against ``~4 H r`` FLOPs per
+token: 227 FLOP/byte at 128 heads, so on an H100 the kernel sits near the ridge
+of the roofline rather than deep in the memory-bound region as MHA decode does.
+FlashMLA (DeepSeek-AI, 2025) is the Hopper-specific CUDA version of this kernel.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from llmnote import device
+from llmnote.ops._validate import check_tensor
+from llmnote.ops.attention._common import (
+    LN2, LOG2E, dot_precision, num_sms, online_softmax_update, poisoned, upcast,
+)
+from llmnote.ops.attention.decode import (
+    MAX_SPLITS, choose_num_splits, combine_splits, finish_split, store_split,
+)
+from llmnote.ops.attention.reference import _scores
+
+MAX_HEADS = 128  # DeepSeek-V2/V3's head count; larger tiles are not tuned
+MAX_HEAD_TILE = 64  # query heads one program takes (an (64, 512) fp32 accumulator)
+WIDTHS = (16, 32, 64, 128, 256, 512)  # latent and rope widths: powers of two (tl.arange, tl.dot)
+
+
+def mla_decode_ref(q_latent: torch.Tensor, q_rope: torch.Tensor, kv_cache: torch.Tensor,
+                   block_tables: torch.Tensor, seq_lens: torch.Tensor, sm_scale: float,
+                   num_splits: int | None = None, return_lse: bool = False
+                   ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Plain PyTorch. ``q_latent (B, H, r)``, ``q_rope (B, H, dr)``, ``kv_cache
+    (num_blocks, page_size, r + dr)``, ``block_tables (B, max_blocks)`` int32, ``seq_lens
+    (B,)`` int32 -> ``(B, H, r)`` in q's dtype (and the lse ``(B, H)``, natural log).
+    As the other references: the products in the inputs' dtype (fp16 scores in fp32),
+    the softmax in fp32, the probabilities rounded to the dtype before ``P V``; pass fp32
+    inputs for an fp32 oracle. ``num_splits`` is the kernel's knob and changes nothing
+    here; a sequence of length 0 gives 0 (lse ``-inf``)."""
+    b, h, r = q_latent.shape
+    page, dt = kv_cache.shape[1], q_latent.dtype
+    out = torch.zeros((b, h, r), dtype=dt, device=q_latent.device)
+    lse = torch.full((b, h), float("-inf"), dtype=torch.float32, device=q_latent.device)
+    q = torch.cat([q_latent, q_rope], dim=-1)  # (B, H, r + dr)
+    for i in range(b):
+        n = int(seq_lens[i])
+        if n == 0:
+            continue
+        blocks = block_tables[i, : -(-n // page)].long()
+        rows = kv_cache[blocks].flatten(0, 1)[:n]  # (n, r + dr)
+        s = _scores(q[i], rows) * sm_scale  # (H, n) fp32
+        lse[i] = torch.logsumexp(s, dim=-1)
+        out[i] = torch.softmax(s, dim=-1).to(dt) @ rows[:, :r]
+    return (out, lse) if return_lse else out
+
+
+def _config(bh: int, bn: int, warps: int, stages: int) -> triton.Config:
+    return triton.Config({"BLOCK_H": bh, "BLOCK_N": bn}, num_warps=warps, num_stages=stages)
+
+
+# Registers decide the head tile: at r = 512 the (BLOCK_H, r) fp32 accumulator and the
+# (BLOCK_H, r) query take 96 registers a thread at BLOCK_H = 16 with 4 warps, 192 at 64
+# heads with 8 warps (of 255); a smaller tile reads each row more often, mostly from L2.
+# A (BLOCK_N, 512) bf16 latent tile is 16-64 KB of shared memory per stage.
+GPU_CONFIGS = [_config(16, 32, 4, 2), _config(16, 64, 4, 2), _config(32, 32, 4, 2),
+               _config(32, 32, 8, 2), _config(32, 64, 8, 2), _config(64, 32, 8, 2)]
+# the interpreter: one program takes all heads of a token (up to 64), 16-position tiles
+CONFIGS = [_config(bh, 16, 4, 1) for bh in (16, 32, 64)] if device.interpreting() \
+    else GPU_CONFIGS
+
+
+def _prune(configs, named_args, **kwargs):
+    """No head tile wider than the heads (padded to 16); under the interpreter exactly the
+    tile that holds them all (at most MAX_HEAD_TILE)."""
+    cover = max(16, triton.next_power_of_2(named_args["H"]))
+    if device.interpreting():
+        return [c for c in configs if c.kwargs["BLOCK_H"] == min(cover, MAX_HEAD_TILE)]
+    return [c for c in configs if c.kwargs["BLOCK_H"] <= cover] or configs[:1]
+
+
+@triton.autotune(configs=CONFIGS, key=["H", "CAP_BUCKET", "NUM_SPLITS", "LATENT", "ROPE"],
+                 prune_configs_by={"early_config_prune": _prune})
+@triton.jit
+def _mla_split_kernel(
+    QL, QR, KV, TABLES, SEQ_LENS, O_PART, L_PART, OUT, LSE, qk_scale,
+    stride_qlb, stride_qlh, stride_qrb, stride_qrh, stride_kvb, stride_kvs, stride_tb,
+    stride_pb, stride_ph, stride_ps, stride_lb, stride_lh, stride_ob, stride_oh,
+    H, NUM_SPLITS, CAPACITY, CAP_BUCKET,
+    LATENT: tl.constexpr, ROPE: tl.constexpr, PAGE: tl.constexpr, FINAL: tl.constexpr,
+    UPCAST: tl.constexpr, PRECISION: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    """One program: one split of one sequence, for BLOCK_H of its query heads."""
+    split = tl.program_id(0)
+    off_b = tl.program_id(1).to(tl.int64)
+    heads = tl.program_id(2) * BLOCK_H + tl.arange(0, BLOCK_H)
+    h_ok = heads < H
+    seq_len = tl.minimum(tl.load(SEQ_LENS + off_b), CAPACITY)  # never past the block table
+    chunk = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    lo = split * chunk
+    hi = tl.minimum(lo + chunk, seq_len)
+
+    offs_l = tl.arange(0, LATENT)
+    offs_r = tl.arange(0, ROPE)
+    q_lat = tl.load(QL + off_b * stride_qlb + heads[:, None] * stride_qlh + offs_l[None, :],
+                    mask=h_ok[:, None], other=0.0)  # (BH, r)
+    q_rope = tl.load(QR + off_b * stride_qrb + heads[:, None] * stride_qrh + offs_r[None, :],
+                     mask=h_ok[:, None], other=0.0)  # (BH, dr)
+    if UPCAST:
+        q_lat = q_lat.to(tl.float32)
+        q_rope = q_rope.to(tl.float32)
+    m_i = tl.full((BLOCK_H,), -float("inf"), tl.float32)
+    l_i = tl.zeros((BLOCK_H,), tl.float32)
+    acc = tl.zeros((BLOCK_H, LATENT), tl.float32)
+    offs_n = tl.arange(0, BLOCK_N)
+    for start in tl.range(lo, hi, BLOCK_N):
+        pos = start + offs_n
+        valid = pos < hi
+        blk = tl.load(TABLES + off_b * stride_tb + pos // PAGE, mask=valid, other=0).to(tl.int64)
+        row = KV + blk * stride_kvb + (pos % PAGE) * stride_kvs  # (BN,) row starts
+        c = tl.load(row[:, None] + offs_l[None, :], mask=valid[:, None], other=0.0)  # read BN x r
+        kr = tl.load(row[:, None] + LATENT + offs_r[None, :], mask=valid[:, None],
+                     other=0.0)  # read BN x dr
+        if UPCAST:
+            c = c.to(tl.float32)
+            kr = kr.to(tl.float32)
+        qk = tl.dot(q_lat, tl.trans(c), input_precision=PRECISION)
+        qk = tl.dot(q_rope, tl.trans(kr), qk, input_precision=PRECISION)  # (BH, BN)
+        p, m_i, l_i, acc = online_softmax_update(qk, m_i, l_i, acc, pos, pos, hi, 0, qk_scale,
+                                                 True, False)
+        acc += tl.dot(p.to(c.dtype), c, input_precision=PRECISION)  # the latent is the value
+
+    acc, lse2 = finish_split(acc, m_i, l_i)
+    if FINAL:
+        tl.store(OUT + off_b * stride_ob + heads[:, None] * stride_oh + offs_l[None, :],
+                 acc.to(OUT.dtype.element_ty), mask=h_ok[:, None])
+        tl.store(LSE + off_b * H + heads, lse2 * LN2, mask=h_ok)
+    else:
+        store_split(O_PART, L_PART, acc, lse2, off_b, heads, split, h_ok, offs_l,
+                    stride_pb, stride_ph, stride_ps, stride_lb, stride_lh)
+
+
+def _check(q_latent, q_rope, kv_cache, block_tables, seq_lens, sm_scale, num_splits, validate):
+    check_tensor("q_latent", q_latent, ndim=3, last_dim_contiguous=True)
+    check_tensor("q_rope", q_rope, ndim=3, last_dim_contiguous=True)
+    check_tensor("kv_cache", kv_cache, ndim=3, last_dim_contiguous=True)
+    for name, t in (("q_rope", q_rope), ("kv_cache", kv_cache)):
+        if t.dtype != q_latent.dtype or t.device != q_latent.device:
+            raise TypeError(f"{name} must have q_latent's dtype and device ({q_latent.dtype}, "
+                            f"{q_latent.device}), got {t.dtype}, {t.device}")
+    b, h, r = q_latent.shape
+    if q_rope.shape[:2] != (b, h):
+        raise ValueError(f"q_rope must have shape (batch={b}, heads={h}, rope_dim), got "
+                         f"{tuple(q_rope.shape)}")
+    dr = q_rope.shape[2]
+    for name, d in (("q_latent.shape[2] (latent_dim)", r), ("q_rope.shape[2] (rope_dim)", dr)):
+        if d not in WIDTHS:
+            raise ValueError(f"{name} must be one of {WIDTHS}, got {d}")
+    if kv_cache.shape[2] != r + dr:
+        raise ValueError(f"kv_cache.shape[2] must be latent_dim + rope_dim = {r} + {dr} = "
+                         f"{r + dr} (the cache's rows [c, k_rope]), got {kv_cache.shape[2]}")
+    if not 1 <= h <= MAX_HEADS:
+        raise ValueError(f"q_latent.shape[1] (heads) must lie in [1, {MAX_HEADS}], got {h}")
+    page = kv_cache.shape[1]
+    if page < 1:
+        raise ValueError(f"kv_cache.shape[1] (page_size) must be >= 1, got {page}")
+    check_tensor("block_tables", block_tables, dtypes=(torch.int32,), ndim=2,
+                 last_dim_contiguous=True)
+    check_tensor("seq_lens", seq_lens, dtypes=(torch.int32,), ndim=1, contiguous=True)
+    for name, t, want in (("block_tables", block_tables, (b, block_tables.shape[1])),
+                          ("seq_lens", seq_lens, (b,))):
+        if tuple(t.shape) != want or t.device != q_latent.device:
+            raise ValueError(f"{name} must have shape {want} on {q_latent.device}, got "
+                             f"{tuple(t.shape)} on {t.device}")
+    if isinstance(sm_scale, bool) or not isinstance(sm_scale, (int, float)) or not sm_scale > 0:
+        raise ValueError(f"sm_scale must be a number > 0 (the model's softmax scale), got "
+                         f"{sm_scale!r}")
+    if num_splits is not None and (isinstance(num_splits, bool) or not isinstance(num_splits, int)
+                                   or not 1 <= num_splits <= MAX_SPLITS):
+        raise ValueError(f"num_splits must be None or an int in [1, {MAX_SPLITS}], got "
+                         f"{num_splits!r}")
+    if validate and b:
+        cap = block_tables.shape[1] * page
+        lo, hi = int(seq_lens.min()), int(seq_lens.max())
+        if lo < 0 or hi > cap:
+            raise ValueError(f"seq_lens must lie in [0, block_tables.shape[1] * page_size = "
+                             f"{cap}], got values from {lo} to {hi}")
+        used = torch.arange(block_tables.shape[1], device=seq_lens.device)[None, :] \
+            < (seq_lens[:, None] + page - 1) // page  # (B, max_blocks): entries that are read
+        ids = block_tables[used]
+        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= kv_cache.shape[0]):
+            raise ValueError(f"block_tables entries in use must lie in [0, num_blocks = "
+                             f"kv_cache.shape[0] = {kv_cache.shape[0]}), got values from "
+                             f"{int(ids.min())} to {int(ids.max())}")
+
+
+def mla_decode(q_latent: torch.Tensor, q_rope: torch.Tensor, kv_cache: torch.Tensor,
+               block_tables: torch.Tensor, seq_lens: torch.Tensor, sm_scale: float,
+               num_splits: int | None = None, return_lse: bool = False, validate: bool = True
+               ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Absorbed MLA decode over a paged latent cache (split-KV); arguments as
+    :func:`mla_decode_ref`. ``validate`` checks lengths and the block-table entries in
+    use (a GPU synchronisation; False under CUDA graphs: lengths are then clamped to
+    the table's capacity, and the entries are trusted)."""
+    _check(q_latent, q_rope, kv_cache, block_tables, seq_lens, sm_scale, num_splits, validate)
+    if device.use_reference("mla_decode"):
+        return mla_decode_ref(q_latent, q_rope, kv_cache, block_tables, seq_lens, sm_scale,
+                              num_splits, return_lse)
+    b, h, r = q_latent.shape
+    dr, page = q_rope.shape[2], kv_cache.shape[1]
+    cap = block_tables.shape[1] * page
+    out = poisoned(torch.empty((b, h, r), dtype=q_latent.dtype, device=q_latent.device))
+    lse = poisoned(torch.empty((b, h), dtype=torch.float32, device=q_latent.device))
+    if b == 0:
+        return (out, lse) if return_lse else out
+    # splits sized as if 32 heads made a program (the autotuned tile is 16 to 64)
+    splits = num_splits or choose_num_splits(b, triton.cdiv(h, 32), cap,
+                                             num_sms(q_latent.device))
+    final = splits == 1
+    part = poisoned(torch.empty((b, h, splits, r) if not final else (1, 1, 1, r),
+                                dtype=torch.float32, device=q_latent.device))
+    lpart = poisoned(torch.empty(part.shape[:3], dtype=torch.float32, device=q_latent.device))
+    _mla_split_kernel[lambda meta: (splits, b, triton.cdiv(h, meta["BLOCK_H"]))](
+        q_latent, q_rope, kv_cache, block_tables, seq_lens, part, lpart, out, lse,
+        sm_scale * LOG2E,
+        q_latent.stride(0), q_latent.stride(1), q_rope.stride(0), q_rope.stride(1),
+        kv_cache.stride(0), kv_cache.stride(1), block_tables.stride(0),
+        part.stride(0), part.stride(1), part.stride(2), lpart.stride(0), lpart.stride(1),
+        out.stride(0), out.stride(1), h, splits, cap, triton.next_power_of_2(max(cap, 1)),
+        LATENT=r, ROPE=dr, PAGE=page, FINAL=final,
+        UPCAST=upcast(q_latent.dtype), PRECISION=dot_precision(q_latent.dtype),
+    )
+    if not final:
+        combine_splits(part, lpart, out, lse)
+    return (out, lse) if return_lse else out
+
+
+__all__ = ["mla_decode", "mla_decode_ref"]

@@ -1,0 +1,120 @@
+"""The engine serving an MLA model (DeepSeek-V3 layout, dense layers) from its latent
+paged cache: greedy tokens equal Hugging Face ``generate`` on the same random weights,
+with the PyTorch reference and with the Triton decode kernel (interpreter on the CPU)."""
+
+import pytest
+import torch
+
+from llmnote.analysis.mla import kv_cache_bytes_per_token
+from llmnote.engine import LLM, SamplingParams
+from llmnote.engine.kv_cache import kv_bytes_per_block
+from llmnote.models import Llama, LlamaConfig
+from llmnote.models.deepseek import DeepseekV3, MLAConfig
+from llmnote.models.llama import reference_ops
+
+transformers = pytest.importorskip("transformers")
+
+MAX_TOKENS = 8
+CFG = dict(vocab_size=131, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+           num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=32, q_lora_rank=24,
+           qk_nope_head_dim=16, qk_rope_head_dim=16, v_head_dim=16, max_position_embeddings=128,
+           first_k_dense_replace=2, bos_token_id=None, eos_token_id=None, pad_token_id=None)
+MODES = {
+    "reference": dict(attention_backend="reference"),
+    "kernel": dict(attention_backend="paged"),  # decode steps through mla_decode
+    "prefix+chunked": dict(attention_backend="reference", enable_prefix_caching=True,
+                           enable_chunked_prefill=True, max_num_batched_tokens=13),
+    "preempt": dict(attention_backend="reference", enable_prefix_caching=True,
+                    enable_chunked_prefill=True, max_num_batched_tokens=24, num_blocks=8,
+                    max_model_len=48),
+}
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    torch.manual_seed(0)
+    hf = transformers.DeepseekV3ForCausalLM(transformers.DeepseekV3Config(**CFG)).eval()
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if "norm" in name:
+                p.copy_(torch.randn_like(p) * 0.1 + 1.0)
+    path = tmp_path_factory.mktemp("mla")
+    hf.save_pretrained(path, safe_serialization=True)
+    g = torch.Generator().manual_seed(1)
+    shared = torch.randint(0, CFG["vocab_size"], (11,), generator=g).tolist()
+    prompts = [torch.randint(0, CFG["vocab_size"], (n,), generator=g).tolist()
+               for n in (1, 7, 20, 5)]
+    prompts = [shared + p if i % 2 else p for i, p in enumerate(prompts)]
+    want = []
+    with torch.no_grad():
+        for p in prompts:
+            out = hf.generate(torch.tensor([p]), max_new_tokens=MAX_TOKENS, do_sample=False,
+                              min_new_tokens=MAX_TOKENS)
+            want.append(out[0, len(p):].tolist())
+    return path, prompts, want
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_greedy_tokens_match_hf(checkpoint, mode, monkeypatch):
+    path, prompts, want = checkpoint
+    import sys
+
+    from llmnote import device
+
+    M = sys.modules["llmnote.ops.attention.mla_decode"]  # (the package exports the function)
+
+    calls = []
+    kernel = M.mla_decode
+    monkeypatch.setattr(M, "mla_decode", lambda *a, **k: calls.append(1) or kernel(*a, **k))
+    where = device.default_device() if mode == "kernel" else "cpu"  # the kernel: where it runs
+    with LLM(path, device=where, dtype=torch.float32, ops=reference_ops(), block_size=8,
+             **MODES[mode]) as llm:
+        assert isinstance(llm.model, DeepseekV3)
+        row = CFG["kv_lora_rank"] + CFG["qk_rope_head_dim"]
+        assert llm.runner.kv_caches[0].shape[1:] == (8, row)
+        outs = llm.generate(prompts, SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0))
+    assert [o.token_ids for o in outs] == want
+    # the kernel mode's decode steps ran the Triton kernel (the interpreter here)
+    assert bool(calls) == (mode == "kernel") and device.backend() != "reference"
+
+
+def test_unsupported_engine_switches(checkpoint):
+    path, _, _ = checkpoint
+    for kw, match in ((dict(attention_backend="flash"), "flash"),
+                      (dict(decode_steps=4), "decode_steps")):
+        with pytest.raises(ValueError, match=match):
+            LLM(path, device="cpu", dtype=torch.float32, **kw)
+
+
+def test_kv_capacity_against_gqa_of_the_same_width():
+    """At one memory budget the latent cache holds (2 Hkv D) / (r + dr) times the tokens."""
+    mla = MLAConfig(vocab_size=64, hidden_size=256, intermediate_size=64, num_hidden_layers=2,
+                    num_attention_heads=8, kv_lora_rank=64, q_lora_rank=None,
+                    qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32)
+    gqa = LlamaConfig(vocab_size=64, hidden_size=256, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=8, num_key_value_heads=2, head_dim=32)
+    with torch.device("meta"):
+        models = DeepseekV3(mla, ops=reference_ops()), Llama(gqa, ops=reference_ops())
+    budget, bs = 2**20, 16
+    tokens = [budget // kv_bytes_per_block(m, bs, torch.bfloat16) * bs for m in models]
+    per_token = [kv_cache_bytes_per_token("mla", 2, 8, 32, kv_lora_rank=64, qk_rope_head_dim=16),
+                 kv_cache_bytes_per_token("gqa", 2, 8, 32, kv_heads=2)]
+    assert per_token == [2 * 80 * 2, 2 * 2 * 2 * 32 * 2]
+    assert tokens == [budget // per_token[0] // bs * bs, budget // per_token[1] // bs * bs]
+    assert tokens[0] / tokens[1] == pytest.approx(128 / 80, rel=0.01)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_defaults(checkpoint):
+    """On a GPU: fp32 with llmnote's kernels (RoPE, norms, SwiGLU, the MLA decode) gives
+    transformers' tokens; the plain call (bf16, kernels) runs on the paged kernel."""
+    path, prompts, want = checkpoint
+    with LLM(path, dtype=torch.float32, block_size=16) as llm:
+        assert llm.runner.backend == "paged" and llm.runner.kv_caches[0].is_cuda
+        outs = llm.generate(prompts, SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0))
+    assert [o.token_ids for o in outs] == want
+    with LLM(path) as llm:
+        assert llm.runner.kv_caches[0].dtype == torch.bfloat16
+        outs = llm.generate(prompts, SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0))
+    assert all(len(o.token_ids) == MAX_TOKENS for o in outs)

@@ -1,0 +1,173 @@
+"""MLA against Hugging Face's DeepseekV3ForCausalLM (dense layers) on random weights, and
+the naive and absorbed decode forms against each other, with their counted FLOPs."""
+
+import json
+
+import pytest
+import torch
+from torch.utils.flop_counter import FlopCounterMode
+
+from llmnote.analysis.mla import mla_decode_cost
+from llmnote.models import load_pretrained, save_pretrained
+from llmnote.models.deepseek import (
+    DeepseekV3, LatentCache, MLAConfig, mla_decode_absorbed, mla_decode_naive,
+)
+from llmnote.models.llama import reference_ops
+from llmnote.testing import assert_close
+
+transformers = pytest.importorskip("transformers")
+
+YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16,
+        "mscale": 0.707, "mscale_all_dim": 0.707, "beta_fast": 32, "beta_slow": 1}
+BASE = dict(vocab_size=151, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+            num_attention_heads=4, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8,
+            v_head_dim=24, max_position_embeddings=64, first_k_dense_replace=2,
+            bos_token_id=None, eos_token_id=None, pad_token_id=None)
+CASES = {  # q_lora_rank or not; interleaved rope or not; YaRN with V3's mscale; biases; V2
+    "v3-qlora-yarn": dict(q_lora_rank=48, rope_parameters={"rope_theta": 10000.0, **YARN}),
+    "v3-noqlora-halfsplit": dict(q_lora_rank=None, rope_interleave=False),
+    "v3-bias-tied-5heads": dict(q_lora_rank=24, attention_bias=True, tie_word_embeddings=True,
+                                num_attention_heads=5),
+    "v2-qlora-yarn": dict(family="V2", q_lora_rank=40,
+                          rope_parameters={"rope_theta": 10000.0, **YARN}),
+}
+
+
+def hf_model(family="V3", **kw):
+    kw = {**BASE, **kw}
+    cfg_cls = getattr(transformers, f"Deepseek{family}Config")
+    cfg = cfg_cls(num_key_value_heads=kw["num_attention_heads"], **kw)
+    torch.manual_seed(0)
+    model = getattr(transformers, f"Deepseek{family}ForCausalLM")(cfg).eval()
+    with torch.no_grad():  # norm weights and biases random too, not 1 and 0
+        for name, p in model.named_parameters():
+            if name.endswith("bias") or "norm" in name:
+                p.copy_(torch.randn_like(p) * 0.1 + (1.0 if "norm" in name else 0.0))
+    return model
+
+
+@pytest.fixture(scope="module", params=list(CASES))
+def pair(request, tmp_path_factory):
+    hf = hf_model(**CASES[request.param])
+    path = tmp_path_factory.mktemp(request.param)
+    hf.save_pretrained(path, safe_serialization=True)
+    ours = load_pretrained(path, dtype=torch.float32, device="cpu", ops=reference_ops())
+    return hf, ours, path
+
+
+def test_config_and_scale(pair):
+    hf, ours, _ = pair
+    assert isinstance(ours, DeepseekV3)
+    assert ours.config.architecture == hf.config.model_type
+    want = hf.model.layers[0].self_attn.scaling
+    assert ours.config.softmax_scale == pytest.approx(want, rel=1e-12)
+    assert ours.num_parameters() == sum(p.numel() for p in hf.parameters())
+
+
+@pytest.mark.parametrize("absorb", [False, True])
+def test_logits_match_hf(pair, absorb):
+    hf, ours, _ = pair
+    ids = torch.randint(0, BASE["vocab_size"], (2, 23))
+    with torch.no_grad():
+        want = hf(ids).logits
+        got = ours.use_absorbed(absorb)(ids)
+    ours.use_absorbed(False)
+    assert_close(got, want, atol=1e-4, rtol=1e-4, name="logits")
+
+
+def test_cached_decode_matches_hf_generate(pair):
+    hf, ours, _ = pair
+    ids = torch.randint(0, BASE["vocab_size"], (2, 9))
+    with torch.no_grad():
+        want = hf.generate(ids, max_new_tokens=12, do_sample=False, min_new_tokens=12)
+    for absorb in (False, True):
+        got = ours.use_absorbed(absorb).generate(ids, 12)
+        assert torch.equal(got, want), absorb
+    ours.use_absorbed(False)
+
+
+def test_save_roundtrip(pair, tmp_path):
+    _, ours, _ = pair
+    save_pretrained(ours, tmp_path)
+    again = load_pretrained(tmp_path, dtype=torch.float32, device="cpu", ops=reference_ops())
+    ids = torch.randint(0, BASE["vocab_size"], (1, 7))
+    with torch.no_grad():
+        assert torch.equal(again(ids), ours(ids))
+
+
+def test_moe_and_mismatched_checkpoints_are_refused(tmp_path):
+    hf = hf_model(q_lora_rank=None)
+    hf.save_pretrained(tmp_path, safe_serialization=True)
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**cfg, "first_k_dense_replace": 1}))
+    with pytest.raises(ValueError, match="first_k_dense_replace"):
+        load_pretrained(tmp_path, device="cpu")
+    # latent or rope widths that do not match the checkpoint's tensors
+    for field, value in (("kv_lora_rank", 16), ("qk_rope_head_dim", 4)):
+        (tmp_path / "config.json").write_text(json.dumps({**cfg, field: value}))
+        with pytest.raises(ValueError, match="kv_a_proj_with_mqa|kv_b_proj|mis-shaped"):
+            load_pretrained(tmp_path, device="cpu")
+
+
+def test_config_errors():
+    with pytest.raises(ValueError, match="kv_lora_rank"):
+        MLAConfig(vocab_size=8, hidden_size=8, intermediate_size=8, num_hidden_layers=1,
+                  num_attention_heads=2, kv_lora_rank=0)
+    with pytest.raises(ValueError, match="qk_rope_head_dim"):
+        MLAConfig(vocab_size=8, hidden_size=8, intermediate_size=8, num_hidden_layers=1,
+                  num_attention_heads=2, qk_rope_head_dim=7)
+
+
+# ---------------------------------------------------------------- naive vs absorbed
+def _decode_inputs(b, h, r, dn, dr, dv, length, dtype=torch.float64, seed=0):
+    g = torch.Generator().manual_seed(seed)
+
+    def rnd(*s):
+        return torch.randn(*s, generator=g, dtype=dtype)
+    return (rnd(b, h, dn), rnd(b, h, dr), rnd(b, length, r), rnd(b, length, dr),
+            rnd(h * (dn + dv), r) * r ** -0.5)
+
+
+@pytest.mark.parametrize("shape", [(1, 4, 32, 16, 8, 24, 1), (3, 5, 24, 12, 6, 20, 37)])
+def test_absorbed_equals_naive(shape):
+    b, h, r, dn, dr, dv, length = shape
+    args = _decode_inputs(*shape)
+    scale = (dn + dr) ** -0.5
+    naive, absorbed = mla_decode_naive(*args, scale), mla_decode_absorbed(*args, scale)
+    assert naive.shape == (b, h, dv)
+    torch.testing.assert_close(absorbed, naive, atol=1e-12, rtol=1e-10)
+
+
+def test_absorbed_model_layer_equals_naive_over_a_cache():
+    cfg = MLAConfig(vocab_size=50, hidden_size=32, intermediate_size=48, num_hidden_layers=1,
+                    num_attention_heads=3, kv_lora_rank=16, q_lora_rank=None,
+                    qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=12)
+    model = DeepseekV3(cfg, ops=reference_ops())  # fp32: RoPE takes fp32/16 only
+    attn = model.model.layers[0].self_attn
+    x = torch.randn(2, 11, 32)
+    outs = []
+    with torch.no_grad():
+        for absorb in (False, True):
+            attn.absorb = absorb
+            cache = LatentCache(1)
+            attn(x[:, :10], torch.arange(10), cache)
+            outs.append(attn(x[:, 10:], torch.arange(10, 11), cache))
+    torch.testing.assert_close(outs[1], outs[0], atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("form", ["naive", "absorbed"])
+def test_counted_flops_match_torch(form):
+    b, h, r, dn, dr, dv, length = 2, 4, 32, 16, 8, 24, 29
+    args = _decode_inputs(b, h, r, dn, dr, dv, length, dtype=torch.float32)
+    fn = mla_decode_naive if form == "naive" else mla_decode_absorbed
+    with FlopCounterMode(display=False) as counter:
+        fn(*args, 0.1)
+    cost = mla_decode_cost(h, r, dn, dr, dv, length, form, elem_bytes=4, batch=b)
+    assert cost.flops * b == counter.get_total_flops()
+    # bytes: the latent rows, the kv_b weight, plus the decompressed K and V the naive
+    # form writes and reads back
+    q_nope, q_rope, latent, k_rope, w = args
+    rows = (latent.nbytes + k_rope.nbytes) / b
+    kv = length * h * (dn + dv) * 4
+    assert cost.cache_bytes == rows
+    assert cost.bytes == rows + w.nbytes / b + (2 * kv if form == "naive" else 0)
