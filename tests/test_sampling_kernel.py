@@ -1,0 +1,74 @@
+"""The sort-free threshold of top-k / top-p / min-p against its sorting reference, and the
+distribution it cuts against the sampler's."""
+
+import pytest
+import torch
+
+from llmnote.engine import SamplingParams
+from llmnote.engine.sampler import probabilities, sampling_tensors
+from llmnote.engine.sampling_kernel import keep_threshold, keep_threshold_ref
+
+
+def _rows(r, v, scale, seed):
+    g = torch.Generator().manual_seed(seed)
+    probs = (torch.randn(r, v, generator=g) * scale).softmax(-1)
+    top_k = torch.randint(-1, v + 2, (r,), generator=g)
+    top_k[top_k == 0] = -1
+    top_p = torch.rand(r, generator=g) * 0.9 + 0.1
+    top_p[::3] = 1.0
+    min_p = torch.where(torch.rand(r, generator=g) < 0.5, 0.0, torch.rand(r, generator=g) * 0.3)
+    return probs, top_k, top_p, min_p
+
+
+@pytest.mark.parametrize("r, v, scale", [(7, 33, 1.0), (5, 517, 3.0), (3, 1301, 0.5), (1, 2, 1.0)])
+def test_threshold_matches_the_sorting_reference(seed, r, v, scale):
+    probs, top_k, top_p, min_p = _rows(r, v, scale, seed)
+    got = keep_threshold(probs, top_k, top_p, min_p)
+    want = keep_threshold_ref(probs, top_k, top_p, min_p)
+    same = got == want
+    # only a top-p crossing within fp32 rounding of the target may differ: the two sum in
+    # different orders; then each must keep a set within one token of the other
+    for i in (~same).nonzero().flatten().tolist():
+        a, b = (probs[i] >= got[i]).sum(), (probs[i] >= want[i]).sum()
+        assert abs(int(a) - int(b)) <= 1 and top_p[i] < 1, (i, got[i], want[i])
+    assert same.float().mean() >= 0.8
+
+
+def test_threshold_edges():
+    probs = torch.tensor([[0.5, 0.25, 0.125, 0.125], [0.4, 0.3, 0.2, 0.1], [0.4, 0.3, 0.2, 0.1]])
+    # top-k 3 with a tie at the 3rd place keeps both; top-p 0.7 keeps 0.4 + 0.3 (reaches it)
+    # min-p 0.6 of 0.4 = 0.24 keeps 0.4 and 0.3
+    t = keep_threshold(probs, torch.tensor([3, -1, -1]), torch.tensor([1.0, 0.7, 1.0]),
+                       torch.tensor([0.0, 0.0, 0.6]))
+    assert t.tolist() == [0.125, pytest.approx(0.3), pytest.approx(0.24)]
+    assert torch.equal(t, keep_threshold_ref(probs, torch.tensor([3, -1, -1]),
+                                             torch.tensor([1.0, 0.7, 1.0]),
+                                             torch.tensor([0.0, 0.0, 0.6])))
+
+
+def test_cut_is_the_samplers_distribution(seed):
+    torch.manual_seed(seed)
+    logits = torch.randn(4, 300) * 2
+    params = [SamplingParams(temperature=0.8, top_k=40, top_p=0.9),
+              SamplingParams(top_p=0.6), SamplingParams(temperature=1.3, min_p=0.1),
+              SamplingParams(temperature=0.5, top_k=7, top_p=0.95, min_p=0.02)]
+    st = sampling_tensors(params, [torch.Generator()] * 4, "cpu")
+    want = probabilities(logits, st)
+    plain = (logits / st.temperature[:, None]).softmax(-1)
+    min_p = torch.tensor([p.min_p for p in params])
+    t = keep_threshold(plain, st.top_k, st.top_p, min_p)
+    cut = torch.where(plain >= t[:, None], plain, 0.0)
+    assert torch.allclose(cut / cut.sum(-1, keepdim=True), want, atol=1e-6)
+
+
+@pytest.mark.parametrize("args, err, match", [
+    ((torch.rand(2, 5, dtype=torch.float64),), TypeError, "probs"),
+    ((torch.rand(5),), ValueError, "probs"),
+    ((torch.rand(2, 5), torch.tensor([1, 2, 3])), ValueError, "top_k"),
+    ((torch.rand(2, 5), torch.tensor([1.0, 2.0])), TypeError, "top_k"),
+])
+def test_bad_input(args, err, match):
+    full = list(args) + [torch.tensor([1, 1]), torch.tensor([1.0, 1.0]), torch.tensor([0.0, 0.0])][
+        len(args) - 1:]
+    with pytest.raises(err, match=match):
+        keep_threshold(*full)
