@@ -72,3 +72,15 @@ def test_bad_input(args, err, match):
         len(args) - 1:]
     with pytest.raises(err, match=match):
         keep_threshold(*full)
+
+
+def test_benchmark_suite_runs_quick():
+    from llmnote.bench.results import COLUMNS
+    from llmnote.bench.suites import SUITES
+
+    df = SUITES["sampling"](quick=True)
+    assert list(df.columns[:len(COLUMNS)]) == COLUMNS
+    assert set(df.provider) == {"llmnote", "llmnote-sort", "torch-topk", "torch-argmax"}
+    assert set(df.setting) == {"k50-p0.9", "p0.9"} and set(df.metric) == {"time", "per_row"}
+    assert not ((df.setting == "p0.9") & (df.provider == "torch-topk")).any()
+    assert (df.p20 <= df.p50).all() and (df.p50 <= df.p80).all()
