@@ -119,8 +119,9 @@ class Letters:
         return "".join(chr(97 + i % 26) for i in ids)
 
 
-def test_stop_strings(model):
-    llm = make(model)
+@pytest.mark.parametrize("steps", [1, 4])
+def test_stop_strings(model, steps):
+    llm = make(model, decode_steps=steps)
     llm.tokenizer = Letters()
     base = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
     full = llm.generate(["dcba"], base, use_tqdm=False)[0]

@@ -20,11 +20,13 @@ def _rows(r, v, scale, seed):
     return probs, top_k, top_p, min_p
 
 
-@pytest.mark.parametrize("r, v, scale", [(7, 33, 1.0), (5, 517, 3.0), (3, 1301, 0.5), (1, 2, 1.0)])
-def test_threshold_matches_the_sorting_reference(seed, r, v, scale):
+@pytest.mark.parametrize("r, v, scale, pivots", [
+    (7, 33, 1.0, 16), (5, 517, 3.0, 16), (3, 1301, 0.5, 16), (1, 2, 1.0, 16), (6, 301, 2.0, 2),
+    (4, 700, 1.0, 4)])
+def test_threshold_matches_the_sorting_reference(seed, r, v, scale, pivots):
     probs, top_k, top_p, min_p = _rows(r, v, scale, seed)
-    got = keep_threshold(probs, top_k, top_p, min_p)
     want = keep_threshold_ref(probs, top_k, top_p, min_p)
+    got = keep_threshold(probs, top_k, top_p, min_p, pivots=pivots)
     same = got == want
     # only a top-p crossing within fp32 rounding of the target may differ: the two sum in
     # different orders; then each must keep a set within one token of the other
@@ -61,6 +63,14 @@ def test_cut_is_the_samplers_distribution(seed):
     assert torch.allclose(cut / cut.sum(-1, keepdim=True), want, atol=1e-6)
 
 
+@pytest.mark.parametrize("pivots", [3, 1, 0, True, 4.0])
+def test_pivots_must_be_a_power_of_two(pivots):
+    probs = torch.rand(1, 5)
+    with pytest.raises(ValueError, match="pivots"):
+        keep_threshold(probs, torch.tensor([1]), torch.tensor([1.0]), torch.tensor([0.0]),
+                       pivots=pivots)
+
+
 @pytest.mark.parametrize("args, err, match", [
     ((torch.rand(2, 5, dtype=torch.float64),), TypeError, "probs"),
     ((torch.rand(5),), ValueError, "probs"),
@@ -80,7 +90,8 @@ def test_benchmark_suite_runs_quick():
 
     df = SUITES["sampling"](quick=True)
     assert list(df.columns[:len(COLUMNS)]) == COLUMNS
-    assert set(df.provider) == {"llmnote", "llmnote-sort", "torch-topk", "torch-argmax"}
+    assert set(df.provider) == {"llmnote", "llmnote-4piv", "llmnote-sort", "torch-topk",
+                                "torch-argmax"}
     assert set(df.setting) == {"k50-p0.9", "p0.9"} and set(df.metric) == {"time", "per_row"}
     assert not ((df.setting == "p0.9") & (df.provider == "torch-topk")).any()
     assert (df.p20 <= df.p50).all() and (df.p50 <= df.p80).all()

@@ -126,10 +126,14 @@ def _threshold_kernel(P, TOP_K, TOP_P, MIN_P, OUT, V, stride_p,
 
 
 def keep_threshold(probs: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
-                   min_p: torch.Tensor) -> torch.Tensor:
+                   min_p: torch.Tensor, pivots: int = NPIV) -> torch.Tensor:
     """:func:`keep_threshold_ref` without a sort: one Triton program per row (see the
     module's docstring). probs (R, V) fp32, non-negative; top_k (R,) int64; top_p and
-    min_p (R,) fp32 -> (R,) fp32."""
+    min_p (R,) fp32 -> (R,) fp32. ``pivots`` per pass (a power of two >= 2): fewer
+    means less work per pass and more passes."""
+    if isinstance(pivots, bool) or not isinstance(pivots, int) or pivots < 2 or (
+            pivots & (pivots - 1)):
+        raise ValueError(f"pivots must be a power of two >= 2, got {pivots!r}")
     if device.use_reference("keep_threshold"):
         return keep_threshold_ref(probs, top_k, top_p, min_p)
     _check(probs, top_k, top_p, min_p, backend_device=True)
@@ -137,5 +141,5 @@ def keep_threshold(probs: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
     out = torch.empty(r, dtype=torch.float32, device=probs.device)
     if r:
         _threshold_kernel[(r,)](probs, top_k, top_p, min_p, out, v, probs.stride(0),
-                                BLOCK=BLOCK, NPIV=NPIV, num_warps=8)
+                                BLOCK=BLOCK, NPIV=pivots, num_warps=8)
     return out
