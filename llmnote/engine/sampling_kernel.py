@@ -15,7 +15,8 @@ reduced over the block), so the interval shrinks ``NPIV + 1`` times a pass:
 about 8 passes a search with 16 pivots, instead of 31 for bisection.
 
 One program per row reads the row (4V bytes) once for the maximum and the sum,
-then once per pass, from L2 after the first. Tokens tied with the smallest kept
+then once per pass (a top-k pass only counts, a top-p pass only sums), and once
+between the two searches for the mass top-k kept. Tokens tied with the smallest kept
 one are all kept (a sort keeps some of a tie by position; ties of fp32
 probabilities are rare and either choice is a valid cut). Sorting-free sampling
 is what FlashInfer does (Xing et al., 2025, by rejection with pivots) and Qrita
@@ -68,11 +69,11 @@ def keep_threshold_ref(probs: torch.Tensor, top_k: torch.Tensor, top_p: torch.Te
 
 
 @triton.jit
-def _search(base, V, lo, hi, need, target, mass_lo, BY_COUNT: tl.constexpr,
-            BLOCK: tl.constexpr, NPIV: tl.constexpr):
+def _search(base, V, lo, hi, need, target, BY_COUNT: tl.constexpr, BLOCK: tl.constexpr,
+            NPIV: tl.constexpr):
     """The largest bit pattern t in [lo, hi) whose predicate holds (it holds at lo, not
-    at hi): count(p >= t) >= need (BY_COUNT) or mass(p >= t) >= target. Also returns
-    mass(p >= t)."""
+    at hi): count(p >= t) >= need (BY_COUNT) or mass(p >= t) >= target. Each pass
+    reads the row once and reduces only what its predicate needs."""
     j = tl.arange(0, NPIV)
     offs = tl.arange(0, BLOCK)
     while hi - lo > 1:
@@ -84,17 +85,18 @@ def _search(base, V, lo, hi, need, target, mass_lo, BY_COUNT: tl.constexpr,
         for start in range(0, V, BLOCK):
             p = tl.load(base + start + offs, mask=start + offs < V, other=-1.0)  # (BLOCK,)
             ge = p[:, None] >= pv[None, :]  # (BLOCK, NPIV)
-            cnt += tl.sum(ge.to(tl.int32), 0)
-            mass += tl.sum(tl.where(ge, p[:, None], 0.0), 0)
+            if BY_COUNT:
+                cnt += tl.sum(ge.to(tl.int32), 0)
+            else:
+                mass += tl.sum(tl.where(ge, p[:, None], 0.0), 0)
         if BY_COUNT:
             ok = cnt >= need
         else:
             ok = mass >= target
-        mass_lo = tl.min(tl.where(ok, mass, mass_lo), 0)  # mass falls as the pivot rises
-        new_lo = tl.max(tl.where(ok, piv, lo), 0)
+        new_lo = tl.max(tl.where(ok, piv, lo), 0)  # true for a prefix of the pivots
         hi = tl.min(tl.where(ok, hi, piv), 0)
         lo = new_lo
-    return lo, mass_lo
+    return lo
 
 
 @triton.jit
@@ -110,18 +112,24 @@ def _threshold_kernel(P, TOP_K, TOP_P, MIN_P, OUT, V, stride_p,
         top = tl.maximum(top, p)
         tot += p
     pmax = tl.max(top, 0)
-    total = tl.sum(tot, 0)
+    mass_k = tl.sum(tot, 0)
     k = tl.load(TOP_K + row)
     top_p = tl.load(TOP_P + row)
     floor = tl.load(MIN_P + row) * pmax
     hi0 = pmax.to(tl.int32, bitcast=True) + 1  # the predicates fail above the maximum
     t_k = hi0 * 0  # the bits of 0.0: keep all
-    mass_k = total
     if (k > 0) & (k < V):
-        t_k, mass_k = _search(base, V, t_k, hi0, k, 0.0, total, True, BLOCK, NPIV)
+        t_k = _search(base, V, t_k, hi0, k, 0.0, True, BLOCK, NPIV)
+        if top_p < 1.0:  # top-p's target is a share of what top-k kept: one more read
+            tk = t_k.to(tl.float32, bitcast=True)
+            acc = tl.zeros((BLOCK,), tl.float32)
+            for start in range(0, V, BLOCK):
+                p = tl.load(base + start + offs, mask=start + offs < V, other=0.0)
+                acc += tl.where(p >= tk, p, 0.0)
+            mass_k = tl.sum(acc, 0)
     t = tl.maximum(t_k, floor.to(tl.int32, bitcast=True))
     if top_p < 1.0:  # from max(T_k, floor): the predicate fails there only if T_p < floor
-        t, mass_k = _search(base, V, t, hi0, 0, top_p * mass_k, mass_k, False, BLOCK, NPIV)
+        t = _search(base, V, t, hi0, 0, top_p * mass_k, False, BLOCK, NPIV)
     tl.store(OUT + row, t.to(tl.float32, bitcast=True))
 
 
