@@ -9,7 +9,7 @@ from llmnote.engine.sampler import probabilities, sampling_tensors
 from llmnote.engine.sampling_kernel import keep_threshold, keep_threshold_ref
 
 
-def _rows(r, v, scale, seed):
+def _rows(r, v, scale, seed, dev="cpu"):
     g = torch.Generator().manual_seed(seed)
     probs = (torch.randn(r, v, generator=g) * scale).softmax(-1)
     top_k = torch.randint(-1, v + 2, (r,), generator=g)
@@ -17,14 +17,14 @@ def _rows(r, v, scale, seed):
     top_p = torch.rand(r, generator=g) * 0.9 + 0.1
     top_p[::3] = 1.0
     min_p = torch.where(torch.rand(r, generator=g) < 0.5, 0.0, torch.rand(r, generator=g) * 0.3)
-    return probs, top_k, top_p, min_p
+    return tuple(t.to(dev) for t in (probs, top_k, top_p, min_p))
 
 
 @pytest.mark.parametrize("r, v, scale, pivots", [
     (7, 33, 1.0, 16), (5, 517, 3.0, 16), (3, 1301, 0.5, 16), (1, 2, 1.0, 16), (6, 301, 2.0, 2),
     (4, 700, 1.0, 4)])
-def test_threshold_matches_the_sorting_reference(seed, r, v, scale, pivots):
-    probs, top_k, top_p, min_p = _rows(r, v, scale, seed)
+def test_threshold_matches_the_sorting_reference(seed, dev, r, v, scale, pivots):
+    probs, top_k, top_p, min_p = _rows(r, v, scale, seed, dev)
     want = keep_threshold_ref(probs, top_k, top_p, min_p)
     got = keep_threshold(probs, top_k, top_p, min_p, pivots=pivots)
     same = got == want
@@ -36,39 +36,38 @@ def test_threshold_matches_the_sorting_reference(seed, r, v, scale, pivots):
     assert same.float().mean() >= 0.8
 
 
-def test_threshold_edges():
-    probs = torch.tensor([[0.5, 0.25, 0.125, 0.125], [0.4, 0.3, 0.2, 0.1], [0.4, 0.3, 0.2, 0.1]])
+def test_threshold_edges(dev):
+    probs = torch.tensor([[0.5, 0.25, 0.125, 0.125], [0.4, 0.3, 0.2, 0.1], [0.4, 0.3, 0.2, 0.1]],
+                         device=dev)
     # top-k 3 with a tie at the 3rd place keeps both; top-p 0.7 keeps 0.4 + 0.3 (reaches it)
     # min-p 0.6 of 0.4 = 0.24 keeps 0.4 and 0.3
-    t = keep_threshold(probs, torch.tensor([3, -1, -1]), torch.tensor([1.0, 0.7, 1.0]),
-                       torch.tensor([0.0, 0.0, 0.6]))
+    args = [torch.tensor(a, device=dev) for a in ([3, -1, -1], [1.0, 0.7, 1.0], [0.0, 0.0, 0.6])]
+    t = keep_threshold(probs, *args)
     assert t.tolist() == [0.125, pytest.approx(0.3), pytest.approx(0.24)]
-    assert torch.equal(t, keep_threshold_ref(probs, torch.tensor([3, -1, -1]),
-                                             torch.tensor([1.0, 0.7, 1.0]),
-                                             torch.tensor([0.0, 0.0, 0.6])))
+    assert torch.equal(t, keep_threshold_ref(probs, *args))
 
 
-def test_cut_is_the_samplers_distribution(seed):
+def test_cut_is_the_samplers_distribution(seed, dev):
     torch.manual_seed(seed)
-    logits = torch.randn(4, 300) * 2
+    logits = torch.randn(4, 300, device=dev) * 2
     params = [SamplingParams(temperature=0.8, top_k=40, top_p=0.9),
               SamplingParams(top_p=0.6), SamplingParams(temperature=1.3, min_p=0.1),
               SamplingParams(temperature=0.5, top_k=7, top_p=0.95, min_p=0.02)]
-    st = sampling_tensors(params, [torch.Generator()] * 4, "cpu")
+    st = sampling_tensors(params, [torch.Generator(device=dev)] * 4, dev)
     want = probabilities(logits, st)
     plain = (logits / st.temperature[:, None]).softmax(-1)
-    min_p = torch.tensor([p.min_p for p in params])
+    min_p = torch.tensor([p.min_p for p in params], device=dev)
     t = keep_threshold(plain, st.top_k, st.top_p, min_p)
     cut = torch.where(plain >= t[:, None], plain, 0.0)
     assert torch.allclose(cut / cut.sum(-1, keepdim=True), want, atol=1e-6)
 
 
 @pytest.mark.parametrize("pivots", [3, 1, 0, True, 4.0])
-def test_pivots_must_be_a_power_of_two(pivots):
-    probs = torch.rand(1, 5)
+def test_pivots_must_be_a_power_of_two(pivots, dev):
+    probs = torch.rand(1, 5, device=dev)
+    args = [torch.tensor(a, device=dev) for a in ([1], [1.0], [0.0])]
     with pytest.raises(ValueError, match="pivots"):
-        keep_threshold(probs, torch.tensor([1]), torch.tensor([1.0]), torch.tensor([0.0]),
-                       pivots=pivots)
+        keep_threshold(probs, *args, pivots=pivots)
 
 
 @pytest.mark.parametrize("args, err, match", [
@@ -77,9 +76,9 @@ def test_pivots_must_be_a_power_of_two(pivots):
     ((torch.rand(2, 5), torch.tensor([1, 2, 3])), ValueError, "top_k"),
     ((torch.rand(2, 5), torch.tensor([1.0, 2.0])), TypeError, "top_k"),
 ])
-def test_bad_input(args, err, match):
-    full = list(args) + [torch.tensor([1, 1]), torch.tensor([1.0, 1.0]), torch.tensor([0.0, 0.0])][
-        len(args) - 1:]
+def test_bad_input(dev, args, err, match):
+    rest = [torch.tensor([1, 1]), torch.tensor([1.0, 1.0]), torch.tensor([0.0, 0.0])]
+    full = [t.to(dev) for t in list(args) + rest[len(args) - 1:]]
     with pytest.raises(err, match=match):
         keep_threshold(*full)
 
