@@ -7,8 +7,11 @@ with the sampler), by Pearson's chi-square test. scipy is not a dependency, so t
 p-value is the chi-square survival function written with the regularised upper
 incomplete gamma function: ``P(X2 >= x) = Q(dof / 2, x / 2)`` (``torch.special.gammaincc``).
 A token outside the support drawn even once fails outright. Cells expected fewer than 5
-times are pooled, so the chi-square approximation holds. The seeds are fixed, so each
-verdict is reproducible; ALPHA = 1e-4 is the false-alarm rate of each case.
+times are pooled, so the chi-square approximation holds. Beside it, a bound that needs
+no approximation: by Hoeffding's inequality and a union bound over the V tokens,
+``P(max_i |f_i - p_i| > eps) <= 2 V exp(-2 N eps^2)``, which is ALPHA for
+``eps = sqrt(ln(2 V / ALPHA) / (2 N))`` (0.018 here). The seeds are fixed, so each
+verdict is reproducible; ALPHA = 1e-4 is the false-alarm rate of each test.
 
 The test must also fail a wrong sampler: the same check runs on deliberately wrong
 variants (top-p that drops the token crossing ``top_p``, temperature applied after the
@@ -86,6 +89,13 @@ def p_value(counts: torch.Tensor, probs: list[float]) -> float:
                                          x2 / 2))
 
 
+def within_hoeffding(counts: torch.Tensor, probs: list[float]) -> bool:
+    """Every token's frequency within the exact (Hoeffding + union) bound of its p."""
+    eps = math.sqrt(math.log(2 * V / ALPHA) / (2 * N))
+    f = counts.double() / counts.sum()
+    return bool((f - torch.tensor(probs, dtype=torch.float64)).abs().max() <= eps)
+
+
 def draw(logits: torch.Tensor, p: SamplingParams, seed: int) -> torch.Tensor:
     """Token counts (V,) of N draws, all rows in one call of :func:`sample`."""
     g = torch.Generator().manual_seed(seed)
@@ -124,8 +134,10 @@ def test_sampler_matches_its_definition(name):
     got = probabilities(logits.float()[None], st)[0].double()
     assert torch.allclose(got, torch.tensor(want, dtype=torch.float64), atol=1e-6), (got, want)
     # and the draws from it
-    pv = p_value(draw(logits, p, seed=1000 + len(name)), want)
+    counts = draw(logits, p, seed=1000 + len(name))
+    pv = p_value(counts, want)
     assert pv > ALPHA, f"{name}: chi-square p = {pv:.3g}"
+    assert within_hoeffding(counts, want), name
 
 
 def test_greedy_with_penalties_takes_the_penalised_argmax():
@@ -166,10 +178,13 @@ def _repetition_divides_everything(logits, counts, seen, penalties):
 def test_the_test_rejects_a_wrong_sampler(monkeypatch, name, attr, wrong, p):
     logits = logits_row(1)
     want = reference(logits, p, PROMPT, OUTPUT)
-    assert p_value(draw(logits, p, seed=7), want) > ALPHA  # the right sampler passes
+    right = draw(logits, p, seed=7)
+    assert p_value(right, want) > ALPHA and within_hoeffding(right, want)  # the right one passes
     monkeypatch.setattr(sampler, attr, wrong)
-    pv = p_value(draw(logits, p, seed=7), want)
+    counts = draw(logits, p, seed=7)
+    pv = p_value(counts, want)
     assert pv < ALPHA, f"{name}: the wrong sampler passed (p = {pv:.3g})"
+    assert not within_hoeffding(counts, want), f"{name}: the wrong sampler is within the bound"
 
 
 def test_p_value_is_the_chi_square_tail():
