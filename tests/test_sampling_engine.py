@@ -137,3 +137,23 @@ def test_stop_strings(model, steps):
     never = llm.generate(["dcba"], SamplingParams(temperature=0, max_tokens=20, ignore_eos=True,
                                                   stop="zzzzzzzzzzzz"), use_tqdm=False)[0]
     assert never.finish_reason == "length" and never.text == text
+
+
+def test_prepared_counts_follow_the_drawn_tokens():
+    """``probabilities`` reads the counts; ``sample`` adds each drawn token to them, so a
+    batch prepared once for several steps penalises the tokens of its earlier steps."""
+    torch.manual_seed(0)
+    logits = torch.randn(2, 16)
+    p = SamplingParams(temperature=0, frequency_penalty=1.0)
+    gens = [torch.Generator()] * 2
+    # row 0: prompt [1], output [2]; row 1: prompt [3], no output yet
+    st = sampling_tensors([p, p], gens, "cpu", [([1, 2], 1), ([3], 1)])
+    pen = logits.clone()
+    pen[0, 2] -= 1.0
+    before = probabilities(logits, st)
+    assert torch.equal(probabilities(logits, st), before)  # reading changes nothing
+    assert torch.equal(before, torch.nn.functional.one_hot(pen.argmax(-1), 16).float())
+    for _ in range(4):
+        tokens = sample(logits, [p, p], gens, st)
+        assert torch.equal(tokens, pen.argmax(-1))
+        pen[torch.arange(2), tokens] -= 1.0  # the token drawn costs one more next step
