@@ -16,7 +16,9 @@ Requests are checked when submitted: an empty prompt, a prompt that leaves no
 room to generate within ``max_model_len``, token ids outside the vocabulary
 (those a tokenizer returns too), or a request whose prompt plus ``max_tokens``
 could not fit in the whole KV cache raise ``ValueError`` naming the request;
-requests already submitted are unaffected.
+requests already submitted are unaffected. Stop strings (``SamplingParams.stop``)
+are looked for in the decoded tail of the output after every token, so they need
+a tokenizer; the returned text ends before the stop string.
 
 Failures leave the engine usable. :meth:`LLM.abort` ends a request
 (``finish_reason == "abort"``) and frees its KV blocks. An exception raised
@@ -245,6 +247,9 @@ class LLM:
         if not isinstance(params, SamplingParams):
             raise TypeError(f"{where}: params must be a SamplingParams, "
                             f"got {type(params).__name__}")
+        if params.stop and self.tokenizer is None:
+            raise ValueError(f"{where}: stop strings {params.stop!r} need a tokenizer to read "
+                             "the output text; use stop_token_ids or LLM(..., tokenizer=...)")
         ids, text = self._encode(prompt, where)
         if not ids:
             raise ValueError(f"{where}: the prompt is empty; at least one token is needed")
@@ -387,7 +392,12 @@ class LLM:
     def _finish_step(self, batch: ScheduledBatch, chunks: list, sampled: dict[int, int]
                      ) -> list[Sequence]:
         """Append the sampled tokens, finish what stops, log the step."""
-        got = self.scheduler.postprocess(batch, sampled, self.eos_token_ids, time.perf_counter())
+        now = time.perf_counter()
+        got = self.scheduler.postprocess(batch, sampled, self.eos_token_ids, now)
+        for s in got:
+            if s.params.stop and not s.is_finished and self._stop_at(s) is not None:
+                s.metrics.finished = now
+                self.scheduler.finish(s, "stop")
         live, held = self.scheduler.live_slots()  # after the step: its keys are written
         # the slots a contiguous reservation of prompt + max_tokens per request would hold
         contiguous = sum(s.num_prompt_tokens + s.params.max_tokens for s in self.scheduler.running)
@@ -407,12 +417,26 @@ class LLM:
     def _decode(self, ids: list[int]) -> str | None:
         return None if self.tokenizer is None else self.tokenizer.decode(ids)
 
+    def _stop_at(self, seq: Sequence, text: str | None = None) -> int | None:
+        """Where the first of ``seq``'s stop strings starts in ``text`` (by default the
+        decoded tail of its output: enough tokens for the longest stop string, each token
+        being at least a byte; one checked after every token is never missed), or None."""
+        if text is None:
+            n = max(len(x.encode()) for x in seq.params.stop) + 1
+            text = self._decode(seq.output_ids[-n:])
+        found = [i for i in (text.find(x) for x in seq.params.stop) if i >= 0]
+        return min(found) if found else None
+
     def output(self, request: Sequence | int) -> RequestOutput:
         """The output so far of a request (a Sequence or a request id)."""
         seq = self.requests[request] if isinstance(request, int) else request
+        text = self._decode(seq.output_ids)
+        if seq.params.stop and text is not None:  # the text ends before a stop string
+            cut = self._stop_at(seq, text)
+            text = text if cut is None else text[:cut]
         return RequestOutput(
             seq.seq_id, seq.prompt, seq.token_ids[:seq.num_prompt_tokens], seq.output_ids,
-            self._decode(seq.output_ids), seq.finish_reason, seq.metrics.ttft,
+            text, seq.finish_reason, seq.metrics.ttft,
             seq.metrics.tpot(seq.num_output_tokens), seq.metrics.num_cached_prompt_tokens,
             seq.metrics.num_preemptions)
 

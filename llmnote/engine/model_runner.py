@@ -309,5 +309,6 @@ class ModelRunner(CudaGraphs, GraphTuning, MultiStep, Batch1Paths):
         if not sampling:
             return {}
         gens = [self.generator(s.seq_id, s.params.seed) for s in sampling]
-        tokens = sample(logits, [s.params for s in sampling], gens).tolist()  # the step's sync
+        hist = [(s.token_ids, s.num_prompt_tokens) for s in sampling]  # for the penalties
+        tokens = sample(logits, [s.params for s in sampling], gens, histories=hist).tolist()
         return {s.seq_id: tok for s, tok in zip(sampling, tokens)}

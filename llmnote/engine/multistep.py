@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from llmnote.engine.attention import AttentionMetadata
-from llmnote.engine.sampler import sample, sampling_tensors
+from llmnote.engine.sampler import SamplingTensors, sample, sampling_tensors
 from llmnote.engine.scheduler import ScheduledBatch
 
 
@@ -32,6 +32,7 @@ class DecodeRun:
     tokens: torch.Tensor
     done: torch.cuda.Event | None
     last: torch.Tensor
+    prepared: SamplingTensors | None = None
 
 
 class MultiStep:
@@ -53,7 +54,10 @@ class MultiStep:
         seqs = [seq for seq, _ in batch.items]
         gens = [self.generator(s.seq_id, s.params.seed) for s in seqs]
         params = [s.params for s in seqs]
-        prepared = sampling_tensors(params, gens, self.device)
+        # a continued run keeps its run's tensors: their penalty counts hold the tokens
+        # the host has not read yet
+        prepared = (prev.prepared if prev is not None else sampling_tensors(
+            params, gens, self.device, [(s.token_ids, s.num_prompt_tokens) for s in seqs]))
         size = self._graph_size(batch)
         self.num_decode_runs += 1
         if size is not None:
@@ -75,7 +79,8 @@ class MultiStep:
             host.copy_(self.g_step.tokens[:steps], non_blocking=True)
             done = torch.cuda.Event()
             done.record()
-            return DecodeRun(batch, steps, host[:, :b], done, self.g_step.tokens[steps - 1, :b])
+            return DecodeRun(batch, steps, host[:, :b], done, self.g_step.tokens[steps - 1, :b],
+                             prepared)
         ids = prev.last if prev is not None else None
         out_ids = []
         for t in range(steps):  # eager: the same steps through the model runner's forward
@@ -84,7 +89,7 @@ class MultiStep:
                 logits = self.forward(ids, pos, meta, list(range(b)))
             ids = sample(logits, params, gens, prepared)
             out_ids.append(ids)
-        return DecodeRun(batch, steps, torch.stack(out_ids), None, ids)
+        return DecodeRun(batch, steps, torch.stack(out_ids), None, ids, prepared)
 
     def collect(self, run: DecodeRun) -> list[dict[int, int]]:
         """Wait for a run's tokens; ``seq_id -> token`` per step. The caller drops what

@@ -1,12 +1,23 @@
 """How one request is decoded: :class:`SamplingParams`, checked when built.
 
-``temperature = 0`` is greedy decoding (argmax). Otherwise the logits are
-divided by the temperature, cut to the ``top_k`` largest (``top_k = -1``: all)
-and to the smallest set whose probability reaches ``top_p`` (nucleus sampling,
-Holtzman et al., 2020), and a token is drawn. ``seed`` gives the request its
-own random generator, so its tokens do not depend on what else is batched with
-it. Generation stops at ``max_tokens`` new tokens, at the model's end-of-text
-token (unless ``ignore_eos``) or at any of ``stop_token_ids``.
+``temperature = 0`` is greedy decoding (argmax). Otherwise, in this order (the
+order of Hugging Face's logits processors): the penalties change the logits,
+the logits are divided by the temperature, cut to the ``top_k`` largest
+(``top_k = -1``: all), to the smallest set whose probability reaches ``top_p``
+(nucleus sampling, Holtzman et al., 2020) and to the tokens at least ``min_p``
+times as probable as the best one (min-p sampling, Nguyen et al., 2024), and a
+token is drawn. The penalties act on greedy requests too.
+
+``repetition_penalty`` (CTRL, Keskar et al., 2019, as Hugging Face defines it)
+divides the positive logits and multiplies the negative ones of every token
+already in the prompt or the output. ``frequency_penalty`` and
+``presence_penalty`` (OpenAI's definitions) subtract ``frequency * count +
+presence * (count > 0)`` from each token's logit, ``count`` its occurrences in
+the output. ``seed`` gives the request its own random generator, so its tokens
+do not depend on what else is batched with it. Generation stops at
+``max_tokens`` new tokens, at the model's end-of-text token (unless
+``ignore_eos``), at any of ``stop_token_ids``, or once the output text
+contains one of the strings ``stop`` (the text returned ends before it).
 """
 
 from __future__ import annotations
@@ -15,6 +26,14 @@ import math
 from dataclasses import dataclass, field
 
 from llmnote.engine._check import check_int
+
+
+def _check_float(name: str, value: object, lo: float, hi: float, lo_open: bool = False) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name} must be a number, got {type(value).__name__} {value!r}")
+    if not math.isfinite(value) or value > hi or value < lo or (lo_open and value == lo):
+        where = f"({lo}, {hi}]" if lo_open else f"[{lo}, {hi}]"
+        raise ValueError(f"{name} must lie in {where}, got {value!r}")
 
 
 @dataclass(frozen=True)
@@ -26,6 +45,11 @@ class SamplingParams:
     ignore_eos: bool = False
     stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
     seed: int | None = None
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    stop: tuple[str, ...] = field(default_factory=tuple)
 
     def __post_init__(self) -> None:
         t = self.temperature
@@ -49,7 +73,26 @@ class SamplingParams:
         object.__setattr__(self, "stop_token_ids", stops)
         if self.seed is not None:
             check_int("seed", self.seed, min_value=0)
+        _check_float("min_p", self.min_p, 0.0, 1.0)
+        # a penalty of 0 would zero every seen logit; huge ones overflow nothing but mean nothing
+        _check_float("repetition_penalty", self.repetition_penalty, 0.0, 100.0, lo_open=True)
+        _check_float("frequency_penalty", self.frequency_penalty, -2.0, 2.0)
+        _check_float("presence_penalty", self.presence_penalty, -2.0, 2.0)
+        strs = (self.stop,) if isinstance(self.stop, str) else self.stop
+        if isinstance(strs, bytes) or not hasattr(strs, "__iter__"):
+            raise TypeError(f"stop must be a string or a sequence of strings, got {self.stop!r}")
+        strs = tuple(strs)
+        for s in strs:
+            if not isinstance(s, str) or not s:
+                raise ValueError(f"stop must hold non-empty strings, got {s!r} in {strs!r}")
+        object.__setattr__(self, "stop", strs)
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+    @property
+    def penalized(self) -> bool:
+        """Some penalty changes the logits (they then depend on the tokens so far)."""
+        return (self.repetition_penalty != 1.0 or self.frequency_penalty != 0.0
+                or self.presence_penalty != 0.0)

@@ -23,8 +23,8 @@ step of under a millisecond. Both now live inside the graph:
   pairs, writes the token and sets the counter back to zero for the next call.
   Ties resolve to the smallest index, as ``torch.argmax`` does.
 
-Rows that sample (temperature > 0) overwrite their token from the host side
-sampler after the replay (:func:`llmnote.engine.sampler.sample`); greedy
+Rows that sample (temperature > 0, or a penalty) overwrite their token from the host
+side sampler after the replay (:func:`llmnote.engine.sampler.sample`); greedy
 batches never leave the device until the run's one read of the token buffer.
 Both kernels have a plain-PyTorch reference of the same signature.
 """
