@@ -34,10 +34,22 @@ BACKENDS = ("triton", "interpreter", "reference")
 MIN_CAPABILITY = (8, 0)  # every kernel runs compiled from here on
 
 
+@functools.cache
+def _cuda_available() -> bool:
+    return torch.cuda.is_available()  # (asks the driver each time: kernels' launch path)
+
+
+@functools.cache
+def _capability_of(index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
+
+
 def _cuda_capability() -> tuple[int, int] | None:
-    if not torch.cuda.is_available():
+    """The current GPU's compute capability (None without one); called on every kernel
+    launch, so both answers are cached (neither changes within a process)."""
+    if not _cuda_available():
         return None
-    return torch.cuda.get_device_capability()
+    return _capability_of(torch.cuda.current_device())
 
 
 def _triton_importable() -> bool:

@@ -82,7 +82,8 @@ class TuneCache:
         out = [c for c, _ in timed[:self.keep]]
         return out or ([self.chosen[key]] if key in self.chosen else [])
 
-    def tune(self, key: Hashable, candidates: list, launch: Callable[[Any], object], *,
+    def tune(self, key: Hashable, candidates: list | Callable[[], list],
+             launch: Callable[[Any], object], *,
              timing: bool = True) -> Any:
         """The config of ``key``: the chosen one, else the fastest of ``candidates`` by timing
         ``launch(config)`` (only when ``timing``, which the caller makes false off the GPU,
@@ -91,6 +92,8 @@ class TuneCache:
         self.note(key)
         if key in self.chosen:
             return self.chosen[key]
+        if callable(candidates):  # built only on a key's first call (launch cost)
+            candidates = candidates()
         if len(candidates) > 1 and timing and not torch.cuda.is_current_stream_capturing():
             cfg = self._fastest(key, candidates, launch)
         else:

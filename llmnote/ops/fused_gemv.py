@@ -159,7 +159,8 @@ def _run(prologue: Prologue, x, r, nw, weight, bias, y, h, eps: float, k: int, c
             **_meta(m, k, x.dtype, cfg))
 
     if config is None:
-        config = _tuned(_key(m, n, k, x, int(prologue), bias), candidates(m, n, k, prologue), launch, x.is_cuda)
+        config = _tuned(_key(m, n, k, x, int(prologue), bias), lambda: candidates(m, n, k, prologue), launch,
+                        x.is_cuda)
     launch(config)
 
 

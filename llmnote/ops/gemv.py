@@ -218,8 +218,9 @@ def set_config(key: tuple, config: GemvConfig) -> None:
     TUNING.set(key, config)
 
 
-def _tuned(key: tuple, cands: list[GemvConfig], launch, on_cuda: bool) -> GemvConfig:
-    """The config of ``key``, timed among ``cands`` on its first call (on a GPU)."""
+def _tuned(key: tuple, cands, launch, on_cuda: bool) -> GemvConfig:
+    """The config of ``key``, timed among ``cands`` (a list, or a function making it on
+    the key's first call) on its first call (on a GPU)."""
     return TUNING.tune(key, cands, launch, timing=GEMV_AUTOTUNE and on_cuda)
 
 
@@ -278,7 +279,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
             HAS_BIAS=bias is not None, **_meta(m, k, x.dtype, cfg))
 
     if config is None:
-        config = _tuned(_key(m, n, k, x, 0, bias), candidates(m, n, k), launch, x.is_cuda)
+        config = _tuned(_key(m, n, k, x, 0, bias), lambda: candidates(m, n, k), launch, x.is_cuda)
     launch(config)
     return y
 

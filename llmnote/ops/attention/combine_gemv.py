@@ -135,7 +135,13 @@ def combine_gemv(part: torch.Tensor, lpart: torch.Tensor, weight: torch.Tensor, 
     if config is None:
         cands = [INTERPRETER_CONFIG._replace(block_k=0)] if device.interpreting() else COMBINE_CANDIDATES
         key = ("combine", n, h, s, d, weight.dtype, bias is not None, part.device, _pdl.enabled())
-        scratch = torch.empty_like(out)  # tuning adds into this, not into out
-        config = _tuned(key, cands, lambda c: launch(c, scratch), part.is_cuda)
+        scratch: list[torch.Tensor] = []  # tuning adds into this, not into out
+
+        def timed(c: GemvConfig) -> None:
+            if not scratch:  # made on a key's first call only
+                scratch.append(torch.empty_like(out))
+            launch(c, scratch[0])
+
+        config = _tuned(key, cands, timed, part.is_cuda)
     launch(config, out)
     return out
