@@ -37,6 +37,7 @@ from llmnote.models.llama import Llama, LlamaOps
 from llmnote.models.loader import CheckpointError, load_pretrained, save_pretrained
 
 CHECKPOINT_DIR = Path(__file__).resolve().parent.parent / "data" / "shakespeare"
+DRAFT_DIR = CHECKPOINT_DIR.parent / "shakespeare-draft"  # its draft for speculative decoding
 EOS_TOKEN = "<|endoftext|>"  # ends (and separates) documents; also the BOS token
 CONFIG, WEIGHTS, TOKENIZER = "config.json", "model.safetensors", "tokenizer.json"
 TOKENIZER_CONFIG, CHECKSUMS, VALIDATION = "tokenizer_config.json", "SHA256SUMS", "validation.txt"
