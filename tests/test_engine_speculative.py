@@ -391,3 +391,29 @@ def test_unsupported_sampling_is_refused(near):
     with pytest.raises(ValueError, match="prompt 0: SamplingParams.repetition_penalty"):
         llm.generate([[1, 2, 3]], Penalised(repetition_penalty=1.2), use_tqdm=False)
     assert not llm.has_unfinished()
+
+
+@pytest.mark.parametrize("method", ["draft", "ngram"])
+def test_greedy_replay_reproduces_the_engine_counters(near, method):
+    """llmnote.bench.suites.speculative.greedy_counts replays greedy speculation from the
+    final tokens (what the chapter plots for every k); it must read what the engine's
+    counters read."""
+    from llmnote.bench.suites.speculative import draft_guess, greedy_counts, ngram_guess
+
+    model, draft = near
+    prompts = _prompts(13)
+    k = 3
+    cfg = engine_config("chunked+cache").replace(max_num_batched_tokens=256)  # one prefill
+    llm = LLM(model, device="cpu", config=cfg,
+              speculative=SpeculativeConfig(method, k, draft if method == "draft" else None))
+    outs = llm.generate(prompts, GREEDY, use_tqdm=False)
+    tot = dict(steps=0, proposed=0, accepted=0, refused=0, emitted=0)
+    for p, o in zip(prompts, outs):
+        toks = p + o.token_ids
+        g = draft_guess(draft, toks) if method == "draft" else ngram_guess(toks)
+        for key, v in greedy_counts(toks, len(p), k, g).items():
+            tot[key] += v
+    st = llm.speculator.stats
+    assert (tot["proposed"], tot["accepted"], tot["refused"], tot["emitted"]) == (
+        st.proposed, st.accepted, st.refused, st.emitted)
+    assert tot["steps"] == st.sequence_steps

@@ -187,8 +187,6 @@ class Scheduler:
                 return None  # a prefill chunk (or a recompute after preemption)
             ks.append(max(0, min(most, seq.params.max_tokens - seq.num_output_tokens - 1,
                                  self.max_model_len - len(seq) - 1)))
-        if not any(ks):
-            return None
         need = sum(max(self.blocks.blocks_for(s.num_computed + 1 + j) - len(s.block_table), 0)
                    for (s, _), j in zip(batch.items, ks))
         if need > self.blocks.num_free:

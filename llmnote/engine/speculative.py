@@ -28,7 +28,7 @@ The blocks reserved for guesses that were refused are given back after each step
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import MISSING, dataclass, fields
 from pathlib import Path
 
 import numpy as np
@@ -75,10 +75,12 @@ class SpeculativeConfig:
 def check_params(params: SamplingParams, where: str) -> None:
     """Refuse sampling settings that speculation cannot keep exact: any SamplingParams field
     outside :data:`EXACT_FIELDS` set away from its default (a penalty, say)."""
-    defaults = SamplingParams()
     for f in fields(params):
+        if f.name in EXACT_FIELDS:
+            continue
+        default = f.default_factory() if f.default is MISSING else f.default
         value = getattr(params, f.name)
-        if f.name not in EXACT_FIELDS and value != getattr(defaults, f.name):
+        if value != default:
             raise ValueError(
                 f"{where}: SamplingParams.{f.name}={value!r} is not supported with speculative "
                 f"decoding (its distribution could not be kept exact); supported: "

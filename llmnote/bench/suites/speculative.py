@@ -100,6 +100,74 @@ def acceptance(method: str, ks: list[int], batch: int = 4, max_tokens: int = 48,
     return pd.DataFrame(rows)
 
 
+def greedy_counts(tokens: list[int], num_prompt: int, k: int, guess) -> dict:
+    """Speculative steps of one greedy sequence replayed from its final ``tokens`` (prompt
+    then output): what the engine's counters would read, without running it. The first
+    output token comes from the prefill; then each step at length ``t`` may guess
+    ``min(k, len(tokens) - t - 1)`` tokens, ``guess(t, n)`` returns the guesses, and the
+    kept ones are those equal to ``tokens[t:]`` up to the first difference (greedy
+    verification keeps exactly those)."""
+    c = dict(steps=0, proposed=0, accepted=0, refused=0, emitted=0)
+    t = num_prompt + 1
+    while t < len(tokens):
+        n = min(k, len(tokens) - t - 1)
+        g = guess(t, n) if n else []
+        kept = 0
+        while kept < len(g) and g[kept] == tokens[t + kept]:
+            kept += 1
+        c["steps"] += 1
+        c["proposed"] += len(g)
+        c["accepted"] += kept
+        c["refused"] += kept < len(g)
+        c["emitted"] += kept + 1
+        t += kept + 1
+    return c
+
+
+def draft_guess(draft, tokens: list[int]):
+    """``guess(t, n)`` of a draft model for :func:`greedy_counts`: one forward of the draft
+    over ``tokens`` gives its argmax after every prefix; while its guesses equal the
+    tokens, a chain of its own guesses is that argmax, so the kept count is exact."""
+    with torch.no_grad():
+        dev = next(draft.parameters()).device
+        best = draft(torch.tensor([tokens], device=dev))[0].argmax(-1).tolist()
+
+    def guess(t: int, n: int) -> list[int]:
+        # the argmax after tokens[:t + j]: right up to the first miss; the later entries
+        # stand in for guesses that are refused whatever they are
+        return best[t - 1:t - 1 + n]
+
+    return guess
+
+
+def ngram_guess(tokens: list[int], ngram_max: int = 3, ngram_min: int = 1):
+    """``guess(t, n)`` of prompt lookup for :func:`greedy_counts`."""
+    from llmnote.engine.speculative import propose_ngram
+
+    return lambda t, n: propose_ngram(tokens[:t], n, ngram_max, ngram_min)
+
+
+def greedy_acceptance(outputs: list[tuple[list[int], int]], ks: list[int], draft=None
+                      ) -> pd.DataFrame:
+    """Acceptance of the draft model (``draft``) and of prompt lookup on greedy sequences
+    ``(tokens, num_prompt)``, for every k, by :func:`greedy_counts`: rows ``method, k,
+    acceptance_rate, alpha, tokens_per_step``."""
+    rows = []
+    for method in (("draft", "ngram") if draft is not None else ("ngram",)):
+        guesses = [draft_guess(draft, t) if method == "draft" else ngram_guess(t)
+                   for t, _ in outputs]
+        for k in ks:
+            tot = dict(steps=0, proposed=0, accepted=0, refused=0, emitted=0)
+            for (toks, n), g in zip(outputs, guesses):
+                for key, v in greedy_counts(toks, n, k, g).items():
+                    tot[key] += v
+            rows.append({"method": method, "k": k,
+                         "acceptance_rate": tot["accepted"] / max(tot["proposed"], 1),
+                         "alpha": tot["accepted"] / max(tot["accepted"] + tot["refused"], 1),
+                         "tokens_per_step": tot["emitted"] / max(tot["steps"], 1)})
+    return pd.DataFrame(rows)
+
+
 def run(quick: bool = False, batches: list[int] | None = None, ks: list[int] | None = None,
         max_tokens: int | None = None, reps: int = 3) -> pd.DataFrame:
     """The sweep (quick: batch 1, k = 2 and 4, 32 tokens: a notebook's live run)."""
