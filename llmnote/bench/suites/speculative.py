@@ -175,7 +175,7 @@ def run(quick: bool = False, batches: list[int] | None = None, ks: list[int] | N
 
     batches = batches or ([1] if quick else BATCHES)
     ks = ks or ([2, 4] if quick else KS)
-    max_tokens = max_tokens or (32 if quick else 128)
+    max_tokens = max_tokens or (32 if quick else 96)
     env = environment()
     rows = []
     base: dict[int, float] = {}
