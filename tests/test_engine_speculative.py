@@ -12,6 +12,7 @@ import os
 import pytest
 import torch
 
+from llmnote import device
 from llmnote.engine import LLM, EngineConfig, SamplingParams, ScheduledBatch, Scheduler, Sequence
 from llmnote.engine.speculative import (
     SpeculativeConfig,
@@ -417,3 +418,25 @@ def test_greedy_replay_reproduces_the_engine_counters(near, method):
     assert (tot["proposed"], tot["accepted"], tot["refused"], tot["emitted"]) == (
         st.proposed, st.accepted, st.refused, st.emitted)
     assert tot["steps"] == st.sequence_steps
+
+
+@pytest.mark.skipif(not device.on_gpu(), reason="needs a GPU (CUDA graphs, compiled kernels)")
+@pytest.mark.parametrize("method", ["draft", "ngram"])
+def test_speculation_replays_cuda_graphs_on_gpu(near, method):
+    """On a GPU: the draft's steps and the verification (one-token rows) replay CUDA
+    graphs, non-speculating steps too, and the greedy tokens are the plain engine's."""
+    model = copy.deepcopy(near[0]).to("cuda")
+    draft = copy.deepcopy(near[1]).to("cuda") if method == "draft" else None
+    cfg = EngineConfig(block_size=16, max_model_len=128, max_num_seqs=16, num_blocks=64,
+                       cuda_graphs=True)
+    prompts = _prompts(17)
+    want = [o.token_ids for o in LLM(model, config=cfg).generate(prompts, GREEDY,
+                                                                 use_tqdm=False)]
+    llm = LLM(model, config=cfg, speculative=SpeculativeConfig(method, 3, draft))
+    assert [o.token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)] == want
+    assert llm.runner.num_graph_steps >= llm.speculator.stats.steps > 0
+    if draft is not None:
+        assert llm.speculator.draft.num_graph_steps > 0
+    sampled = SamplingParams(temperature=0.8, top_p=0.9, max_tokens=16, ignore_eos=True, seed=1)
+    assert all(len(o.token_ids) == 16 for o in llm.generate(prompts, sampled, use_tqdm=False))
+    _check_blocks(llm)
