@@ -25,6 +25,14 @@ slower GPU anneals earlier instead of overrunning.
     python tools/train_shakespeare.py --out .out/shakespeare           # GPU, defaults
     python tools/train_shakespeare.py --device cpu --max-minutes 1 --hidden 64 \\
         --layers 2 --heads 4 --kv-heads 2 --intermediate 128 --seq-len 64 --batch-size 8
+
+The draft model for speculative decoding (``llmnote/data/shakespeare-draft``) reuses the
+shipped tokenizer (``--tokenizer``); it was trained on one CPU core with
+``--device cpu --tokenizer llmnote/data/shakespeare --name llmnote-shakespeare-draft
+--max-minutes 14 --reserve-seconds 90 --hidden 128 --layers 2 --heads 4 --kv-heads 2
+--intermediate 384 --seq-len 512 --batch-size 8 --epochs 3 --dropout 0.0 --lr 2e-3
+--warmup 50 --eval-every 100 --dev-max-tokens 8192`` (and ``--about``, a paragraph of its
+card), under ``OMP_NUM_THREADS=1``.
 """
 
 from __future__ import annotations

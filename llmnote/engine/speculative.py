@@ -214,8 +214,9 @@ def load_draft(config: SpeculativeConfig, target, target_tokenizer, seed: int):
     from llmnote.models.shakespeare import DRAFT_DIR
 
     p = next(target.parameters())
-    draft = DRAFT_DIR if isinstance(config.draft, str) and config.draft == "shakespeare-draft" \
-        else config.draft
+    draft = config.draft
+    if isinstance(draft, str) and draft == "shakespeare-draft":
+        draft = DRAFT_DIR
     if isinstance(draft, (str, Path)) and Path(draft) == DRAFT_DIR:
         from llmnote.models.shakespeare import load_shakespeare
 
