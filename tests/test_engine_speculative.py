@@ -440,3 +440,60 @@ def test_speculation_replays_cuda_graphs_on_gpu(near, method):
     sampled = SamplingParams(temperature=0.8, top_p=0.9, max_tokens=16, ignore_eos=True, seed=1)
     assert all(len(o.token_ids) == 16 for o in llm.generate(prompts, sampled, use_tqdm=False))
     _check_blocks(llm)
+
+
+def _lumped_pvalue(counts: torch.Tensor, probs: torch.Tensor, min_expected: float = 5.0) -> float:
+    """Chi-square p-value with the cells expected below ``min_expected`` lumped into one."""
+    n = counts.sum()
+    small = n * probs < min_expected
+    c = torch.cat([counts[~small], counts[small].sum()[None]])
+    p = torch.cat([probs[~small], probs[small].sum()[None]])
+    keep = p > 0
+    return _chi2_pvalue(c[keep], p[keep])
+
+
+def test_engine_samples_follow_the_model_distribution():
+    """End to end, through the engine: 1 200 seeded requests of 3 tokens from one prompt
+    on an 8-token vocabulary, a random draft guessing k = 2. The pairs (token 1, token 2)
+    (token 2 comes from a verifying step) and token 3 are distributed as the model's
+    temperature-0.7, top-5 distribution (chi-square against the exact probabilities);
+    the same counts against the draft's distribution are rejected."""
+    cfg = dataclasses.replace(get_preset("llama-tiny"), vocab_size=8, max_position_embeddings=64)
+    torch.manual_seed(0)
+    target = Llama(cfg).eval()
+    draft = Llama(dataclasses.replace(cfg, num_hidden_layers=1, hidden_size=32,
+                                      intermediate_size=64)).eval()
+    with torch.no_grad():
+        for m in (target, draft):
+            for name, p in m.named_parameters():
+                if "norm" not in name:
+                    p.normal_(0, 0.3)
+    prompt, n = [1, 2, 3], 1200
+    ecfg = EngineConfig(block_size=4, max_num_seqs=400, cpu_num_blocks=1024,
+                        max_num_batched_tokens=2048)
+    llm = LLM(target, device="cpu", config=ecfg,
+              speculative=SpeculativeConfig("draft", k=2, draft=draft))
+    params = [SamplingParams(temperature=0.7, top_k=5, max_tokens=3, ignore_eos=True, seed=i)
+              for i in range(n)]
+    outs = [o.token_ids for o in llm.generate([prompt] * n, params, use_tqdm=False)]
+    st = llm.speculator.stats
+    assert 0 < st.accepted < st.proposed  # kept and refused guesses both happened
+    _check_blocks(llm)
+
+    def dist(model, contexts):  # (len(contexts), 8): temperature 0.7, the 5 best kept
+        with torch.no_grad():
+            logits = model(torch.tensor(contexts))[:, -1].double() / 0.7
+        cut = logits.topk(5, dim=-1).values[:, -1:]
+        return logits.masked_fill(logits < cut, float("-inf")).softmax(-1)
+
+    for model, expect_fit in ((target, True), (draft, False)):
+        p1 = dist(model, [prompt])[0]
+        p2 = dist(model, [prompt + [a] for a in range(8)])  # (8, 8)
+        joint = (p1[:, None] * p2).flatten()  # (t1, t2)
+        p3 = dist(model, [prompt + [a, b] for a in range(8) for b in range(8)])  # (64, 8)
+        third = (joint[:, None] * p3).sum(0)
+        pairs = torch.bincount(torch.tensor([8 * o[0] + o[1] for o in outs]), minlength=64)
+        thirds = torch.bincount(torch.tensor([o[2] for o in outs]), minlength=8)
+        pv = min(_lumped_pvalue(pairs.double(), joint), _lumped_pvalue(thirds.double(), third))
+        print(f"{'model' if expect_fit else 'draft'}: p-value {pv:.3g}")
+        assert (pv > 1e-4) if expect_fit else (pv < 1e-6), pv
