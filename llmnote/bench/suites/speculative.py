@@ -10,7 +10,9 @@ request's ``tpot`` (first token to last over the tokens after the first: prefill
 excluded), median and 20/80% over the requests of ``reps`` runs after a warm-up run.
 
 Rows (``bench = "speculative"``, ``x_name = "k"``, 0 for the engine without
-speculation; providers ``llmnote``, ``llmnote-draft``, ``llmnote-ngram``):
+speculation; providers ``llmnote`` (the default engine), ``llmnote-1step`` (the same
+with ``decode_steps=1``: one decode step per host read, as a speculative engine runs),
+``llmnote-draft``, ``llmnote-ngram``):
 
 * ``time``: ms per output token;
 * ``speedup``: the same batch's ``llmnote`` time over this one;
@@ -179,28 +181,31 @@ def run(quick: bool = False, batches: list[int] | None = None, ks: list[int] | N
     env = environment()
     rows = []
     base: dict[int, float] = {}
-    for method in (None, *METHODS):
-        for k in ([0] if method is None else ks):
-            llm = LLM("shakespeare", speculative=spec_config(method, k))
-            provider = "llmnote" if method is None else f"llmnote-{method}"
-            for b in batches:
-                t, counts = measure(llm, b, max_tokens, reps)
-                if method is None:
-                    base[b] = t.p50
-                extra = {"batch": b, "model": "shakespeare",
-                         "draft": "shakespeare-draft" if method == "draft" else "",
-                         "max_tokens": max_tokens, "prompt_tokens": 32}
-                speed = {"speedup": ("x", lambda x, ms, b=b: base[b] / ms)}
-                rows += rows_for(BENCH, provider, "k", k, t, speed, extra, env)
-                for name, value in counts.items():
-                    rows += rows_for(BENCH, provider, "k", k, Timing(value, value, value), {},
-                                     extra, env)[:1]
-                    rows[-1].update(metric=name, unit="tokens" if name == "tokens_per_step"
-                                    else "fraction")
-                print(f"{BENCH}: {provider} k={k} batch {b}: {t.p50:.3f} ms/token "
-                      f"({base[b] / t.p50:.2f}x) {counts}")
-            llm.close()
-            gc.collect()
-            if torch.cuda.is_available():
-                torch.cuda.empty_cache()
+    # the engine as a user builds it; the same with one decode step per host read (on a
+    # GPU the default runs several, see EngineConfig.decode_steps, while a speculative
+    # engine reads the host every step); then each proposer and k
+    variants = [("llmnote", None, 0, {}), ("llmnote-1step", None, 0, {"decode_steps": 1})]
+    variants += [(f"llmnote-{m}", m, k, {}) for m in METHODS for k in ks]
+    for provider, method, k, overrides in variants:
+        llm = LLM("shakespeare", speculative=spec_config(method, k), **overrides)
+        for b in batches:
+            t, counts = measure(llm, b, max_tokens, reps)
+            if provider == "llmnote":
+                base[b] = t.p50
+            extra = {"batch": b, "model": "shakespeare",
+                     "draft": "shakespeare-draft" if method == "draft" else "",
+                     "max_tokens": max_tokens, "prompt_tokens": 32}
+            speed = {"speedup": ("x", lambda x, ms, b=b: base[b] / ms)}
+            rows += rows_for(BENCH, provider, "k", k, t, speed, extra, env)
+            for name, value in counts.items():
+                row = rows_for(BENCH, provider, "k", k, Timing(value, value, value), {},
+                               extra, env)[0]
+                row.update(metric=name, unit="tokens" if name == "tokens_per_step" else "fraction")
+                rows.append(row)
+            print(f"{BENCH}: {provider} k={k} batch {b}: {t.p50:.3f} ms/token "
+                  f"({base[b] / t.p50:.2f}x) {counts}")
+        llm.close()
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
     return pd.DataFrame(rows)
