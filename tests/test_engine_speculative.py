@@ -497,3 +497,24 @@ def test_engine_samples_follow_the_model_distribution():
         pv = min(_lumped_pvalue(pairs.double(), joint), _lumped_pvalue(thirds.double(), third))
         print(f"{'model' if expect_fit else 'draft'}: p-value {pv:.3g}")
         assert (pv > 1e-4) if expect_fit else (pv < 1e-6), pv
+
+
+@pytest.mark.skipif(device.on_gpu(), reason="on a GPU the CUDA graph test below runs the kernels")
+def test_verification_rows_through_llmnote_kernels(near):
+    """The GPU's form of verification (one-token rows, one per guessed position, through
+    the split-KV paged decode kernel) with llmnote's kernels, here in Triton's
+    interpreter: the plain engine's greedy tokens."""
+    from llmnote.models.llama import kernel_ops
+
+    cfg = EngineConfig(block_size=16, attention_backend="paged", cpu_num_blocks=32,
+                       max_model_len=64, max_num_seqs=8)
+    prompts = _prompts(5)[:2]
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    want = [o.token_ids for o in LLM(near[0], device="cpu", config=cfg).generate(
+        prompts, params, use_tqdm=False)]
+    model, draft = (copy.deepcopy(m).use_ops(kernel_ops()) for m in near)
+    llm = LLM(model, device="cpu", config=cfg, speculative=SpeculativeConfig("draft", 3, draft))
+    llm.speculator.verify_rows = True
+    assert [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)] == want
+    assert llm.speculator.stats.accepted > 0
+    _check_blocks(llm)
