@@ -499,7 +499,7 @@ def test_engine_samples_follow_the_model_distribution():
         assert (pv > 1e-4) if expect_fit else (pv < 1e-6), pv
 
 
-@pytest.mark.skipif(device.on_gpu(), reason="on a GPU the CUDA graph test below runs the kernels")
+@pytest.mark.skipif(device.on_gpu(), reason="on a GPU the CUDA graph test runs the kernels")
 def test_verification_rows_through_llmnote_kernels(near):
     """The GPU's form of verification (one-token rows, one per guessed position, through
     the split-KV paged decode kernel) with llmnote's kernels, here in Triton's
