@@ -8,6 +8,8 @@ bf16, a byte-level BPE ``tokenizer.json`` with its ``tokenizer_config.json``),
 ``SHA256SUMS`` of those files, the validation text, the training logs
 (``train_log.csv``, ``eval.csv``), sample text and a model card ``README.md``.
 ``tools/prepare_shakespeare.py`` and ``tools/train_shakespeare.py`` rebuild it.
+:data:`DRAFT_DIR` (``llmnote/data/shakespeare-draft/``) holds its draft model for
+speculative decoding, a folder of the same kind: same tokenizer, 1.4 M parameters.
 
     model, tok = load_shakespeare()          # llmnote Llama (fp32, CPU) + tokenizers.Tokenizer
     ids = torch.tensor([tok.encode("ROMEO.\\n").ids])
