@@ -7,6 +7,7 @@ model on the device and CUDA graphs on and off (graph decode steps use the
 split-KV paged decode kernel)."""
 
 import copy
+import dataclasses
 import os
 
 import pytest
@@ -155,4 +156,35 @@ def test_greedy_tokens_match_hf_on_gpu(case, hf_tokens, mode, graphs, backend):
         assert kern.generate(case[2][:1], params, use_tqdm=False)[0].token_ids == hf_tokens[0]
     if mode == "preempt":
         assert llm.scheduler.num_preemptions > 0
+    assert llm.scheduler.blocks.num_free == llm.runner.num_blocks
+
+
+SPEC_CASES = [(m, method) for m in ("shakespeare", "llama-tiny", "qwen3-tiny")
+              for method in ("draft", "ngram") if m != "shakespeare" or method == "draft"]
+
+
+@pytest.mark.parametrize("case, method", SPEC_CASES, indirect=["case"])
+def test_speculative_greedy_tokens_match_hf(case, hf_tokens, method):
+    """Speculative decoding (llmnote.engine.speculative) changes no greedy token: the
+    Shakespeare model with its shipped draft, the tiny models with their first layer
+    alone as the draft, or prompt lookup."""
+    from llmnote.engine.speculative import SpeculativeConfig
+    from llmnote.models.shakespeare import DRAFT_DIR
+
+    ours, _, prompts = case
+    draft = None
+    if method == "draft" and ours.config.vocab_size == 4096:
+        if not has_checkpoint(DRAFT_DIR):
+            pytest.skip("the Shakespeare draft is not shipped here")
+        draft = "shakespeare-draft"
+    elif method == "draft":
+        draft = copy.deepcopy(ours)
+        draft.model.layers = draft.model.layers[:1]
+        draft.config = dataclasses.replace(ours.config, num_hidden_layers=1)
+    cfg = EngineConfig(block_size=BS, max_model_len=128, max_num_seqs=4, cpu_num_blocks=64
+                       ).replace(**MODES["chunked+cache"])
+    llm = LLM(ours, device="cpu", config=cfg, speculative=SpeculativeConfig(method, 3, draft))
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    assert [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)] == hf_tokens
+    assert llm.speculator.stats.steps > 0
     assert llm.scheduler.blocks.num_free == llm.runner.num_blocks

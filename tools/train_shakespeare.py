@@ -25,6 +25,14 @@ slower GPU anneals earlier instead of overrunning.
     python tools/train_shakespeare.py --out .out/shakespeare           # GPU, defaults
     python tools/train_shakespeare.py --device cpu --max-minutes 1 --hidden 64 \\
         --layers 2 --heads 4 --kv-heads 2 --intermediate 128 --seq-len 64 --batch-size 8
+
+The draft model for speculative decoding (``llmnote/data/shakespeare-draft``) reuses the
+shipped tokenizer (``--tokenizer``); it was trained on one CPU core with
+``--device cpu --tokenizer llmnote/data/shakespeare --name llmnote-shakespeare-draft
+--max-minutes 14 --reserve-seconds 90 --hidden 128 --layers 2 --heads 4 --kv-heads 2
+--intermediate 384 --seq-len 512 --batch-size 8 --epochs 3 --dropout 0.0 --lr 2e-3
+--warmup 50 --eval-every 100 --dev-max-tokens 8192`` (and ``--about``, a paragraph of its
+card), under ``OMP_NUM_THREADS=1``.
 """
 
 from __future__ import annotations
@@ -80,6 +88,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=1337)
     # tokenizer and model
     p.add_argument("--vocab-size", type=int, default=4096)
+    p.add_argument("--tokenizer", type=Path, default=None,
+                   help="a checkpoint folder whose tokenizer.json is reused instead of training "
+                        "one (a draft model for speculative decoding must share its model's)")
+    p.add_argument("--name", default="llmnote-shakespeare", help="the model card's title")
+    p.add_argument("--about", default="",
+                   help="a paragraph added to the model card after its first one")
     p.add_argument("--hidden", type=int, default=384)
     p.add_argument("--layers", type=int, default=6)
     p.add_argument("--heads", type=int, default=6)
@@ -329,12 +343,13 @@ def write_card(out: Path, args, cfg, n_params: int, data: dict, hardware: str) -
         ("weights", f"bf16, `model.safetensors` {mb:.1f} MB"),
     ]
     model_table = "| | |\n| --- | --- |\n" + "\n".join(f"| {k} | {v} |" for k, v in model_rows)
-    text = f"""# llmnote-shakespeare
+    about = f"\n{args.about.strip()}\n" if args.about.strip() else ""
+    text = f"""# {args.name}
 
 A small Llama-architecture language model trained from scratch on Shakespeare's
 plays and poems, shipped with the `llmnote` package so that its chapters can show
 real text and real accuracy offline.
-
+{about}
 ```python
 from llmnote.models.shakespeare import load_shakespeare
 model, tok = load_shakespeare()      # llmnote Llama (fp32, CPU) + tokenizers.Tokenizer
@@ -420,7 +435,12 @@ def main(argv: list[str] | None = None) -> None:
     train_works = read_works(args.data_dir / "train.txt", args.max_train_chars)
     dev_works = read_works(args.data_dir / "dev.txt")
     val_text = args.validation.read_text(encoding="utf-8")
-    tok = train_tokenizer(train_works, args.vocab_size)
+    if args.tokenizer is not None:
+        from llmnote.models.shakespeare import load_tokenizer
+
+        tok = load_tokenizer(args.tokenizer)
+    else:
+        tok = train_tokenizer(train_works, args.vocab_size)
     eos = tok.token_to_id(EOS_TOKEN)
     train_ids = encode_works(tok, train_works, eos).to(dev)
     dev_ids = encode_works(tok, dev_works, eos)[:-1][:args.dev_max_tokens].to(dev)

@@ -29,6 +29,12 @@ and is re-raised; the other requests go on unchanged. :meth:`LLM.generate` and
 :meth:`LLM.stream` abort their own unfinished requests when they are left by an
 exception, and a stream closed or dropped before its end (``close()``, garbage
 collection) aborts the requests it still had running.
+
+Speculative decoding: ``LLM(model, speculative=SpeculativeConfig(...))`` (see
+:mod:`llmnote.engine.speculative`) lets decode-only steps verify several guessed tokens
+per sequence in one forward; streams then get the kept tokens of a step together. It
+runs one step per host read (``decode_steps`` 1) and refuses requests whose sampling
+it could not keep exact.
 """
 
 from __future__ import annotations
@@ -51,6 +57,7 @@ from llmnote.engine.scheduler import ScheduledBatch, Scheduler
 from llmnote.engine.sequence import Sequence
 from llmnote.engine.mla_runner import MLAModelRunner
 from llmnote.models.deepseek import DeepseekV3
+from llmnote.engine.speculative import SpeculativeConfig, Speculator, check_params, load_draft
 from llmnote.models.llama import Llama, LlamaOps
 from llmnote.models.presets import PRESETS
 from llmnote.nvtx import annotate
@@ -150,13 +157,50 @@ def _others_hint(dev: torch.device) -> str:
             f"or `del` them, before building another (`with LLM(...) as llm:` does it)")
 
 
+def _share_cache(model: Llama, draft: Llama | None, config: EngineConfig) -> EngineConfig:
+    """The model's engine settings when a draft model shares its block tables: on a GPU
+    with the cache sized from memory, the blocks that fit are split between the two
+    caches in proportion to their bytes per block."""
+    p = next(model.parameters())
+    if draft is None or config.num_blocks is not None or p.device.type != "cuda":
+        return config
+    from llmnote.engine.kv_cache import choose_num_blocks, kv_bytes_per_block
+
+    max_len = min(config.max_model_len or 10**12, model.config.max_position_embeddings)
+    n = choose_num_blocks(model, config, p.dtype, p.device, max_len)
+    kt = kv_bytes_per_block(model, config.block_size, p.dtype)
+    kd = kv_bytes_per_block(draft, config.block_size, p.dtype)
+    return config.replace(num_blocks=max(1, n * kt // (kt + kd)))
+
+
+def _draft_runner(draft: Llama, runner: ModelRunner, config: EngineConfig) -> ModelRunner:
+    """The draft's runner: its own cache of as many blocks as the model's, indexed by the
+    same block tables."""
+    out = ModelRunner(draft, config.replace(num_blocks=runner.num_blocks,
+                                            max_model_len=runner.max_model_len))
+    if out.max_model_len < runner.max_model_len:
+        raise ValueError(f"the draft's context ({out.max_model_len} tokens) is shorter than the "
+                         f"engine's max_model_len ({runner.max_model_len}); pass a smaller "
+                         "max_model_len")
+    return out
+
+
 class LLM:
     def __init__(self, model: Llama | str | Path, tokenizer: object | None = None,
                  config: EngineConfig | None = None, eos_token_id: int | list[int] | None = None,
                  dtype: torch.dtype | None = None, device: str | torch.device | None = None,
-                 ops: LlamaOps | None = None, **overrides: object) -> None:
+                 ops: LlamaOps | None = None, speculative: SpeculativeConfig | None = None,
+                 **overrides: object) -> None:
         config = config or EngineConfig()
         config = config.replace(**overrides) if overrides else config
+        if speculative is not None:
+            if not isinstance(speculative, SpeculativeConfig):
+                raise TypeError(f"speculative must be a SpeculativeConfig or None, got "
+                                f"{type(speculative).__name__}")
+            if config.decode_steps not in (None, 1):
+                raise ValueError(f"speculative decoding runs one step per host read: pass "
+                                 f"decode_steps=None or 1, got {config.decode_steps}")
+            config = config.replace(decode_steps=1)
         self.config = config
         self._closed = False
         if torch.cuda.is_available():
@@ -170,8 +214,16 @@ class LLM:
             if eos_token_id is not None:
                 eos = [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id)
             self.eos_token_ids = frozenset(eos)
-            mla = isinstance(self.model, DeepseekV3)  # the latent cache (engine.mla_runner)
-            self.runner = (MLAModelRunner if mla else ModelRunner)(self.model, config)
+            draft = None
+            if speculative is not None and speculative.method == "draft":
+                draft = load_draft(speculative, self.model, self.tokenizer, config.seed)
+            if isinstance(self.model, DeepseekV3):  # the latent cache (engine.mla_runner)
+                if speculative is not None:
+                    raise ValueError("speculative decoding serves Llama-family models; "
+                                     "this model is a DeepseekV3 (latent attention)")
+                self.runner = MLAModelRunner(self.model, config)
+            else:
+                self.runner = ModelRunner(self.model, _share_cache(self.model, draft, config))
         except (torch.OutOfMemoryError, ValueError) as e:
             hint = _others_hint(torch.device("cuda", torch.cuda.current_device())) \
                 if torch.cuda.is_available() else ""
@@ -180,6 +232,10 @@ class LLM:
             raise type(e)(f"{e}{hint}") from e
         _LIVE.add(self)
         self.max_model_len = self.runner.max_model_len
+        self.speculator: Speculator | None = None
+        if speculative is not None:
+            self.speculator = Speculator(speculative, self.runner, None if draft is None else
+                                         _draft_runner(draft, self.runner, config))
         self.scheduler = Scheduler(config, self.runner.num_blocks, self.max_model_len)
         self._next_id = 0
         self.requests: dict[int, Sequence] = {}  # every submitted request, by id
@@ -198,6 +254,9 @@ class LLM:
         self._closed = True
         self._pending = None
         self.runner.close()
+        if self.speculator is not None and self.speculator.draft is not None:
+            self.speculator.draft.close()
+        self.speculator = None
         self.requests.clear()
         del self.runner, self.scheduler
         if self._owns_model:
@@ -250,6 +309,8 @@ class LLM:
         if params.stop and self.tokenizer is None:
             raise ValueError(f"{where}: stop strings {params.stop!r} need a tokenizer to read "
                              "the output text; use stop_token_ids or LLM(..., tokenizer=...)")
+        if self.speculator is not None:
+            check_params(params, where)
         ids, text = self._encode(prompt, where)
         if not ids:
             raise ValueError(f"{where}: the prompt is empty; at least one token is needed")
@@ -355,11 +416,17 @@ class LLM:
             if self.scheduler.has_work():  # cannot happen: admission guarantees progress
                 raise RuntimeError("the scheduler found nothing to run with requests pending")
             return []
+        if self.speculator is not None:
+            ks = self.scheduler.speculate(batch, self.speculator.k)
+            if ks is not None:
+                return self._speculative_step(batch, ks)
         steps = self.scheduler.decode_steps(batch, self.runner.decode_steps)
         if steps == 1:
             chunks = batch.chunks()  # (id, new tokens, "decode" | "prefill") per sequence
             with annotate("llmnote.run"):
                 sampled = self.runner.run(batch)
+            if self.speculator is not None:
+                self.speculator.mirror(batch)  # the draft's cache takes the same tokens
             return self._finish_step(batch, chunks, sampled)
         with annotate("llmnote.launch_steps"):
             run = self.runner.launch_steps(batch, steps)
@@ -389,6 +456,34 @@ class LLM:
             got += self._finish_step(batch, batch.chunks(), sampled)
         return list(dict.fromkeys(got))
 
+    def _speculative_step(self, batch: ScheduledBatch, ks: list[int]) -> list[Sequence]:
+        """Guess and verify (:class:`Speculator`), then append each sequence's kept tokens
+        one at a time, as decode steps would (a stop ends it there), give back the blocks
+        of refused guesses, and let the draft catch up on a guess kept in full."""
+        spec, sched = self.speculator, self.scheduler
+        accepted = spec.step(batch, ks)
+        now = time.perf_counter()
+        got, full = [], []
+        for (seq, _), k in zip(batch.items, ks):
+            toks = accepted[seq.seq_id]
+            for tok in toks:
+                sched.postprocess(ScheduledBatch([(seq, 1)]), {seq.seq_id: tok},
+                                  self.eos_token_ids, now)
+                if seq.is_finished:
+                    break
+            got.append(seq)
+            if seq.is_finished:
+                self.runner.release(seq.seq_id)
+                continue
+            sched.trim(seq)
+            if len(toks) - 1 == k:  # every guess kept: the draft never took the last as input
+                full.append(seq)
+        spec.catch_up(full)
+        verified = ScheduledBatch([(s, spec.verified[s.seq_id]) for s, _ in batch.items])
+        self._log_step(verified, [(s.seq_id, n, "verify") for s, n in verified.items],
+                       batch.num_preempted)
+        return got
+
     def _finish_step(self, batch: ScheduledBatch, chunks: list, sampled: dict[int, int]
                      ) -> list[Sequence]:
         """Append the sampled tokens, finish what stops, log the step."""
@@ -398,18 +493,21 @@ class LLM:
             if s.params.stop and not s.is_finished and self._stop_at(s) is not None:
                 s.metrics.finished = now
                 self.scheduler.finish(s, "stop")
+        self._log_step(batch, chunks, batch.num_preempted)
+        for s in got:
+            if s.is_finished:
+                self.runner.release(s.seq_id)
+        return got
+
+    def _log_step(self, batch: ScheduledBatch, chunks: list, preempted: int) -> None:
         live, held = self.scheduler.live_slots()  # after the step: its keys are written
         # the slots a contiguous reservation of prompt + max_tokens per request would hold
         contiguous = sum(s.num_prompt_tokens + s.params.max_tokens for s in self.scheduler.running)
         self.step_log.append(dict(tokens=batch.num_tokens, seqs=len(batch), live_slots=live,
                                   running=len(self.scheduler.running),
                                   held_slots=held, contiguous_slots=contiguous,
-                                  preempted=batch.num_preempted,
+                                  preempted=preempted,
                                   seq_ids=[s.seq_id for s, _ in batch.items], chunks=chunks))
-        for s in got:
-            if s.is_finished:
-                self.runner.release(s.seq_id)
-        return got
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work()

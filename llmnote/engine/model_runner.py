@@ -293,19 +293,24 @@ class ModelRunner(CudaGraphs, GraphTuning, MultiStep, Batch1Paths):
                      "g_step", "h_tokens", "_rope", "rope_table", "_o_acc", "_zero_row"):
             self.__dict__.pop(name, None)
 
+    def logits(self, batch: ScheduledBatch) -> torch.Tensor:
+        """Run one step: the logits ``(rows, vocab)`` of its sequences that sample next (every
+        token computed after the step), in batch order; a CUDA graph replay for a step of
+        one token per sequence where graphs are captured, else the eager forward."""
+        logits = self._replay(batch)
+        if logits is None:
+            ids, pos, meta, last = self.prepare(batch)
+            with torch.no_grad():
+                return self.forward(ids, pos, meta, last)
+        rows = [i for i, (seq, n) in enumerate(batch.items) if seq.num_computed + n == len(seq)]
+        if len(rows) < len(batch.items):  # a one-token prefill chunk mid-prompt
+            logits = logits[torch.tensor(rows, dtype=torch.long, device=logits.device)]
+        return logits
+
     def run(self, batch: ScheduledBatch) -> dict[int, int]:
         """Run one step; returns ``seq_id -> sampled token`` for the sequences that sample."""
         sampling = [seq for seq, n in batch.items if seq.num_computed + n == len(seq)]
-        logits = self._replay(batch)
-        if logits is not None:
-            if len(sampling) < len(batch.items):  # a one-token prefill chunk mid-prompt
-                rows = [i for i, (seq, n) in enumerate(batch.items)
-                        if seq.num_computed + n == len(seq)]
-                logits = logits[torch.tensor(rows, device=logits.device)]
-        else:
-            ids, pos, meta, last = self.prepare(batch)
-            with torch.no_grad():
-                logits = self.forward(ids, pos, meta, last)
+        logits = self.logits(batch)
         if not sampling:
             return {}
         gens = [self.generator(s.seq_id, s.params.seed) for s in sampling]

@@ -171,6 +171,39 @@ class Scheduler:
             self.blocks.append_slots(seq.block_table, seq.num_computed + after + k)
         return k
 
+    def speculate(self, batch: ScheduledBatch, k: int) -> list[int] | None:
+        """Speculative decoding: how many guessed tokens each sequence of a decode-only
+        ``batch`` may have verified this step (``k`` at most; fewer near its
+        ``max_tokens`` or ``max_model_len``, and ``k + 1`` tokens per sequence within
+        ``max_num_batched_tokens``), the blocks for them reserved; None when the batch
+        is not decode-only, no sequence may guess, or the blocks are not free (the step
+        then decodes one token per sequence). :meth:`trim` gives back what is not kept."""
+        if not batch.items or batch.num_preempted:
+            return None
+        most = min(k, self.config.max_num_batched_tokens // len(batch) - 1)
+        ks = []
+        for seq, n in batch.items:
+            if n != 1 or seq.num_computed != len(seq) - 1 or seq.num_computed < seq.num_prompt_tokens:
+                return None  # a prefill chunk (or a recompute after preemption)
+            ks.append(max(0, min(most, seq.params.max_tokens - seq.num_output_tokens - 1,
+                                 self.max_model_len - len(seq) - 1)))
+        need = sum(max(self.blocks.blocks_for(s.num_computed + 1 + j) - len(s.block_table), 0)
+                   for (s, _), j in zip(batch.items, ks))
+        if need > self.blocks.num_free:
+            return None
+        for (seq, _), j in zip(batch.items, ks):
+            self.blocks.append_slots(seq.block_table, seq.num_computed + 1 + j)
+        return ks
+
+    def trim(self, seq: Sequence) -> None:
+        """Free the blocks of ``seq`` past those its tokens need (after a speculative step,
+        the blocks reserved for guesses that were refused) and commit its computed blocks."""
+        self.blocks.commit(seq.block_table, seq.token_ids, seq.num_computed)
+        keep = self.blocks.blocks_for(len(seq))
+        if len(seq.block_table) > keep:
+            self.blocks.free_blocks(seq.block_table[keep:])
+            del seq.block_table[keep:]
+
     def finish(self, seq: Sequence, reason: str) -> None:
         seq.status, seq.finish_reason = Status.FINISHED, reason
         self.running.remove(seq)

@@ -8,6 +8,8 @@ bf16, a byte-level BPE ``tokenizer.json`` with its ``tokenizer_config.json``),
 ``SHA256SUMS`` of those files, the validation text, the training logs
 (``train_log.csv``, ``eval.csv``), sample text and a model card ``README.md``.
 ``tools/prepare_shakespeare.py`` and ``tools/train_shakespeare.py`` rebuild it.
+:data:`DRAFT_DIR` (``llmnote/data/shakespeare-draft/``) holds its draft model for
+speculative decoding, a folder of the same kind: same tokenizer, 1.4 M parameters.
 
     model, tok = load_shakespeare()          # llmnote Llama (fp32, CPU) + tokenizers.Tokenizer
     ids = torch.tensor([tok.encode("ROMEO.\\n").ids])
@@ -37,6 +39,7 @@ from llmnote.models.llama import Llama, LlamaOps
 from llmnote.models.loader import CheckpointError, load_pretrained, save_pretrained
 
 CHECKPOINT_DIR = Path(__file__).resolve().parent.parent / "data" / "shakespeare"
+DRAFT_DIR = CHECKPOINT_DIR.parent / "shakespeare-draft"  # its draft for speculative decoding
 EOS_TOKEN = "<|endoftext|>"  # ends (and separates) documents; also the BOS token
 CONFIG, WEIGHTS, TOKENIZER = "config.json", "model.safetensors", "tokenizer.json"
 TOKENIZER_CONFIG, CHECKSUMS, VALIDATION = "tokenizer_config.json", "SHA256SUMS", "validation.txt"
