@@ -136,13 +136,21 @@ class LLM:
         if torch.cuda.is_available():
             gc.collect()  # engines dropped without close() hold reference cycles:
             torch.cuda.empty_cache()  # give their GPU memory back before this one sizes its own
-        self.model, tok, eos = _load(model, dtype, device, ops, config.seed)
+        if config.tensor_parallel_size > 1:  # the model lives sharded in worker processes
+            from llmnote.engine.tp_worker import TPRunner
+
+            self.runner = TPRunner(model, config, dtype, device, ops)
+            r = self.runner
+            self.model, tok, eos = model if isinstance(model, Llama) else r.model, r.tokenizer, r.eos
+        else:
+            self.model, tok, eos = _load(model, dtype, device, ops, config.seed)
         self._owns_model = not isinstance(model, Llama)  # loaded here: close() drops it
         self.tokenizer = tokenizer if tokenizer is not None else tok
         if eos_token_id is not None:
             eos = [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id)
         self.eos_token_ids = frozenset(eos)
-        self.runner = ModelRunner(self.model, config)
+        if config.tensor_parallel_size == 1:
+            self.runner = ModelRunner(self.model, config)
         self.max_model_len = self.runner.max_model_len
         self.scheduler = Scheduler(config, self.runner.num_blocks, self.max_model_len)
         self._next_id = 0

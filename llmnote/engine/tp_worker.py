@@ -1,0 +1,440 @@
+"""The engine over several processes: ``LLM(..., tensor_parallel_size=N)``.
+
+The driver (the process that made the ``LLM``) keeps the scheduler, the block
+manager and the requests. It starts ``N`` worker processes (spawned, one GPU each
+over NCCL, or gloo on the CPU); each loads the model, keeps its shard
+(:func:`shard_for_engine`: q/k/v and gate/up split by output columns, o and down
+by input rows, whole heads per rank, the KV cache split by kv heads) and builds an
+ordinary :class:`~llmnote.engine.model_runner.ModelRunner` on it, CUDA graphs
+included. Each step the driver sends the same batch to every rank; all run the
+forward, whose two all-reduces per layer join them, and rank 0 sends back the
+sampled tokens. The wire format is lean: per sequence only the tokens a rank has
+not seen yet, its position, its block table; each rank keeps a mirror
+:class:`~llmnote.engine.sequence.Sequence` per request.
+
+The driver never waits inside a collective. It waits on the ranks' pipes and on
+their process handles, with a deadline: a rank that raises sends its exception and
+exits, a rank that dies closes its handle, a step that outlasts
+``distributed_timeout_s`` is a ``TimeoutError``. Any of the three tears all ranks
+down and raises in the driver (the rank's own exception, with its traceback as the
+cause); the engine is then closed. :meth:`TPRunner.close` stops the ranks and
+waits for them.
+
+Each rank loads the whole model before keeping its shard, so the peak memory of a
+rank at start-up is the whole model (a checkpoint sharded on read would avoid it).
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import tempfile
+import time
+import traceback
+import weakref
+from datetime import timedelta
+from multiprocessing.connection import wait
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+
+from llmnote.engine.config import EngineConfig
+from llmnote.engine.scheduler import ScheduledBatch
+from llmnote.engine.sequence import Sequence
+from llmnote.models.config import LlamaConfig
+from llmnote.models.llama import Llama, LlamaOps
+from llmnote.parallel.launcher import RankTraceback, free_port
+from llmnote.parallel.tensor_parallel import (
+    Comm, kv_shard, local_config, shard_llama,
+)
+
+
+# ---------------------------------------------------------------- sharding
+def check_tp_shapes(cfg: LlamaConfig, world_size: int) -> None:
+    """``ValueError`` naming the field when ``world_size`` ranks cannot hold whole heads."""
+    for field in ("num_attention_heads", "intermediate_size"):
+        if getattr(cfg, field) % world_size:
+            raise ValueError(f"tensor_parallel_size={world_size} must divide the model's {field} "
+                             f"({getattr(cfg, field)})")
+    try:
+        kv_shard(cfg.num_key_value_heads, 0, world_size)
+    except ValueError:
+        raise ValueError(f"tensor_parallel_size={world_size} and the model's num_key_value_heads "
+                         f"({cfg.num_key_value_heads}): one must divide the other") from None
+
+
+def shard_for_engine(model: Llama, rank: int, world_size: int, comm: Comm) -> Llama:
+    """Rank ``rank``'s shard of ``model`` in the form the engine's runner fuses: the
+    column-parallel projections become plain ``nn.Linear`` of the local rows (so q/k/v
+    and gate/up fuse into one GEMM each), o and down stay row-parallel (they all-reduce),
+    and ``model.config`` becomes the local shapes (heads, kv heads, intermediate size
+    divided), which size the rank's KV cache. In place; returns ``model``."""
+    dev = next(model.parameters()).device
+    with torch.device(dev):  # the new blocks are made where the weights live
+        shard_llama(model, rank, world_size, comm)
+    for layer in model.model.layers:
+        for parent, names in ((layer.self_attn, ("q_proj", "k_proj", "v_proj")),
+                              (layer.mlp, ("gate_proj", "up_proj"))):
+            for name in names:
+                col = getattr(parent, name)
+                lin = nn.Linear(col.weight.shape[1], col.weight.shape[0], bias=col.bias is not None,
+                                device="meta")
+                lin.weight = col.weight
+                lin.bias = col.bias
+                setattr(parent, name, lin)
+    model.config = local_config(model.config, world_size)
+    return model
+
+
+# ---------------------------------------------------------------- the worker process
+def _error_record(rank: int, e: BaseException) -> dict:
+    rec = {"rank": rank, "time": time.time(), "type": type(e).__name__, "message": str(e),
+           "traceback": "".join(traceback.format_exception(type(e), e, e.__traceback__))}
+    try:  # the exception itself, when it survives pickling
+        blob = pickle.dumps(e)
+        pickle.loads(blob)
+        rec["exception"] = blob
+    except Exception:  # noqa: BLE001 - reported as text
+        rec["exception"] = None
+    return rec
+
+
+def _load_source(source: tuple, dtype, device, ops, seed):
+    """The whole model on this rank's device: (Llama, tokenizer, eos ids)."""
+    from llmnote.engine.llm import _load
+
+    kind, what = source
+    if kind == "state":  # a Llama the driver was given, saved to a file
+        blob = torch.load(what, weights_only=False, mmap=True)
+        m = Llama(blob["config"], ops=blob["ops"])
+        m.load_state_dict(blob["state"])
+        m.eval()
+        return _load(m, blob["dtype"] if dtype is None else dtype, device, ops, seed)
+    return _load(what, dtype, device, ops, seed)
+
+
+def _worker(rank: int, world_size: int, port: int, backend: str, conn, source: tuple,
+            config: EngineConfig, dtype, ops: LlamaOps | None) -> None:
+    """One rank: load, shard, build a runner, then run the batches the driver sends."""
+    code = 0
+    try:
+        if backend == "nccl":
+            dev = torch.device("cuda", rank)
+            torch.cuda.set_device(dev)
+        else:
+            dev = torch.device("cpu")
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
+            os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # stay on the loopback device
+        timeout = timedelta(seconds=config.distributed_timeout_s)
+        kw = {"device_id": dev} if backend == "nccl" else {}
+        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                                world_size=world_size, timeout=timeout, **kw)
+        model, tok, eos = _load_source(source, dtype, dev, ops, config.seed)
+        full = model.config
+        check_tp_shapes(full, world_size)
+        comm = Comm()
+        shard_for_engine(model, rank, world_size, comm)
+        if dev.type == "cuda":
+            torch.cuda.empty_cache()  # the whole layers just dropped
+        runner = _runner(model, config, dev)
+        if rank == 0:
+            conn.send(("ready", {"config": full, "tokenizer": tok, "eos": eos,
+                                 "num_blocks": runner.num_blocks,
+                                 "max_model_len": runner.max_model_len,
+                                 "backend": runner.backend, "graphs": runner.use_graphs}))
+        else:
+            conn.send(("ready", None))
+        seqs: dict[int, Sequence] = {}
+        while True:
+            msg = conn.recv()
+            if msg[0] == "close":
+                break
+            _, released, items = msg
+            for sid in released:
+                seqs.pop(sid, None)
+                runner.release(sid)
+            batch = ScheduledBatch([(_mirror(seqs, item), item[2]) for item in items])
+            sampled = runner.run(batch)
+            comm.reset()
+            if rank == 0:
+                conn.send(("step", sampled))
+        runner.close()
+        dist.destroy_process_group()
+    except BaseException as e:  # noqa: BLE001 - every failure goes to the driver
+        try:
+            conn.send(("error", _error_record(rank, e)))
+        except Exception:  # noqa: BLE001 - the driver is gone
+            pass
+        code = 1
+    conn.close()
+    os._exit(code)  # skip the interpreter's teardown (and any collective a peer still waits in)
+
+
+def _runner(model: Llama, config: EngineConfig, dev: torch.device):
+    """This rank's ModelRunner; every rank gets the same number of KV blocks (the fewest
+    any rank can hold), one decode step per driver message, no batch-1 GEMV path (it
+    folds o_proj into attention, which would skip the all-reduce)."""
+    from llmnote.engine.kv_cache import choose_num_blocks
+    from llmnote.engine.model_runner import ModelRunner
+
+    p = next(model.parameters())
+    max_len = min(config.max_model_len or 10**12, model.config.max_position_embeddings)
+    n = choose_num_blocks(model, config, p.dtype, dev, max_len)
+    t = torch.tensor([n], dtype=torch.long, device=dev)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN)  # also the first collective: NCCL sets up here
+    return ModelRunner(model, config.replace(num_blocks=int(t.item()), decode_steps=1, gemv=False,
+                                             tensor_parallel_size=1))
+
+
+def _mirror(seqs: dict[int, Sequence], item: tuple) -> Sequence:
+    """Bring this rank's copy of a sequence up to date with one wire item."""
+    sid, start, _, new_tokens, params, table = item
+    s = seqs.get(sid)
+    if s is None:
+        s = seqs[sid] = Sequence(sid, new_tokens, params)
+    else:
+        s.token_ids.extend(new_tokens)
+    s.num_computed, s.block_table = start, table
+    return s
+
+
+# ---------------------------------------------------------------- the driver's side
+class ModelShape:
+    """What the driver keeps of a model whose weights live in the ranks: its config."""
+
+    def __init__(self, config: LlamaConfig) -> None:
+        self.config = config
+
+
+def _pick_backend(config: EngineConfig, device) -> str:
+    n = config.tensor_parallel_size
+    want = config.distributed_backend
+    on_cpu = device is not None and torch.device(device).type == "cpu"
+    if want is None:
+        want = "nccl" if torch.cuda.is_available() and not on_cpu else "gloo"
+    if want == "nccl":
+        if not torch.cuda.is_available():
+            raise ValueError("distributed_backend='nccl' needs CUDA GPUs, but this machine has "
+                             "none (torch.cuda.is_available() is False); use 'gloo' on the CPU")
+        if on_cpu:
+            raise ValueError(f"distributed_backend='nccl' runs on GPUs, but device={device!r}")
+        if device is not None and torch.device(device).index not in (None, 0):
+            raise ValueError(f"with tensor parallelism rank r runs on cuda:r; got device={device!r}"
+                             " (pass 'cuda' or leave it out)")
+        if n > torch.cuda.device_count():
+            raise ValueError(f"tensor_parallel_size={n} needs {n} GPUs (one per rank), but this "
+                             f"machine has {torch.cuda.device_count()}")
+    elif device is not None and torch.device(device).type != "cpu":
+        raise ValueError(f"distributed_backend='gloo' runs the ranks on the CPU, but "
+                         f"device={device!r}; pass device='cpu' or use 'nccl'")
+    return want
+
+
+class TPRunner:
+    """The driver's handle on the ranks, with the runner methods :class:`LLM` calls:
+    :meth:`run`, :meth:`release`, :meth:`close`; ``num_blocks``, ``max_model_len``,
+    ``decode_steps`` (1: one step per message)."""
+
+    decode_steps = 1
+
+    def __init__(self, model: Llama | str | Path, config: EngineConfig,
+                 dtype: torch.dtype | None = None, device: str | torch.device | None = None,
+                 ops: LlamaOps | None = None) -> None:
+        n = config.tensor_parallel_size
+        self.world_size, self.timeout_s = n, float(config.distributed_timeout_s)
+        self.backend = _pick_backend(config, device)
+        self.procs: list = []
+        self.conns: list = []
+        self._error: BaseException | None = None
+        self._released: list[int] = []
+        self._sent: dict[int, int] = {}  # seq_id -> tokens the ranks have of it
+        self.num_steps = 0
+        self._tmp = tempfile.TemporaryDirectory(prefix="llmnote-tp-")
+        if isinstance(model, Llama):
+            check_tp_shapes(model.config, n)
+            path = Path(self._tmp.name) / "model.pt"
+            p = next(model.parameters())
+            torch.save({"config": model.config, "ops": model.ops, "dtype": p.dtype,
+                        "state": {k: v.detach().cpu() for k, v in model.state_dict().items()}}, path)
+            source = ("state", str(path))
+        else:
+            from llmnote.models.presets import PRESETS
+
+            if str(model) in PRESETS:
+                check_tp_shapes(PRESETS[str(model)], n)
+            elif Path(model).is_dir() and (Path(model) / "config.json").is_file():
+                from llmnote.models.presets import from_hf_config
+
+                check_tp_shapes(from_hf_config(Path(model) / "config.json"), n)
+            source = ("name", str(model) if isinstance(model, Path) else model)
+        ctx = mp.get_context("spawn")
+        port = free_port()
+        for rank in range(n):
+            parent, child = ctx.Pipe()
+            p = ctx.Process(target=_worker, daemon=True, name=f"llmnote-tp-rank{rank}",
+                            args=(rank, n, port, self.backend, child, source, config, dtype, ops))
+            p.start()
+            child.close()
+            self.procs.append(p)
+            self.conns.append(parent)
+        self._finalizer = weakref.finalize(self, _teardown, self.procs, self.conns)
+        info = self._wait_all_ready()
+        self.model = ModelShape(info["config"])
+        self.tokenizer, self.eos = info["tokenizer"], info["eos"]
+        self.num_blocks, self.max_model_len = info["num_blocks"], info["max_model_len"]
+        self.attention_backend, self.use_graphs = info["backend"], info["graphs"]
+
+    @property
+    def pids(self) -> list[int]:
+        return [p.pid for p in self.procs]
+
+    # ------------------------------------------------------------ waiting on the ranks
+    def _wait_all_ready(self) -> dict:
+        pending, info = set(range(self.world_size)), None
+        deadline = time.monotonic() + self.timeout_s
+        while pending:
+            for r, msg in self._receive(deadline, "starting", pending):
+                pending.discard(r)
+                if r == 0:
+                    info = msg[1]
+        return info
+
+    def _receive(self, deadline: float, what: str, want: set[int]) -> list[tuple[int, tuple]]:
+        """Messages from the ranks in ``want``; raises if a rank failed, died or the deadline
+        passed (after tearing every rank down)."""
+        waitables = {c: r for r, c in enumerate(self.conns)}
+        sentinels = {p.sentinel: r for r, p in enumerate(self.procs)}
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                self._fail(TimeoutError(
+                    f"tensor-parallel engine: the ranks did not finish {what} within "
+                    f"distributed_timeout_s={self.timeout_s:g} s; all {self.world_size} stopped"))
+            ready = wait(list(waitables) + list(sentinels), timeout=left)
+            got = []
+            for w in ready:
+                if w in waitables:
+                    r = waitables[w]
+                    try:
+                        msg = w.recv()
+                    except (EOFError, OSError):
+                        continue  # its process ended: the sentinel says so
+                    if msg[0] == "error":
+                        self._fail_from_records([msg[1]])
+                    if r in want:
+                        got.append((r, msg))
+            if got:
+                return got
+            dead = [sentinels[w] for w in ready if w in sentinels]
+            if dead:
+                self._fail_dead(dead)
+
+    def _drain_errors(self) -> list[dict]:
+        recs = []
+        for c in self.conns:
+            try:
+                while c.poll(0.05):
+                    msg = c.recv()
+                    if msg[0] == "error":
+                        recs.append(msg[1])
+            except (EOFError, OSError):
+                pass
+        return recs
+
+    def _fail_dead(self, dead: list[int]) -> None:
+        time.sleep(0.1)  # a rank that raised has sent its record before exiting
+        recs = self._drain_errors()
+        if recs:
+            self._fail_from_records(recs)
+        r = dead[0]
+        code = self.procs[r].exitcode
+        how = f"was killed by signal {-code}" if code is not None and code < 0 else \
+            f"exited with code {code}"
+        self._fail(RuntimeError(f"tensor-parallel engine: rank {r} of {self.world_size} "
+                                f"(pid {self.procs[r].pid}) {how} without an error report; all "
+                                "ranks stopped"))
+
+    def _fail_from_records(self, recs: list[dict]) -> None:
+        rec = min(recs, key=lambda x: x["time"])  # the cause, not its echo in the peers
+        where = f"rank {rec['rank']} of {self.world_size}"
+        exc = pickle.loads(rec["exception"]) if rec["exception"] is not None else None
+        if not isinstance(exc, Exception):
+            exc = RuntimeError(f"{where} raised {rec['type']}: {rec['message']}")
+        if hasattr(exc, "add_note"):
+            exc.add_note(f"(raised in tensor-parallel {where}; its traceback is the cause; "
+                         "all ranks stopped)")
+        exc.__cause__ = RankTraceback(f"in {where}:\n{rec['traceback']}")
+        self._fail(exc)
+
+    def _fail(self, exc: BaseException) -> None:
+        self._error = exc
+        self.close()
+        raise exc
+
+    def _check_alive(self) -> None:
+        if self._error is not None:
+            raise RuntimeError("the tensor-parallel engine stopped after an error in a rank "
+                               f"({type(self._error).__name__}: {self._error})") from self._error
+        if not self.procs:
+            raise RuntimeError("the tensor-parallel engine was closed")
+
+    # ------------------------------------------------------------ the runner's methods
+    def run(self, batch: ScheduledBatch) -> dict[int, int]:
+        """Send the step to every rank; rank 0's sampled tokens."""
+        self._check_alive()
+        items = []
+        for seq, n in batch.items:
+            sent = self._sent.get(seq.seq_id, 0)
+            need = len(seq)  # the ranks' copy has every token (the runner reads len(seq))
+            new = seq.token_ids[sent:need] if need > sent else []
+            self._sent[seq.seq_id] = max(sent, need)
+            params = seq.params if sent == 0 else None
+            items.append((seq.seq_id, seq.num_computed, n, new, params, list(seq.block_table)))
+        msg = ("step", self._released, items)
+        self._released = []
+        for c in self.conns:
+            try:
+                c.send(msg)
+            except (BrokenPipeError, OSError):
+                pass  # that rank is gone: _receive reports it
+        (_, reply), = self._receive(time.monotonic() + self.timeout_s, "a step", {0})
+        self.num_steps += 1
+        return reply[1]
+
+    def release(self, seq_id: int) -> None:
+        if self._sent.pop(seq_id, None) is not None:
+            self._released.append(seq_id)
+
+    def close(self) -> None:
+        """Stop the ranks (politely, then by force) and wait for them; idempotent."""
+        if self.procs:
+            _teardown(self.procs, self.conns)
+            self.procs, self.conns = [], []
+            self._finalizer.detach()
+        self._tmp.cleanup()
+
+    def __del__(self) -> None:  # noqa: D105 - the finalizer does the work
+        pass
+
+
+def _teardown(procs: list, conns: list, grace_s: float = 5.0) -> None:
+    for c in conns:
+        try:
+            c.send(("close",))
+        except (BrokenPipeError, OSError):
+            pass
+    deadline = time.monotonic() + grace_s
+    for p in procs:
+        p.join(max(0.0, deadline - time.monotonic()))
+    for p in procs:
+        if p.is_alive():
+            p.terminate()
+            p.join(2)
+        if p.is_alive():
+            p.kill()
+            p.join(2)
+    for c in conns:
+        c.close()
