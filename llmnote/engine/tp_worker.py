@@ -323,7 +323,7 @@ class TPRunner:
                     except (EOFError, OSError):
                         continue  # its process ended: the sentinel says so
                     if msg[0] == "error":
-                        self._fail_from_records([msg[1]])
+                        self._diagnose([msg[1]])
                     if r in want:
                         got.append((r, msg))
             if got:
@@ -344,18 +344,32 @@ class TPRunner:
                 pass
         return recs
 
-    def _fail_dead(self, dead: list[int]) -> None:
-        time.sleep(0.1)  # a rank that raised has sent its record before exiting
-        recs = self._drain_errors()
-        if recs:
-            self._fail_from_records(recs)
+    def _diagnose(self, recs: list[dict]) -> None:
+        """Raise the cause of a failure: a rank that died without a report (killed) comes
+        before the errors its peers then meet in a collective; else the earliest report."""
+        time.sleep(0.2)  # let the other ranks' reports and exits arrive
+        recs = recs + self._drain_errors()
+        reported = {rec["rank"] for rec in recs}
+        silent = [r for r, p in enumerate(self.procs) if p.exitcode is not None and r not in reported]
+        if silent:
+            self._fail_dead(silent, recs)
+        self._fail_from_records(recs)
+
+    def _fail_dead(self, dead: list[int], echoes: list[dict] | None = None) -> None:
+        if echoes is None:
+            time.sleep(0.1)  # a rank that raised has sent its record before exiting
+            recs = self._drain_errors()
+            if recs:
+                self._diagnose(recs)
         r = dead[0]
         code = self.procs[r].exitcode
         how = f"was killed by signal {-code}" if code is not None and code < 0 else \
             f"exited with code {code}"
         self._fail(RuntimeError(f"tensor-parallel engine: rank {r} of {self.world_size} "
                                 f"(pid {self.procs[r].pid}) {how} without an error report; all "
-                                "ranks stopped"))
+                                "ranks stopped" + "".join(
+                                    f"\n  then rank {e['rank']}: {e['type']}: {e['message'][:200]}"
+                                    for e in echoes or [])))
 
     def _fail_from_records(self, recs: list[dict]) -> None:
         rec = min(recs, key=lambda x: x["time"])  # the cause, not its echo in the peers

@@ -1,0 +1,173 @@
+"""The engine over tensor-parallel ranks (``LLM(..., tensor_parallel_size=N)``): greedy
+tokens equal the single-process engine's in fp32 on gloo (prefix caching, chunked
+prefill, preemption); a rank that raises or is killed stops the engine with that
+rank's error and no hang; close() leaves no child process; bad sizes are refused at
+construction. Each engine spawns fresh interpreters (seconds), so engines are few."""
+
+from __future__ import annotations
+
+import dataclasses
+import multiprocessing as mp
+import os
+import signal
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from llmnote.engine import LLM, SamplingParams
+from llmnote.engine.tp_worker import TPRunner, shard_for_engine
+from llmnote.models import Llama, get_preset
+from llmnote.models.llama import reference_ops
+from llmnote.parallel import Comm
+from llmnote.parallel.launcher import RankTraceback
+
+
+class InjectedFailure(ValueError):
+    """What :func:`swiglu_fails_on_rank1` raises."""
+
+
+def swiglu_fails_on_rank1(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """SwiGLU that raises in rank 1 of a process group (spawned ranks import it from here)."""
+    if dist.is_initialized() and dist.get_rank() == 1:
+        raise InjectedFailure("rank 1's MLP failed on purpose")
+    return torch.nn.functional.silu(a) * b
+
+
+def _prompts() -> list[list[int]]:
+    g = torch.Generator().manual_seed(7)
+    shared = torch.randint(0, 256, (37,), generator=g).tolist()  # 2 full blocks: cached
+    return [shared + [5, 6], shared + [9], torch.randint(0, 256, (23,), generator=g).tolist(),
+            [3], torch.randint(0, 256, (50,), generator=g).tolist()]
+
+
+@pytest.mark.parametrize("overrides", [
+    {},  # default: prefix caching on, chunked prefill
+    {"max_num_batched_tokens": 24, "num_blocks": 8, "block_size": 8},  # small chunks, preemption
+])
+def test_tp2_greedy_equals_single_process(tiny_llama, overrides):
+    prompts, sp = _prompts(), SamplingParams(temperature=0.0, max_tokens=20)
+    with LLM(tiny_llama, device="cpu", **overrides) as ref:
+        want = ref.generate(prompts[:2], sp, use_tqdm=False)  # the shared prefix gets cached
+        want += ref.generate(prompts[2:], sp, use_tqdm=False)
+    with LLM(tiny_llama, device="cpu", tensor_parallel_size=2, **overrides) as llm:
+        assert llm.runner.backend == "gloo" and len(llm.runner.pids) == 2
+        got = llm.generate(prompts[:2], sp, use_tqdm=False)
+        got += llm.generate(prompts[2:], sp, use_tqdm=False)
+        preempted = llm.scheduler.num_preemptions
+        chunks = [c for s in llm.step_log for c in s["chunks"]]
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    assert [o.num_cached_prompt_tokens for o in got] == [o.num_cached_prompt_tokens for o in want]
+    assert got[1].num_cached_prompt_tokens >= 32  # the prefix cache was used across ranks
+    if overrides:
+        assert preempted > 0  # the case exercises recompute after preemption
+        assert any(kind == "prefill" and n < 20 for _, n, kind in chunks)  # chunked prompts
+
+
+def test_shard_for_engine_logits_equal_whole_model(tiny_llama):
+    """One rank's shard with a one-rank Comm is the whole model (the wiring the ranks use)."""
+    cfg = tiny_llama.config
+    m = Llama(cfg)
+    m.load_state_dict(tiny_llama.state_dict())
+    shard_for_engine(m, 0, 1, Comm())
+    ids = torch.randint(0, cfg.vocab_size, (2, 9))
+    torch.testing.assert_close(m(ids), tiny_llama(ids), rtol=0, atol=0)
+    assert type(m.model.layers[0].self_attn.q_proj) is torch.nn.Linear  # fusable by the runner
+
+
+def _children() -> list:
+    return [p for p in mp.active_children() if p.name.startswith("llmnote-tp-rank")]
+
+
+def test_rank_error_stops_engine_and_close_leaves_no_children(tiny_llama):
+    ops = dataclasses.replace(reference_ops(), swiglu=swiglu_fails_on_rank1)
+    m = Llama(tiny_llama.config, ops=ops)
+    m.load_state_dict(tiny_llama.state_dict())
+    llm = LLM(m, device="cpu", tensor_parallel_size=2, distributed_timeout_s=60)
+    pids = llm.runner.pids
+    t0 = time.monotonic()
+    with pytest.raises(InjectedFailure, match="on purpose") as info:
+        llm.generate([[1, 2, 3]], SamplingParams(max_tokens=3), use_tqdm=False)
+    assert time.monotonic() - t0 < 30  # not the collective's timeout
+    assert isinstance(info.value.__cause__, RankTraceback)
+    assert "rank 1 of 2" in str(info.value.__cause__)
+    assert _children() == [] and all(not _alive(p) for p in pids)
+    with pytest.raises(RuntimeError, match="stopped after an error"):
+        llm.generate([[1, 2, 3]], SamplingParams(max_tokens=3), use_tqdm=False)
+    llm.close()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def test_killed_rank_stops_engine(tiny_llama):
+    llm = LLM(tiny_llama, device="cpu", tensor_parallel_size=2, distributed_timeout_s=60)
+    sp = SamplingParams(temperature=0.0, max_tokens=4)
+    assert len(llm.generate([[4, 5, 6]], sp, use_tqdm=False)[0].token_ids) == 4
+    victim = llm.runner.pids[1]
+    os.kill(victim, signal.SIGKILL)
+    t0 = time.monotonic()
+    with pytest.raises(RuntimeError, match=f"rank 1 of 2 \\(pid {victim}\\) was killed by signal 9"):
+        llm.generate([[7, 8, 9]], sp, use_tqdm=False)
+    assert time.monotonic() - t0 < 30
+    assert _children() == []
+    llm.close()
+
+
+def test_close_leaves_no_children(tiny_llama):
+    llm = LLM(tiny_llama, device="cpu", tensor_parallel_size=2)
+    pids = llm.runner.pids
+    assert len(_children()) == 2
+    llm.close()
+    assert _children() == [] and not any(_alive(p) for p in pids)
+    llm.close()  # twice is fine
+    with pytest.raises(RuntimeError, match="closed"):
+        llm.generate([[1]], SamplingParams(max_tokens=1), use_tqdm=False)
+
+
+def test_bad_sizes_refused_at_construction(tiny_llama, monkeypatch):
+    heads = tiny_llama.config.num_attention_heads
+    with pytest.raises(ValueError, match=f"tensor_parallel_size=3 must divide .*num_attention_heads"
+                                         f" \\({heads}\\)"):
+        LLM(tiny_llama, device="cpu", tensor_parallel_size=3)
+    with pytest.raises(ValueError, match="num_key_value_heads \\(3\\): one must divide"):
+        LLM(Llama(get_preset("llama-tiny").replace(num_attention_heads=6, num_key_value_heads=3,
+                                                   head_dim=8)),
+            device="cpu", tensor_parallel_size=2)
+    with pytest.raises(TypeError, match="tensor_parallel_size must be an int"):
+        LLM(tiny_llama, device="cpu", tensor_parallel_size=2.0)
+    with pytest.raises(ValueError, match="distributed_backend must be"):
+        LLM(tiny_llama, device="cpu", tensor_parallel_size=2, distributed_backend="mpi")
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="'nccl' needs CUDA GPUs.*has none"):
+            LLM(tiny_llama, tensor_parallel_size=2, distributed_backend="nccl")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # a 1-GPU machine, as seen
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    with pytest.raises(ValueError, match="tensor_parallel_size=2 needs 2 GPUs .* has 1"):
+        TPRunner(tiny_llama, _config(2), device="cuda")
+    assert _children() == []
+
+
+def _config(n: int):
+    from llmnote.engine import EngineConfig
+
+    return EngineConfig(tensor_parallel_size=n)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
+def test_tp2_nccl_greedy_equals_single_gpu(tiny_llama):
+    """On two GPUs over NCCL (CUDA graphs per rank), fp32: the single-GPU engine's tokens."""
+    prompts, sp = _prompts(), SamplingParams(temperature=0.0, max_tokens=10)
+    with LLM(tiny_llama, device="cuda", dtype=torch.float32) as ref:
+        want = [o.token_ids for o in ref.generate(prompts, sp, use_tqdm=False)]
+    with LLM(tiny_llama, device="cuda", dtype=torch.float32, tensor_parallel_size=2) as llm:
+        assert llm.runner.backend == "nccl" and llm.runner.use_graphs
+        got = [o.token_ids for o in llm.generate(prompts, sp, use_tqdm=False)]
+    assert got == want
