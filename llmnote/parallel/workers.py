@@ -95,3 +95,21 @@ def fail_in_rank(rank: int, world_size: int, failing_rank: int, kind: str = "err
     t = torch.ones(4)
     dist.all_reduce(t)  # never completes: the failing rank does not join it
     return rank
+
+
+@torch.no_grad()
+def ring_attention_cases(rank: int, world_size: int, cases: list[dict]) -> list[dict]:
+    """Ring attention on each case (``q, k, v`` of the whole sequence, ``causal``): this
+    rank takes its chunk, runs :func:`~llmnote.parallel.ring_attention.ring_attention`
+    and returns its rows of the output and the compute/wait seconds."""
+    from llmnote.parallel.ring_attention import chunk_sizes, ring_attention
+
+    out = []
+    for c in cases:
+        sizes = chunk_sizes(c["q"].shape[2], world_size)
+        start = sum(sizes[:rank])
+        q, k, v = (c[x].narrow(2, start, sizes[rank]) for x in ("q", "k", "v"))
+        stats: dict = {}
+        o = ring_attention(q, k, v, causal=c["causal"], stats=stats)
+        out.append({"out": o, "start": start, **stats})
+    return out

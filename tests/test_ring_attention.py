@@ -1,0 +1,76 @@
+"""Ring attention over gloo processes equals single-device attention: 2 and 3 ranks,
+odd lengths (chunks of unequal size), causal and not, grouped kv heads, fp32 and
+bf16; and the online-softmax merge of two partials is exact, empty rows included.
+One launch per world size (each spawns fresh interpreters)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from llmnote.ops.attention.reference import flash_attention_ref
+from llmnote.parallel import launch, workers
+from llmnote.parallel.ring_attention import chunk_sizes, merge_partials
+from llmnote.testing import assert_close
+
+
+def _qkv(n: int, dtype: torch.dtype, heads: int = 4, kv_heads: int = 2, d: int = 16):
+    g = torch.Generator().manual_seed(n)
+    q = torch.randn(2, heads, n, d, generator=g)
+    k = torch.randn(2, kv_heads, n, d, generator=g)
+    v = torch.randn(2, kv_heads, n, d, generator=g)
+    return q.to(dtype), k.to(dtype), v.to(dtype)
+
+
+@pytest.mark.parametrize("world_size,lengths", [(2, (37, 8)), (3, (50, 7))])
+def test_ring_attention_equals_single_device(world_size, lengths):
+    cases = [{"q": q, "k": k, "v": v, "causal": causal}
+             for n in lengths for dtype in (torch.float32, torch.bfloat16)
+             for q, k, v in [_qkv(n, dtype)] for causal in (False, True)]
+    results = launch(workers.ring_attention_cases, world_size, cases)
+    for i, c in enumerate(cases):
+        out = torch.cat([results[r][i]["out"] for r in range(world_size)], dim=2)
+        assert [results[r][i]["start"] for r in range(world_size)] == \
+            [sum(chunk_sizes(c["q"].shape[2], world_size)[:r]) for r in range(world_size)]
+        q32, k32, v32 = (c[x].float() for x in ("q", "k", "v"))
+        ref32 = flash_attention_ref(q32, k32, v32, causal=c["causal"])
+        name = f"p={world_size} n={c['q'].shape[2]} {c['q'].dtype} causal={c['causal']}"
+        if c["q"].dtype == torch.float32:
+            assert_close(out, ref32, atol=1e-5, rtol=1e-5, name=name)
+        else:  # the ring's error within twice that of single-device attention in bf16, + 1 ulp
+            lowp = flash_attention_ref(c["q"], c["k"], c["v"], causal=c["causal"]).float()
+            bound = 2 * (lowp - ref32).abs().max() + 2 ** -8
+            err = (out.float() - ref32).abs().max()
+            assert err <= bound, f"{name}: error {err:.3g} > {bound:.3g}"
+
+
+def _partial(q, k, v, keys: slice, causal: bool):
+    """Attention of every query to the keys ``keys`` only: (output, natural lse)."""
+    kk, vv = (t[:, :, keys].repeat_interleave(q.shape[1] // k.shape[1], 1) for t in (k, v))
+    s = q @ kk.transpose(-1, -2) * q.shape[-1] ** -0.5
+    if causal:  # query i sees key j <= i
+        pos_k = torch.arange(k.shape[2])[keys]
+        s = s.masked_fill(pos_k[None] > torch.arange(q.shape[2])[:, None], float("-inf"))
+    return torch.softmax(s, -1).nan_to_num(0.0) @ vv, torch.logsumexp(s, -1)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_merge_partials_is_exact(causal):
+    q, k, v = _qkv(19, torch.float32)
+    full = flash_attention_ref(q, k, v, causal=causal, return_lse=True)
+    oa, la = _partial(q, k, v, slice(0, 7), causal)
+    ob, lb = _partial(q, k, v, slice(7, 19), causal)
+    if causal:
+        assert torch.isinf(lb[..., :7]).all()  # the first rows see no key of the second part
+    out, lse = merge_partials(oa, la, ob, lb)
+    assert_close(out, full[0], atol=1e-5, rtol=1e-5, name="merged output")
+    assert_close(lse, full[1], atol=1e-5, rtol=1e-5, name="merged lse")
+    empty = torch.full((3,), float("-inf"))
+    o, l = merge_partials(torch.randn(3, 4), empty, torch.randn(3, 4), empty)
+    assert (o == 0).all() and torch.isinf(l).all() and not o.isnan().any()
+
+
+def test_chunk_sizes_refuses_too_few_tokens():
+    assert chunk_sizes(7, 3) == [3, 2, 2]
+    with pytest.raises(ValueError, match="cannot cut 2 tokens into 3"):
+        chunk_sizes(2, 3)
