@@ -74,3 +74,27 @@ def test_chunk_sizes_refuses_too_few_tokens():
     assert chunk_sizes(7, 3) == [3, 2, 2]
     with pytest.raises(ValueError, match="cannot cut 2 tokens into 3"):
         chunk_sizes(2, 3)
+
+
+def test_alpha_beta_fit_recovers_the_model():
+    from llmnote.parallel.cost import allreduce_time, bus_bandwidth, fit_alpha_beta
+
+    sizes = [2**k for k in range(10, 29)]
+    for p, alpha, bw in ((2, 8e-6, 150e9), (4, 3e-6, 40e9)):
+        noise = 1 + 0.02 * torch.randn(len(sizes), generator=torch.Generator().manual_seed(p))
+        times = [allreduce_time(n, p, alpha, bw) * float(e) for n, e in zip(sizes, noise)]
+        a, b = fit_alpha_beta(sizes, times, p)
+        assert abs(a / alpha - 1) < 0.05 and abs(b / bw - 1) < 0.05, (a, b)
+        assert abs(bus_bandwidth(sizes[-1], p, times[-1]) / bw - 1) < 0.1  # large: the link rate
+    assert allreduce_time(1e6, 1, 1e-6, 1e9) == 0.0
+    with pytest.raises(ValueError, match="p >= 2"):
+        fit_alpha_beta([1, 2], [1.0, 2.0], 1)
+
+
+def test_launch_refuses_nccl_without_gpus():
+    if torch.cuda.device_count() >= 2:
+        pytest.skip("this machine has the GPUs")
+    with pytest.raises(ValueError, match="backend='nccl' with world_size=2 needs 2 CUDA GPUs"):
+        launch(workers.all_reduce_times, 2, [4], backend="nccl")
+    with pytest.raises(ValueError, match="backend must be 'gloo' or 'nccl'"):
+        launch(workers.all_reduce_times, 2, [4], backend="mpi")

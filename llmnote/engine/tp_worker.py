@@ -107,6 +107,14 @@ def _load_source(source: tuple, dtype, device, ops, seed):
     from llmnote.engine.llm import _load
 
     kind, what = source
+    if kind == "config":  # random weights of this shape, made as a preset's are
+        from llmnote.device import placement
+
+        dev, dt = placement(device, dtype, cpu_dtype=torch.float32)
+        torch.manual_seed(seed)
+        with torch.device(dev):
+            m = Llama(what, ops=ops)
+        return m.to(dtype=dt).eval(), None, []
     if kind == "state":  # a Llama the driver was given, saved to a file
         blob = torch.load(what, weights_only=False, mmap=True)
         m = Llama(blob["config"], ops=blob["ops"])
@@ -236,11 +244,13 @@ def _pick_backend(config: EngineConfig, device) -> str:
 class TPRunner:
     """The driver's handle on the ranks, with the runner methods :class:`LLM` calls:
     :meth:`run`, :meth:`release`, :meth:`close`; ``num_blocks``, ``max_model_len``,
-    ``decode_steps`` (1: one step per message)."""
+    ``decode_steps`` (1: one step per message). ``model``: what ``LLM`` takes, or a
+    :class:`~llmnote.models.config.LlamaConfig` (random weights of that shape, seeded
+    as a preset's: shapes without a preset name, for benchmarks)."""
 
     decode_steps = 1
 
-    def __init__(self, model: Llama | str | Path, config: EngineConfig,
+    def __init__(self, model: Llama | LlamaConfig | str | Path, config: EngineConfig,
                  dtype: torch.dtype | None = None, device: str | torch.device | None = None,
                  ops: LlamaOps | None = None) -> None:
         n = config.tensor_parallel_size
@@ -253,7 +263,10 @@ class TPRunner:
         self._sent: dict[int, int] = {}  # seq_id -> tokens the ranks have of it
         self.num_steps = 0
         self._tmp = tempfile.TemporaryDirectory(prefix="llmnote-tp-")
-        if isinstance(model, Llama):
+        if isinstance(model, LlamaConfig):  # random weights (a shape without a preset name)
+            check_tp_shapes(model, n)
+            source = ("config", model)
+        elif isinstance(model, Llama):
             check_tp_shapes(model.config, n)
             path = Path(self._tmp.name) / "model.pt"
             p = next(model.parameters())
