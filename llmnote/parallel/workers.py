@@ -104,12 +104,13 @@ def ring_attention_cases(rank: int, world_size: int, cases: list[dict]) -> list[
     and returns its rows of the output and the compute/wait seconds."""
     from llmnote.parallel.ring_attention import chunk_sizes, ring_attention
 
+    dev = torch.device("cuda", rank) if dist.get_backend() == "nccl" else torch.device("cpu")
     out = []
     for c in cases:
         sizes = chunk_sizes(c["q"].shape[2], world_size)
         start = sum(sizes[:rank])
-        q, k, v = (c[x].narrow(2, start, sizes[rank]) for x in ("q", "k", "v"))
+        q, k, v = (c[x].narrow(2, start, sizes[rank]).to(dev) for x in ("q", "k", "v"))
         stats: dict = {}
         o = ring_attention(q, k, v, causal=c["causal"], stats=stats)
-        out.append({"out": o, "start": start, **stats})
+        out.append({"out": o.cpu(), "start": start, **stats})
     return out
