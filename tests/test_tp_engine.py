@@ -1,8 +1,8 @@
 """The engine over tensor-parallel ranks (``LLM(..., tensor_parallel_size=N)``): greedy
 tokens equal the single-process engine's in fp32 on gloo (prefix caching, chunked
-prefill, preemption); a rank that raises or is killed stops the engine with that
-rank's error and no hang; close() leaves no child process; bad sizes are refused at
-construction. Each engine spawns fresh interpreters (seconds), so engines are few."""
+prefill, preemption); a rank that raises, hangs or is killed stops the engine with
+that rank's error (a hang: a timeout) and leaves no child process, nor does close();
+bad sizes are refused at construction. Each engine spawns fresh interpreters (seconds), so engines are few."""
 
 from __future__ import annotations
 
@@ -35,6 +35,13 @@ def swiglu_fails_on_rank1(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.silu(a) * b
 
 
+def swiglu_hangs_on_rank1(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """SwiGLU that never returns in rank 1 (rank 0 then waits in its all-reduce)."""
+    if dist.is_initialized() and dist.get_rank() == 1:
+        time.sleep(3600)
+    return torch.nn.functional.silu(a) * b
+
+
 def _prompts() -> list[list[int]]:
     g = torch.Generator().manual_seed(7)
     shared = torch.randint(0, 256, (37,), generator=g).tolist()  # 2 full blocks: cached
@@ -57,6 +64,13 @@ def test_tp2_greedy_equals_single_process(tiny_llama, overrides):
         got += llm.generate(prompts[2:], sp, use_tqdm=False)
         preempted = llm.scheduler.num_preemptions
         chunks = [c for s in llm.step_log for c in s["chunks"]]
+        pids = llm.runner.pids
+        assert len(_children()) == 2
+    # leaving the block closed the engine: no child process is left
+    assert _children() == [] and not any(_alive(p) for p in pids)
+    llm.close()  # twice is fine
+    with pytest.raises(RuntimeError, match="closed"):
+        llm.generate([[1]], SamplingParams(max_tokens=1), use_tqdm=False)
     assert [o.token_ids for o in got] == [o.token_ids for o in want]
     assert [o.num_cached_prompt_tokens for o in got] == [o.num_cached_prompt_tokens for o in want]
     assert got[1].num_cached_prompt_tokens >= 32  # the prefix cache was used across ranks
@@ -113,22 +127,25 @@ def test_killed_rank_stops_engine(tiny_llama):
     victim = llm.runner.pids[1]
     os.kill(victim, signal.SIGKILL)
     t0 = time.monotonic()
-    with pytest.raises(RuntimeError, match=f"rank 1 of 2 \\(pid {victim}\\) was killed by signal 9"):
+    want = f"rank 1 of 2 \\(pid {victim}\\) was killed by signal 9"
+    with pytest.raises(RuntimeError, match=want):
         llm.generate([[7, 8, 9]], sp, use_tqdm=False)
     assert time.monotonic() - t0 < 30
     assert _children() == []
     llm.close()
 
 
-def test_close_leaves_no_children(tiny_llama):
-    llm = LLM(tiny_llama, device="cpu", tensor_parallel_size=2)
-    pids = llm.runner.pids
-    assert len(_children()) == 2
-    llm.close()
-    assert _children() == [] and not any(_alive(p) for p in pids)
-    llm.close()  # twice is fine
-    with pytest.raises(RuntimeError, match="closed"):
-        llm.generate([[1]], SamplingParams(max_tokens=1), use_tqdm=False)
+def test_hung_rank_times_out(tiny_llama):
+    ops = dataclasses.replace(reference_ops(), swiglu=swiglu_hangs_on_rank1)
+    m = Llama(tiny_llama.config, ops=ops)
+    m.load_state_dict(tiny_llama.state_dict())
+    llm = LLM(m, device="cpu", tensor_parallel_size=2)
+    llm.runner.timeout_s = 3.0  # each step's deadline (distributed_timeout_s at start)
+    t0 = time.monotonic()
+    with pytest.raises(TimeoutError, match="did not finish a step within"):
+        llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2), use_tqdm=False)
+    assert 3.0 <= time.monotonic() - t0 < 20
+    assert _children() == []
 
 
 def test_bad_sizes_refused_at_construction(tiny_llama, monkeypatch):

@@ -244,7 +244,8 @@ def _pick_backend(config: EngineConfig, device) -> str:
 class TPRunner:
     """The driver's handle on the ranks, with the runner methods :class:`LLM` calls:
     :meth:`run`, :meth:`release`, :meth:`close`; ``num_blocks``, ``max_model_len``,
-    ``decode_steps`` (1: one step per message). ``model``: what ``LLM`` takes, or a
+    ``decode_steps`` (1: one step per message); ``timeout_s``, the deadline of each
+    step (``distributed_timeout_s``), may be changed. ``model``: what ``LLM`` takes, or a
     :class:`~llmnote.models.config.LlamaConfig` (random weights of that shape, seeded
     as a preset's: shapes without a preset name, for benchmarks)."""
 
@@ -271,7 +272,8 @@ class TPRunner:
             path = Path(self._tmp.name) / "model.pt"
             p = next(model.parameters())
             torch.save({"config": model.config, "ops": model.ops, "dtype": p.dtype,
-                        "state": {k: v.detach().cpu() for k, v in model.state_dict().items()}}, path)
+                        "state": {k: v.detach().cpu() for k, v in model.state_dict().items()}},
+                       path)
             source = ("state", str(path))
         else:
             from llmnote.models.presets import PRESETS
@@ -325,7 +327,8 @@ class TPRunner:
             if left <= 0:
                 self._fail(TimeoutError(
                     f"tensor-parallel engine: the ranks did not finish {what} within "
-                    f"distributed_timeout_s={self.timeout_s:g} s; all {self.world_size} stopped"))
+                    f"{self.timeout_s:g} s (distributed_timeout_s); all {self.world_size} "
+                    "ranks stopped"))
             ready = wait(list(waitables) + list(sentinels), timeout=left)
             got = []
             for w in ready:
@@ -363,7 +366,8 @@ class TPRunner:
         time.sleep(0.2)  # let the other ranks' reports and exits arrive
         recs = recs + self._drain_errors()
         reported = {rec["rank"] for rec in recs}
-        silent = [r for r, p in enumerate(self.procs) if p.exitcode is not None and r not in reported]
+        silent = [r for r, p in enumerate(self.procs)
+                  if p.exitcode is not None and r not in reported]
         if silent:
             self._fail_dead(silent, recs)
         self._fail_from_records(recs)

@@ -14,6 +14,7 @@ from llmnote.parallel.tensor_parallel import (
 
 __all__ = [
     "ColumnParallelLinear", "Comm", "RowParallelLinear", "allreduce_bytes_per_token",
-    "chunk_sizes", "free_port", "merge_partials", "ring_attention", "ring_attention_ref", "kv_shard", "launch", "local_config", "shard", "shard_decoder_layer",
+    "chunk_sizes", "free_port", "kv_shard", "launch", "local_config", "merge_partials",
+    "ring_attention", "ring_attention_ref", "shard", "shard_decoder_layer",
     "shard_llama",
 ]

@@ -29,6 +29,7 @@ smoke test, not a measurement.
 
 from __future__ import annotations
 
+import functools
 import gc
 import os
 import time
@@ -266,22 +267,19 @@ def ring_rows(env: dict, backend: str, lengths: list[int], reps: int) -> list[di
               f"(busiest rank: {busiest['compute_s'] * 1e3:.2f} ms attending, "
               f"{busiest['wait_s'] * 1e3:.2f} ms waiting)")
         if backend == "nccl":
-            from llmnote.ops import flash_attention
+            from llmnote.ops import flash_attention as attend
 
-            dev = torch.device("cuda", 0)
-            q = torch.randn(1, heads, n, d, device=dev, dtype=torch.bfloat16)
-            k = torch.randn(1, kv_heads, n, d, device=dev, dtype=torch.bfloat16)
-            v = torch.randn_like(k)
-            fn = lambda: flash_attention(q, k, v, causal=True)  # noqa: E731
+            dev, dtype = torch.device("cuda", 0), torch.bfloat16
         else:
-            q, k = torch.randn(1, heads, n, d), torch.randn(1, kv_heads, n, d)
-            v = torch.randn_like(k)
-            fn = lambda: flash_attention_ref(q, k, v, causal=True)  # noqa: E731
+            attend, dev, dtype = flash_attention_ref, torch.device("cpu"), torch.float32
+        q = torch.randn(1, heads, n, d, device=dev, dtype=dtype)
+        k = torch.randn(1, kv_heads, n, d, device=dev, dtype=dtype)
+        fn = functools.partial(attend, q, k, torch.randn_like(k), causal=True)
         t = measure(fn)
         print(f"{BENCH}: one device, N={n}: {t.p50:.2f} ms")
         rows += rows_for(BENCH, "llmnote-1gpu" if backend == "nccl" else "reference-1cpu",
                          "seq_len", n, t, {}, {"ranks": 1, **shape}, env)
-        del q, k, v
+        del q, k, fn
         _free()
     return rows
 
@@ -295,7 +293,7 @@ def run(quick: bool = False, parts: tuple[str, ...] = PARTS, requests: int = 128
         raise ValueError(f"parts must be among {PARTS}, got {sorted(unknown)}")
     backend = "nccl" if device.on_gpu() and torch.cuda.device_count() >= 2 else "gloo"
     if backend == "gloo" and not quick:
-        raise RuntimeError("this benchmark needs 2 CUDA GPUs (run with --quick for a CPU smoke test)")
+        raise RuntimeError("this benchmark needs 2 CUDA GPUs (--quick: a CPU smoke test)")
     env = environment()
     rows: list[dict] = []
     if "allreduce" in parts:
