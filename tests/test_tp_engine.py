@@ -1,6 +1,6 @@
 """The engine over tensor-parallel ranks (``LLM(..., tensor_parallel_size=N)``): greedy
 tokens equal the single-process engine's in fp32 on gloo (prefix caching, chunked
-prefill, preemption); a rank that raises, hangs or is killed stops the engine with
+prefill, preemption, multi-step decoding with runs queued ahead); a rank that raises, hangs or is killed stops the engine with
 that rank's error (a hang: a timeout) and leaves no child process, nor does close();
 bad sizes are refused at construction. Each engine spawns fresh interpreters (seconds), so engines are few."""
 
@@ -50,7 +50,7 @@ def _prompts() -> list[list[int]]:
 
 
 @pytest.mark.parametrize("overrides", [
-    {},  # default: prefix caching on, chunked prefill
+    {"decode_steps": 4},  # multi-step decoding and async scheduling on the ranks
     {"max_num_batched_tokens": 24, "num_blocks": 8, "block_size": 8},  # small chunks, preemption
 ])
 def test_tp2_greedy_equals_single_process(tiny_llama, overrides):
@@ -65,6 +65,7 @@ def test_tp2_greedy_equals_single_process(tiny_llama, overrides):
         preempted = llm.scheduler.num_preemptions
         chunks = [c for s in llm.step_log for c in s["chunks"]]
         pids = llm.runner.pids
+        steps, ahead = llm.runner.decode_steps, llm.num_runs_ahead
         assert len(_children()) == 2
     # leaving the block closed the engine: no child process is left
     assert _children() == [] and not any(_alive(p) for p in pids)
@@ -74,7 +75,9 @@ def test_tp2_greedy_equals_single_process(tiny_llama, overrides):
     assert [o.token_ids for o in got] == [o.token_ids for o in want]
     assert [o.num_cached_prompt_tokens for o in got] == [o.num_cached_prompt_tokens for o in want]
     assert got[1].num_cached_prompt_tokens >= 32  # the prefix cache was used across ranks
-    if overrides:
+    if "decode_steps" in overrides:
+        assert steps == 4 and ahead > 0  # multi-step runs, some queued ahead
+    else:
         assert preempted > 0  # the case exercises recompute after preemption
         assert any(kind == "prefill" and n < 20 for _, n, kind in chunks)  # chunked prompts
 

@@ -6,9 +6,9 @@ over NCCL, or gloo on the CPU); each loads the model, keeps its shard
 (:func:`shard_for_engine`: q/k/v and gate/up split by output columns, o and down
 by input rows, whole heads per rank, the KV cache split by kv heads) and builds an
 ordinary :class:`~llmnote.engine.model_runner.ModelRunner` on it, CUDA graphs
-included. Each step the driver sends the same batch to every rank; all run the
-forward, whose two all-reduces per layer join them, and rank 0 sends back the
-sampled tokens. The wire format is lean: per sequence only the tokens a rank has
+and multi-step decoding included. Each step the driver sends the same batch to
+every rank; all run the forward, whose two all-reduces per layer join them, and
+rank 0 sends back the sampled tokens. The wire format is lean: per sequence only the tokens a rank has
 not seen yet, its position, its block table; each rank keeps a mirror
 :class:`~llmnote.engine.sequence.Sequence` per request.
 
@@ -32,6 +32,7 @@ import tempfile
 import time
 import traceback
 import weakref
+from dataclasses import dataclass
 from datetime import timedelta
 from multiprocessing.connection import wait
 from pathlib import Path
@@ -151,20 +152,32 @@ def _worker(rank: int, world_size: int, port: int, backend: str, conn, source: t
         if rank == 0:
             conn.send(("ready", {"config": full, "tokenizer": tok, "eos": eos,
                                  "num_blocks": runner.num_blocks,
+                                 "decode_steps": runner.decode_steps,
                                  "max_model_len": runner.max_model_len,
                                  "backend": runner.backend, "graphs": runner.use_graphs}))
         else:
             conn.send(("ready", None))
         seqs: dict[int, Sequence] = {}
+        runs: dict = {}  # multi-step runs launched and not yet collected, by the driver's id
         while True:
             msg = conn.recv()
-            if msg[0] == "close":
+            kind = msg[0]
+            if kind == "close":
                 break
-            _, released, items = msg
+            if kind == "collect":  # a multi-step run's tokens, per step
+                out = runner.collect(runs.pop(msg[1]))
+                if rank == 0:
+                    conn.send(("collect", out))
+                continue
+            released, items = msg[1], msg[2]
             for sid in released:
                 seqs.pop(sid, None)
                 runner.release(sid)
             batch = ScheduledBatch([(_mirror(seqs, item), item[2]) for item in items])
+            if kind == "launch":  # queue a multi-step run; nothing waits for the GPU here
+                _, _, _, steps, prev, rid = msg
+                runs[rid] = runner.launch_steps(batch, steps, prev=runs.get(prev))
+                continue
             sampled = runner.run(batch)
             comm.reset()
             if rank == 0:
@@ -183,8 +196,8 @@ def _worker(rank: int, world_size: int, port: int, backend: str, conn, source: t
 
 def _runner(model: Llama, config: EngineConfig, dev: torch.device):
     """This rank's ModelRunner; every rank gets the same number of KV blocks (the fewest
-    any rank can hold), one decode step per driver message, no batch-1 GEMV path (it
-    folds o_proj into attention, which would skip the all-reduce)."""
+    any rank can hold) and no batch-1 GEMV path (it folds o_proj into attention, which
+    would skip the all-reduce)."""
     from llmnote.engine.kv_cache import choose_num_blocks
     from llmnote.engine.model_runner import ModelRunner
 
@@ -193,7 +206,7 @@ def _runner(model: Llama, config: EngineConfig, dev: torch.device):
     n = choose_num_blocks(model, config, p.dtype, dev, max_len)
     t = torch.tensor([n], dtype=torch.long, device=dev)
     dist.all_reduce(t, op=dist.ReduceOp.MIN)  # also the first collective: NCCL sets up here
-    return ModelRunner(model, config.replace(num_blocks=int(t.item()), decode_steps=1, gemv=False,
+    return ModelRunner(model, config.replace(num_blocks=int(t.item()), gemv=False,
                                              tensor_parallel_size=1))
 
 
@@ -210,6 +223,15 @@ def _mirror(seqs: dict[int, Sequence], item: tuple) -> Sequence:
 
 
 # ---------------------------------------------------------------- the driver's side
+@dataclass
+class RemoteRun:
+    """A multi-step decode run queued on the ranks (their ``DecodeRun`` has id ``rid``)."""
+
+    batch: ScheduledBatch
+    steps: int
+    rid: int
+
+
 class ModelShape:
     """What the driver keeps of a model whose weights live in the ranks: its config."""
 
@@ -244,12 +266,13 @@ def _pick_backend(config: EngineConfig, device) -> str:
 class TPRunner:
     """The driver's handle on the ranks, with the runner methods :class:`LLM` calls:
     :meth:`run`, :meth:`release`, :meth:`close`; ``num_blocks``, ``max_model_len``,
-    ``decode_steps`` (1: one step per message); ``timeout_s``, the deadline of each
-    step (``distributed_timeout_s``), may be changed. ``model``: what ``LLM`` takes, or a
+    ``decode_steps`` (the ranks' multi-step decoding: :meth:`launch_steps` and
+    :meth:`collect`, each rank feeding its sampled tokens to its next step on its own
+    device: the ranks sample alike, from identical logits and generators);
+    ``timeout_s``, the deadline of each step (``distributed_timeout_s``), may be
+    changed. ``model``: what ``LLM`` takes, or a
     :class:`~llmnote.models.config.LlamaConfig` (random weights of that shape, seeded
     as a preset's: shapes without a preset name, for benchmarks)."""
-
-    decode_steps = 1
 
     def __init__(self, model: Llama | LlamaConfig | str | Path, config: EngineConfig,
                  dtype: torch.dtype | None = None, device: str | torch.device | None = None,
@@ -300,6 +323,8 @@ class TPRunner:
         self.model = ModelShape(info["config"])
         self.tokenizer, self.eos = info["tokenizer"], info["eos"]
         self.num_blocks, self.max_model_len = info["num_blocks"], info["max_model_len"]
+        self.decode_steps = info["decode_steps"]
+        self._next_run = 0
         self.attention_backend, self.use_graphs = info["backend"], info["graphs"]
 
     @property
@@ -413,9 +438,8 @@ class TPRunner:
             raise RuntimeError("the tensor-parallel engine was closed")
 
     # ------------------------------------------------------------ the runner's methods
-    def run(self, batch: ScheduledBatch) -> dict[int, int]:
-        """Send the step to every rank; rank 0's sampled tokens."""
-        self._check_alive()
+    def _items(self, batch: ScheduledBatch) -> list[tuple]:
+        """The wire form of a batch: per sequence the tokens the ranks lack, etc."""
         items = []
         for seq, n in batch.items:
             sent = self._sent.get(seq.seq_id, 0)
@@ -424,16 +448,45 @@ class TPRunner:
             self._sent[seq.seq_id] = max(sent, need)
             params = seq.params if sent == 0 else None
             items.append((seq.seq_id, seq.num_computed, n, new, params, list(seq.block_table)))
-        msg = ("step", self._released, items)
-        self._released = []
+        return items
+
+    def _send(self, msg: tuple) -> None:
+        """The same message to every rank (pickled once)."""
+        self._check_alive()
+        blob = pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL)
         for c in self.conns:
             try:
-                c.send(msg)
+                c.send_bytes(blob)
             except (BrokenPipeError, OSError):
                 pass  # that rank is gone: _receive reports it
-        (_, reply), = self._receive(time.monotonic() + self.timeout_s, "a step", {0})
-        self.num_steps += 1
+
+    def _reply(self, what: str):
+        (_, reply), = self._receive(time.monotonic() + self.timeout_s, what, {0})
         return reply[1]
+
+    def run(self, batch: ScheduledBatch) -> dict[int, int]:
+        """Send the step to every rank; rank 0's sampled tokens."""
+        self._check_alive()
+        self._send(("step", self._released, self._items(batch)))
+        self._released = []
+        self.num_steps += 1
+        return self._reply("a step")
+
+    def launch_steps(self, batch: ScheduledBatch, steps: int, prev: RemoteRun | None = None
+                     ) -> RemoteRun:
+        """Queue a multi-step decode run on every rank (see ``ModelRunner.launch_steps``)."""
+        self._check_alive()
+        rid, self._next_run = self._next_run, self._next_run + 1
+        self._send(("launch", self._released, self._items(batch), steps,
+                    None if prev is None else prev.rid, rid))
+        self._released = []
+        self.num_steps += steps
+        return RemoteRun(batch, steps, rid)
+
+    def collect(self, run: RemoteRun) -> list[dict[int, int]]:
+        """A run's tokens, ``seq_id -> token`` per step (rank 0's)."""
+        self._send(("collect", run.rid))
+        return self._reply("a multi-step run")
 
     def release(self, seq_id: int) -> None:
         if self._sent.pop(seq_id, None) is not None:

@@ -11,8 +11,8 @@ Parts (``--parts``), each a list of rows with ``bench = "tensor_parallel"``:
   at ``tensor_parallel_size`` 1 and 2: batch-1 time per token (512-token
   prompt; the engine's decode steps timed as in ``decode_latency``) and the
   throughput of nano-vllm's workload (``requests`` of 100-1024 prompt and output
-  tokens). TP=1 twice: the default (CUDA graphs, 8 decode steps per host read)
-  and ``decode_steps=1`` (one step per host round trip, as the TP=2 driver runs).
+  tokens). Both with the engine's defaults: CUDA graphs (per rank), multi-step
+  decoding and async scheduling.
 * ``70b``: a Llama-3-70B shape cut to ``layers_70b`` layers (the whole model, 141
   GB in bf16, fits no single H100 and leaves almost nothing for a KV cache on two):
   batch-1 time per token at TP=1 and TP=2, and per layer.
@@ -171,12 +171,11 @@ def engine_rows(env: dict, model: str, requests: int, context: int, quick: bool)
     hi = 64 if quick else 1024
     reqs = nano_vllm_requests(requests, min(100, hi // 2), hi, vocab=10000 if not quick else 200)
     vocab = 200 if quick else 10000
-    for label, tp, kw in (("llmnote-tp1", 1, {}), ("llmnote-tp1-1step", 1, {"decode_steps": 1}),
-                          ("llmnote-tp2", 2, {})):
+    for label, tp, kw in (("llmnote-tp1", 1, {}), ("llmnote-tp2", 2, {})):
         try:
             rows += _engine_case(env, model, label, tp, kw, reqs, context, vocab, hi, quick)
         except Exception as e:  # noqa: BLE001 - a TP=2 failure must not lose the other rows
-            if tp == 1 or kw:
+            if tp == 1:
                 raise
             print(f"{BENCH}: {label} failed ({type(e).__name__}: {e}); again without CUDA graphs")
             _free()
@@ -197,16 +196,15 @@ def _engine_case(env: dict, model: str, label: str, tp: int, kw: dict, reqs, con
                  "kv_blocks": llm.runner.num_blocks,
                  "cuda_graphs": kw.get("cuda_graphs", device.on_gpu())}
         rows = _batch1_rows(llm, label, tp, model, context, vocab, env, extra)[0]
-        if "decode_steps" not in kw:
-            run_engine(llm, nano_vllm_requests(4, 8, 32, seed=1, vocab=vocab))  # warm-up
-            outs, wall = run_engine(llm, reqs)
-            tokens = sum(len(o.token_ids) for o in outs)
-            print(f"{BENCH}: {label} {model} workload: {tokens} tokens in {wall:.1f} s = "
-                  f"{tokens / wall:.0f} tok/s")
-            t = Timing(wall * 1e3, wall * 1e3, wall * 1e3)
-            rows += rows_for(BENCH, label, "tp", tp, t, {
-                "throughput": ("tok/s", lambda x, ms, v=tokens / wall: v)},
-                {"model": model, "workload": "nano-vllm", "requests": len(reqs), **extra}, env)
+        run_engine(llm, nano_vllm_requests(4, 8, 32, seed=1, vocab=vocab))  # warm-up
+        outs, wall = run_engine(llm, reqs)
+        tokens = sum(len(o.token_ids) for o in outs)
+        print(f"{BENCH}: {label} {model} workload: {tokens} tokens in {wall:.1f} s = "
+              f"{tokens / wall:.0f} tok/s")
+        t = Timing(wall * 1e3, wall * 1e3, wall * 1e3)
+        rows += rows_for(BENCH, label, "tp", tp, t, {
+            "throughput": ("tok/s", lambda x, ms, v=tokens / wall: v)},
+            {"model": model, "workload": "nano-vllm", "requests": len(reqs), **extra}, env)
     finally:
         llm.close()
         del llm
