@@ -1,8 +1,9 @@
-"""The engine over tensor-parallel ranks (``LLM(..., tensor_parallel_size=N)``): greedy
-tokens equal the single-process engine's in fp32 on gloo (prefix caching, chunked
-prefill, preemption, multi-step decoding with runs queued ahead); a rank that raises, hangs or is killed stops the engine with
-that rank's error (a hang: a timeout) and leaves no child process, nor does close();
-bad sizes are refused at construction. Each engine spawns fresh interpreters (seconds), so engines are few."""
+"""The engine over tensor-parallel ranks (``LLM(..., tensor_parallel_size=N)``):
+greedy tokens equal the single-process engine's in fp32 on gloo (prefix caching,
+chunked prefill, preemption, multi-step decoding with runs queued ahead); a rank
+that raises, hangs or is killed stops the engine with that rank's error (a hang: a
+timeout) and leaves no child process, nor does close(); bad sizes are refused at
+construction. Each engine spawns fresh interpreters (seconds), so engines are few."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from llmnote.engine import LLM, SamplingParams
-from llmnote.engine.tp_worker import TPRunner, shard_for_engine
+from llmnote.engine.tp_worker import TPRunner, random_model, shard_for_engine
 from llmnote.models import Llama, get_preset
 from llmnote.models.llama import reference_ops
 from llmnote.parallel import Comm
@@ -123,10 +124,27 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def test_killed_rank_stops_engine(tiny_llama):
-    llm = LLM(tiny_llama, device="cpu", tensor_parallel_size=2, distributed_timeout_s=60)
+def test_random_model_is_made_in_its_dtype():
+    cfg = get_preset("qwen2-tiny")  # tied embeddings, q/k/v biases
+    m = random_model(cfg, "cpu", torch.bfloat16, seed=3)
+    assert {p.dtype for p in m.parameters()} == {torch.bfloat16}
+    assert m.lm_head.weight is m.model.embed_tokens.weight
+    assert (m.model.norm.weight == 1).all() and (m.model.layers[0].self_attn.q_proj.bias == 0).all()
+    w = m.model.layers[1].mlp.down_proj.weight.float()
+    assert abs(w.std().item() - 0.02) < 0.002
+    assert torch.equal(w, random_model(cfg, "cpu", torch.bfloat16, seed=3)
+                       .model.layers[1].mlp.down_proj.weight.float())
+
+
+def test_killed_rank_stops_engine():
+    """A config as the model (random weights made on each rank, as benchmarks use it);
+    then a rank is killed."""
+    cfg = get_preset("llama-tiny")
     sp = SamplingParams(temperature=0.0, max_tokens=4)
-    assert len(llm.generate([[4, 5, 6]], sp, use_tqdm=False)[0].token_ids) == 4
+    with LLM(random_model(cfg, "cpu"), device="cpu") as one:
+        want = one.generate([[4, 5, 6]], sp, use_tqdm=False)[0].token_ids
+    llm = LLM(cfg, device="cpu", tensor_parallel_size=2, distributed_timeout_s=60)
+    assert llm.generate([[4, 5, 6]], sp, use_tqdm=False)[0].token_ids == want
     victim = llm.runner.pids[1]
     os.kill(victim, signal.SIGKILL)
     t0 = time.monotonic()

@@ -8,9 +8,9 @@ by input rows, whole heads per rank, the KV cache split by kv heads) and builds 
 ordinary :class:`~llmnote.engine.model_runner.ModelRunner` on it, CUDA graphs
 and multi-step decoding included. Each step the driver sends the same batch to
 every rank; all run the forward, whose two all-reduces per layer join them, and
-rank 0 sends back the sampled tokens. The wire format is lean: per sequence only the tokens a rank has
-not seen yet, its position, its block table; each rank keeps a mirror
-:class:`~llmnote.engine.sequence.Sequence` per request.
+rank 0 sends back the sampled tokens. The wire format is lean: per sequence only
+the tokens a rank has not seen yet, its position, its block table; each rank
+keeps a mirror :class:`~llmnote.engine.sequence.Sequence` per request.
 
 The driver never waits inside a collective. It waits on the ranks' pipes and on
 their process handles, with a deadline: a rank that raises sends its exception and
@@ -103,19 +103,40 @@ def _error_record(rank: int, e: BaseException) -> dict:
     return rec
 
 
+def random_model(cfg: LlamaConfig, device=None, dtype: torch.dtype | None = None,
+                 seed: int = 0, ops: LlamaOps | None = None) -> Llama:
+    """A Llama of shape ``cfg`` with random weights (normal, std 0.02; norms 1) made
+    directly in ``dtype`` on ``device`` (defaults: the fast path), so the peak memory is
+    the model's own, not the fp32 model a plain ``Llama(cfg)`` would make first: a 32-layer
+    Llama-3-70B shape is 59 GB in bf16, 118 GB in fp32. Same ``seed``, same weights on
+    every device of a kind (each rank of a benchmark builds the same model)."""
+    from llmnote.device import placement
+    from llmnote.models.llama import RMSNorm
+
+    dev, dt = placement(device, dtype, cpu_dtype=torch.float32)
+    with torch.device("meta"):
+        m = Llama(cfg, ops=ops)
+    m = m.to(dtype=dt).to_empty(device=dev)
+    m.tie_weights()
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        for mod in m.modules():
+            if isinstance(mod, (nn.Linear, nn.Embedding)):
+                mod.weight.normal_(0, 0.02)
+            if isinstance(mod, nn.Linear) and mod.bias is not None:
+                mod.bias.zero_()
+            if isinstance(mod, RMSNorm):
+                mod.weight.fill_(1.0)
+    return m.eval()
+
+
 def _load_source(source: tuple, dtype, device, ops, seed):
     """The whole model on this rank's device: (Llama, tokenizer, eos ids)."""
     from llmnote.engine.llm import _load
 
     kind, what = source
-    if kind == "config":  # random weights of this shape, made as a preset's are
-        from llmnote.device import placement
-
-        dev, dt = placement(device, dtype, cpu_dtype=torch.float32)
-        torch.manual_seed(seed)
-        with torch.device(dev):
-            m = Llama(what, ops=ops)
-        return m.to(dtype=dt).eval(), None, []
+    if kind == "config":  # random weights of this shape
+        return random_model(what, device, dtype, seed, ops), None, []
     if kind == "state":  # a Llama the driver was given, saved to a file
         blob = torch.load(what, weights_only=False, mmap=True)
         m = Llama(blob["config"], ops=blob["ops"])

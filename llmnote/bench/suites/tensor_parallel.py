@@ -21,7 +21,8 @@ Parts (``--parts``), each a list of rows with ``bench = "tensor_parallel"``:
   at the same N; extra columns ``compute_ms`` and ``wait_ms`` (time the busiest rank
   spent attending, and blocked on the ring after it).
 
-Every engine is built as a user builds one. ``NCCL_NVLS_ENABLE=0`` is set before
+A ``ceiling`` row records the GPU's copy bandwidth in the same run. Every engine
+is built as a user builds one. ``NCCL_NVLS_ENABLE=0`` is set before
 any NCCL communicator exists (NVLink multicast can take a shared host's GPUs out
 of service). On a CPU (``--quick``) the same code runs on gloo with tiny shapes: a
 smoke test, not a measurement.
@@ -213,7 +214,8 @@ def _engine_case(env: dict, model: str, label: str, tp: int, kw: dict, reqs, con
 
 
 def seventy_rows(env: dict, layers: int, context: int, quick: bool) -> list[dict]:
-    from llmnote.models import Llama, get_preset
+    from llmnote.engine.tp_worker import random_model
+    from llmnote.models import get_preset
 
     cfg = get_preset("llama-3-70b" if not quick else "llama-tiny").replace(num_hidden_layers=layers)
     name = f"llama-3-70b-{layers}layers" if not quick else f"llama-tiny-{layers}layers"
@@ -222,11 +224,7 @@ def seventy_rows(env: dict, layers: int, context: int, quick: bool) -> list[dict
     params = 0
     for label, tp in (("llmnote-tp1", 1), ("llmnote-tp2", 2)):
         if tp == 1:  # the model the TP=2 ranks build, made here for one GPU
-            dev, dtype = device.placement(cpu_dtype=torch.float32)
-            torch.manual_seed(0)
-            with torch.device(dev):
-                model = Llama(cfg)
-            model = model.to(dtype).eval()
+            model = random_model(cfg)
             params = sum(p.numel() for p in model.parameters())
         else:
             model = cfg
@@ -294,6 +292,10 @@ def run(quick: bool = False, parts: tuple[str, ...] = PARTS, requests: int = 128
         raise RuntimeError("this benchmark needs 2 CUDA GPUs (--quick: a CPU smoke test)")
     env = environment()
     rows: list[dict] = []
+    if backend == "nccl":  # this GPU's copy bandwidth: what a decode step's weight read meets
+        from llmnote.bench.ceilings import copy_bandwidth
+
+        rows += copy_bandwidth().to_dict("records")
     if "allreduce" in parts:
         rows += allreduce_rows(env, backend, AR_SIZES[:6] if quick else AR_SIZES)
     if "engine" in parts:
