@@ -152,6 +152,9 @@ def _worker(rank: int, world_size: int, port: int, backend: str, conn, source: t
     code = 0
     try:
         if backend == "nccl":
+            # NVLink multicast (NVLS) off unless asked for: on a shared host it can take
+            # GPUs out of service, and a tensor-parallel pair gains little from it
+            os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
             dev = torch.device("cuda", rank)
             torch.cuda.set_device(dev)
         else:

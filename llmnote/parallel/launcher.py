@@ -92,7 +92,8 @@ def _worker(rank: int, fn: Callable, world_size: int, port: int, folder: str,
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # stay on the loopback device
     try:
         kw = {}
-        if backend == "nccl":  # rank r on GPU r
+        if backend == "nccl":  # rank r on GPU r; NVLink multicast off unless asked for
+            os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
             kw["device_id"] = torch.device("cuda", rank)
             torch.cuda.set_device(rank)
         dist.init_process_group(
