@@ -199,7 +199,7 @@ def _engine_case(env: dict, model: str, label: str, tp: int, kw: dict, reqs, con
         start_s = time.perf_counter() - t0
         extra = {"ranks": tp, "decode_steps": llm.runner.decode_steps, "startup_s": start_s,
                  "kv_blocks": llm.runner.num_blocks,
-                 "cuda_graphs": kw.get("cuda_graphs", device.on_gpu())}
+                 "cuda_graphs": bool(llm.runner.use_graphs)}
         rows = _batch1_rows(llm, label, tp, model, context, vocab, env, extra)[0]
         run_engine(llm, nano_vllm_requests(4, 8, 32, seed=1, vocab=vocab))  # warm-up
         outs, wall = run_engine(llm, reqs)
@@ -232,7 +232,9 @@ def seventy_rows(env: dict, layers: int, context: int, quick: bool) -> list[dict
             params = sum(p.numel() for p in model.parameters())
         else:
             model = cfg
-        llm = _engine(model, tp, context + 128, num_blocks=(context + 128) // 16 + 4)
+        # room for the timed decode: 23 engine steps of up to 8 decode steps each
+        longest = context + 256
+        llm = _engine(model, tp, longest, num_blocks=longest // 16 + 4)
         extra = {"ranks": tp, "layers": layers, "params": params,
                  "weight_gb_per_gpu": params * 2 / tp / 1e9}
         r, ms = _batch1_rows(llm, label, tp, name, context, vocab, env, extra)
