@@ -7,10 +7,12 @@ construction. Each engine spawns fresh interpreters (seconds), so engines are fe
 
 from __future__ import annotations
 
+import _thread
 import dataclasses
 import multiprocessing as mp
 import os
 import signal
+import threading
 import time
 
 import pytest
@@ -40,6 +42,17 @@ def swiglu_hangs_on_rank1(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """SwiGLU that never returns in rank 1 (rank 0 then waits in its all-reduce)."""
     if dist.is_initialized() and dist.get_rank() == 1:
         time.sleep(3600)
+    return torch.nn.functional.silu(a) * b
+
+
+_SLOW = {"calls": 0}
+
+
+def swiglu_slow_once_on_rank0(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """SwiGLU whose first call in rank 0 takes a second (the driver is then waiting)."""
+    if dist.is_initialized() and dist.get_rank() == 0 and _SLOW["calls"] == 0:
+        _SLOW["calls"] += 1
+        time.sleep(1.0)
     return torch.nn.functional.silu(a) * b
 
 
@@ -170,6 +183,31 @@ def test_hung_rank_times_out(tiny_llama):
         llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2), use_tqdm=False)
     assert 3.0 <= time.monotonic() - t0 < 20
     assert _children() == []
+
+
+def test_interrupted_driver_reads_no_stale_tokens(tiny_llama):
+    """Ctrl-C while the driver waits for a step: that step's late answer is dropped, and
+    the next requests get their own tokens."""
+    ops = dataclasses.replace(reference_ops(), swiglu=swiglu_slow_once_on_rank0)
+    m = Llama(tiny_llama.config, ops=ops)
+    m.load_state_dict(tiny_llama.state_dict())
+    sp = SamplingParams(temperature=0.0, max_tokens=6)
+    prompts = _prompts()[2:4]
+    with LLM(tiny_llama, device="cpu") as one:
+        want = [o.token_ids for o in one.generate(prompts, sp, use_tqdm=False)]
+        want_steps = [s["seq_ids"] for s in one.step_log]
+    with LLM(m, device="cpu", tensor_parallel_size=2) as llm:
+        timer = threading.Timer(0.3, _thread.interrupt_main)
+        timer.start()
+        with pytest.raises(KeyboardInterrupt):
+            llm.generate([[9, 9, 9, 9]], sp, use_tqdm=False)
+        timer.join()
+        llm.step_log.clear()
+        got = [o.token_ids for o in llm.generate(prompts, sp, use_tqdm=False)]
+        # every step got its own answer: a late one would leave a step without tokens
+        got_steps = [[i - 1 for i in s["seq_ids"]] for s in llm.step_log]
+    assert got == want
+    assert got_steps == want_steps
 
 
 def test_bad_sizes_refused_at_construction(tiny_llama, monkeypatch):

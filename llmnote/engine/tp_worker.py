@@ -191,7 +191,7 @@ def _worker(rank: int, world_size: int, port: int, backend: str, conn, source: t
             if kind == "collect":  # a multi-step run's tokens, per step
                 out = runner.collect(runs.pop(msg[1]))
                 if rank == 0:
-                    conn.send(("collect", out))
+                    conn.send(("collect", msg[2], out))
                 continue
             released, items = msg[1], msg[2]
             for sid in released:
@@ -205,7 +205,7 @@ def _worker(rank: int, world_size: int, port: int, backend: str, conn, source: t
             sampled = runner.run(batch)
             comm.reset()
             if rank == 0:
-                conn.send(("step", sampled))
+                conn.send(("step", msg[3], sampled))
         runner.close()
         dist.destroy_process_group()
     except BaseException as e:  # noqa: BLE001 - every failure goes to the driver
@@ -349,6 +349,7 @@ class TPRunner:
         self.num_blocks, self.max_model_len = info["num_blocks"], info["max_model_len"]
         self.decode_steps = info["decode_steps"]
         self._next_run = 0
+        self._last_tag = 0  # requests that rank 0 answers carry a tag, echoed back
         self.attention_backend, self.use_graphs = info["backend"], info["graphs"]
 
     @property
@@ -484,17 +485,27 @@ class TPRunner:
             except (BrokenPipeError, OSError):
                 pass  # that rank is gone: _receive reports it
 
-    def _reply(self, what: str):
-        (_, reply), = self._receive(time.monotonic() + self.timeout_s, what, {0})
-        return reply[1]
+    def _tag(self) -> int:
+        self._last_tag += 1
+        return self._last_tag
+
+    def _reply(self, what: str, tag: int):
+        """Rank 0's answer to request ``tag``. Answers to earlier requests whose waiter was
+        interrupted (a ``KeyboardInterrupt`` in the driver) arrive first: dropped."""
+        deadline = time.monotonic() + self.timeout_s
+        while True:
+            (_, reply), = self._receive(deadline, what, {0})
+            if reply[1] == tag:
+                return reply[2]
 
     def run(self, batch: ScheduledBatch) -> dict[int, int]:
         """Send the step to every rank; rank 0's sampled tokens."""
         self._check_alive()
-        self._send(("step", self._released, self._items(batch)))
+        tag = self._tag()
+        self._send(("step", self._released, self._items(batch), tag))
         self._released = []
         self.num_steps += 1
-        return self._reply("a step")
+        return self._reply("a step", tag)
 
     def launch_steps(self, batch: ScheduledBatch, steps: int, prev: RemoteRun | None = None
                      ) -> RemoteRun:
@@ -509,8 +520,9 @@ class TPRunner:
 
     def collect(self, run: RemoteRun) -> list[dict[int, int]]:
         """A run's tokens, ``seq_id -> token`` per step (rank 0's)."""
-        self._send(("collect", run.rid))
-        return self._reply("a multi-step run")
+        tag = self._tag()
+        self._send(("collect", run.rid, tag))
+        return self._reply("a multi-step run", tag)
 
     def release(self, seq_id: int) -> None:
         if self._sent.pop(seq_id, None) is not None:
