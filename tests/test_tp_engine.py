@@ -20,7 +20,8 @@ import torch
 import torch.distributed as dist
 
 from llmnote.engine import LLM, SamplingParams
-from llmnote.engine.tp_worker import TPRunner, random_model, shard_for_engine
+from llmnote.engine.tp_driver import TPRunner
+from llmnote.engine.tp_worker import random_model, shard_for_engine
 from llmnote.models import Llama, get_preset, save_pretrained
 from llmnote.models.llama import reference_ops
 from llmnote.parallel import Comm

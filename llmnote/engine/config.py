@@ -52,7 +52,7 @@ depend on the kernel before it, while that kernel finishes. Ignored where
 unsupported.
 
 Tensor parallelism (``tensor_parallel_size > 1``): the model runs sharded over that
-many worker processes (:mod:`llmnote.engine.tp_worker`), over ``distributed_backend``
+many worker processes (:mod:`llmnote.engine.tp_driver`), over ``distributed_backend``
 (``None``: NCCL with one GPU per rank when CUDA is available and the engine is not
 asked for the CPU, else gloo on the CPU); a step that takes longer than
 ``distributed_timeout_s`` stops the engine with ``TimeoutError``.
@@ -93,7 +93,7 @@ class EngineConfig:
     dependent_launches: bool = True  # PDL between the graph's kernels (Hopper+; llmnote.ops._pdl)
     gemv: bool | None = None  # batch-1 steps through llmnote.ops.gemv; None: for hidden <= GEMV_MAX_HIDDEN
     tune_graph: bool = False  # GEMV tiles of the batch-1 decode graph chosen by timing that graph
-    tensor_parallel_size: int = 1  # > 1: sharded over worker processes (engine.tp_worker)
+    tensor_parallel_size: int = 1  # > 1: sharded over worker processes (engine.tp_driver)
     distributed_backend: str | None = None  # "nccl" | "gloo"; None: nccl on GPUs, else gloo
     distributed_timeout_s: float = 600.0  # the longest a tensor-parallel step (or start) may take
 

@@ -137,7 +137,7 @@ class LLM:
             gc.collect()  # engines dropped without close() hold reference cycles:
             torch.cuda.empty_cache()  # give their GPU memory back before this one sizes its own
         if config.tensor_parallel_size > 1:  # the model lives sharded in worker processes
-            from llmnote.engine.tp_worker import TPRunner
+            from llmnote.engine.tp_driver import TPRunner
 
             self.runner = TPRunner(model, config, dtype, device, ops)
             r = self.runner

@@ -1,7 +1,7 @@
 """Running a model over several processes: tensor parallelism (Megatron-LM style
 column- and row-parallel linear layers for llmnote's Llama blocks), ring attention
 (context parallelism) and a launcher for ``torch.distributed`` process groups on one
-machine. The engine's own tensor parallelism is :mod:`llmnote.engine.tp_worker`."""
+machine. The engine's own tensor parallelism is :mod:`llmnote.engine.tp_driver`."""
 
 from llmnote.parallel.launcher import free_port, launch
 from llmnote.parallel.ring_attention import (
