@@ -251,3 +251,25 @@ def test_tp2_nccl_greedy_equals_single_gpu(tiny_llama):
         assert llm.runner.backend == "nccl" and llm.runner.use_graphs
         got = [o.token_ids for o in llm.generate(prompts, sp, use_tqdm=False)]
     assert got == want
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
+def test_tp2_nccl_bf16_logits_within_bf16_error(tiny_llama):
+    """bf16 on two GPUs: the sharded model's logits are within twice the error of the
+    single-GPU bf16 model (against fp32) plus an ulp of the logits' scale."""
+    from llmnote.parallel import launch, workers
+
+    ids = torch.randint(0, tiny_llama.config.vocab_size, (3, 41))
+    state = {k: v.detach().cpu() for k, v in tiny_llama.state_dict().items()}
+    out = launch(workers.sharded_logits, 2, tiny_llama.config, state, ids, torch.bfloat16,
+                 backend="nccl")
+    m = Llama(tiny_llama.config)
+    m.load_state_dict(state)
+    with torch.no_grad():
+        ref32 = m.cuda().float()(ids.cuda()).cpu()
+        lowp = m.to(torch.bfloat16)(ids.cuda()).float().cpu()
+    bound = 2 * (lowp - ref32).abs().max() + 2 ** -7 * ref32.abs().max()
+    for rank in range(2):
+        assert (out[rank] - ref32).abs().max() <= bound, rank
+    assert torch.equal(out[0], out[1])  # the ranks hold identical logits

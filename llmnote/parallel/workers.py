@@ -114,3 +114,19 @@ def ring_attention_cases(rank: int, world_size: int, cases: list[dict]) -> list[
         o = ring_attention(q, k, v, causal=c["causal"], stats=stats)
         out.append({"out": o.cpu(), "start": start, **stats})
     return out
+
+
+@torch.no_grad()
+def sharded_logits(rank: int, world_size: int, cfg: LlamaConfig, state: dict,
+                   ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Logits of ``ids`` through the engine's shard of the model
+    (:func:`~llmnote.engine.tp_worker.shard_for_engine`) in ``dtype``, on GPU ``rank``
+    under NCCL (the CPU under gloo); returned on the CPU in fp32."""
+    from llmnote.engine.tp_worker import shard_for_engine
+
+    dev = torch.device("cuda", rank) if dist.get_backend() == "nccl" else torch.device("cpu")
+    model = Llama(cfg)
+    model.load_state_dict(state)
+    model = model.to(device=dev, dtype=dtype).eval()
+    shard_for_engine(model, rank, world_size, Comm())
+    return model(ids.to(dev)).float().cpu()
