@@ -50,6 +50,12 @@ kernels with programmatic dependent launch (Hopper and later, see
 :mod:`llmnote.ops._pdl`), so that each may start, and load what does not
 depend on the kernel before it, while that kernel finishes. Ignored where
 unsupported.
+
+Tensor parallelism (``tensor_parallel_size > 1``): the model runs sharded over that
+many worker processes (:mod:`llmnote.engine.tp_driver`), over ``distributed_backend``
+(``None``: NCCL with one GPU per rank when CUDA is available and the engine is not
+asked for the CPU, else gloo on the CPU); a step that takes longer than
+``distributed_timeout_s`` stops the engine with ``TimeoutError``.
 """
 
 from __future__ import annotations
@@ -87,10 +93,22 @@ class EngineConfig:
     dependent_launches: bool = True  # PDL between the graph's kernels (Hopper+; llmnote.ops._pdl)
     gemv: bool | None = None  # batch-1 steps through llmnote.ops.gemv; None: for hidden <= GEMV_MAX_HIDDEN
     tune_graph: bool = False  # GEMV tiles of the batch-1 decode graph chosen by timing that graph
+    tensor_parallel_size: int = 1  # > 1: sharded over worker processes (engine.tp_driver)
+    distributed_backend: str | None = None  # "nccl" | "gloo"; None: nccl on GPUs, else gloo
+    distributed_timeout_s: float = 600.0  # the longest a tensor-parallel step (or start) may take
 
     def __post_init__(self) -> None:
         for name in ("block_size", "cpu_num_blocks", "max_num_batched_tokens", "max_num_seqs"):
             check_int(name, getattr(self, name), min_value=1)
+        check_int("tensor_parallel_size", self.tensor_parallel_size, min_value=1)
+        if self.distributed_backend not in (None, "nccl", "gloo"):
+            raise ValueError("distributed_backend must be None, 'nccl' or 'gloo', got "
+                             f"{self.distributed_backend!r}")
+        if not (isinstance(self.distributed_timeout_s, (int, float))
+                and not isinstance(self.distributed_timeout_s, bool)
+                and self.distributed_timeout_s > 0):
+            raise ValueError("distributed_timeout_s must be a number > 0, got "
+                             f"{self.distributed_timeout_s!r}")
         for name in ("num_blocks", "max_model_len", "decode_steps"):
             if getattr(self, name) is not None:
                 check_int(name, getattr(self, name), min_value=1)

@@ -149,7 +149,8 @@ def _others_hint(dev: torch.device) -> str:
     """What the open engines of this process hold on GPU ``dev``: the usual reason a new
     engine finds no memory is the engine of a cell run before, still named by a variable."""
     held = [e.runner.kv_cache_bytes() for e in list(_LIVE)
-            if not e._closed and e.runner.device == dev]
+            if not e._closed and getattr(e.runner, "device", None) == dev
+            and hasattr(e.runner, "kv_cache_bytes")]
     if not held:
         return ""
     return (f"; {len(held)} other engine(s) of this process still hold "
@@ -207,7 +208,18 @@ class LLM:
             gc.collect()  # engines dropped without close() hold reference cycles:
             torch.cuda.empty_cache()  # give their GPU memory back before this one sizes its own
         try:
-            self.model, tok, eos = _load(model, dtype, device, ops, config.seed)
+            if config.tensor_parallel_size > 1:  # the model lives sharded in worker processes
+                from llmnote.engine.tp_driver import TPRunner
+
+                if speculative is not None:
+                    raise ValueError("speculative decoding runs in one process; pass "
+                                     "tensor_parallel_size=1 to use it")
+                self.runner = TPRunner(model, config, dtype, device, ops)
+                r = self.runner
+                self.model = model if isinstance(model, Llama) else r.model
+                tok, eos = r.tokenizer, r.eos
+            else:
+                self.model, tok, eos = _load(model, dtype, device, ops, config.seed)
             # loaded here: close() drops it
             self._owns_model = not isinstance(model, MODEL_CLASSES)
             self.tokenizer = tokenizer if tokenizer is not None else tok
@@ -217,7 +229,9 @@ class LLM:
             draft = None
             if speculative is not None and speculative.method == "draft":
                 draft = load_draft(speculative, self.model, self.tokenizer, config.seed)
-            if isinstance(self.model, DeepseekV3):  # the latent cache (engine.mla_runner)
+            if config.tensor_parallel_size > 1:
+                pass  # the runner is the TPRunner above
+            elif isinstance(self.model, DeepseekV3):  # the latent cache (engine.mla_runner)
                 if speculative is not None:
                     raise ValueError("speculative decoding serves Llama-family models; "
                                      "this model is a DeepseekV3 (latent attention)")

@@ -1,8 +1,12 @@
 """Running a model over several processes: tensor parallelism (Megatron-LM style
-column- and row-parallel linear layers for llmnote's Llama blocks) and a launcher
-for ``torch.distributed`` process groups on one machine."""
+column- and row-parallel linear layers for llmnote's Llama blocks), ring attention
+(context parallelism) and a launcher for ``torch.distributed`` process groups on one
+machine. The engine's own tensor parallelism is :mod:`llmnote.engine.tp_driver`."""
 
 from llmnote.parallel.launcher import free_port, launch
+from llmnote.parallel.ring_attention import (
+    chunk_sizes, merge_partials, ring_attention, ring_attention_ref,
+)
 from llmnote.parallel.tensor_parallel import (
     ColumnParallelLinear, Comm, RowParallelLinear, allreduce_bytes_per_token, kv_shard,
     local_config, shard, shard_decoder_layer, shard_llama,
@@ -10,6 +14,7 @@ from llmnote.parallel.tensor_parallel import (
 
 __all__ = [
     "ColumnParallelLinear", "Comm", "RowParallelLinear", "allreduce_bytes_per_token",
-    "free_port", "kv_shard", "launch", "local_config", "shard", "shard_decoder_layer",
+    "chunk_sizes", "free_port", "kv_shard", "launch", "local_config", "merge_partials",
+    "ring_attention", "ring_attention_ref", "shard", "shard_decoder_layer",
     "shard_llama",
 ]

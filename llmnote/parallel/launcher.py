@@ -1,6 +1,6 @@
 """Start ``world_size`` processes on this machine, join them in a ``torch.distributed``
-process group over the gloo backend (CPU, TCP on localhost), run one function on
-every rank and hand back what each rank returned.
+process group over the gloo backend (CPU, TCP on localhost; or NCCL, one GPU per
+rank), run one function on every rank and hand back what each rank returned.
 
     results = launch(fn, 2, x, y)       # runs fn(rank, world_size, x, y) on ranks 0 and 1
 
@@ -86,14 +86,19 @@ def _save_error(folder: str, rank: int, e: BaseException) -> None:
 
 
 def _worker(rank: int, fn: Callable, world_size: int, port: int, folder: str,
-            timeout_s: float) -> None:
+            timeout_s: float, backend: str = "gloo") -> None:
     torch.set_num_threads(1)
     if sys.platform.startswith("linux"):
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # stay on the loopback device
     try:
+        kw = {}
+        if backend == "nccl":  # rank r on GPU r; NVLink multicast off unless asked for
+            os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+            kw["device_id"] = torch.device("cuda", rank)
+            torch.cuda.set_device(rank)
         dist.init_process_group(
-            "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
-            timeout=timedelta(seconds=timeout_s),
+            backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
+            timeout=timedelta(seconds=timeout_s), **kw,
         )
         args = torch.load(Path(folder) / "args.pt", weights_only=False)
         out = fn(rank, world_size, *args)
@@ -133,9 +138,11 @@ def _raise_rank_error(folder: str, world_size: int, fallback: BaseException) -> 
     raise exc from cause
 
 
-def launch(fn: Callable, world_size: int, *args: Any, timeout_s: float = 120.0) -> list[Any]:
+def launch(fn: Callable, world_size: int, *args: Any, timeout_s: float = 120.0,
+           backend: str = "gloo") -> list[Any]:
     """Run ``fn(rank, world_size, *args)`` in ``world_size`` new processes joined in a
-    gloo process group; return the list of their return values, rank 0 first.
+    process group (``backend``: ``"gloo"`` on the CPU, or ``"nccl"`` with rank ``r`` on
+    GPU ``r``); return the list of their return values, rank 0 first.
 
     An exception in a rank is raised here: the exception the rank raised first
     (not the errors its peers then meet in a collective), with that rank's
@@ -148,11 +155,16 @@ def launch(fn: Callable, world_size: int, *args: Any, timeout_s: float = 120.0) 
         raise ValueError(f"world_size must be an int >= 1, got {world_size!r}")
     if not timeout_s > 0:
         raise ValueError(f"timeout_s must be > 0, got {timeout_s!r}")
+    if backend not in ("gloo", "nccl"):
+        raise ValueError(f"backend must be 'gloo' or 'nccl', got {backend!r}")
+    if backend == "nccl" and world_size > torch.cuda.device_count():
+        raise ValueError(f"backend='nccl' with world_size={world_size} needs {world_size} CUDA "
+                         f"GPUs; this machine has {torch.cuda.device_count()}")
     _check_importable(fn)
     with tempfile.TemporaryDirectory(prefix="llmnote-dist-") as folder:
         torch.save(args, Path(folder) / "args.pt")
         ctx = mp.start_processes(
-            _worker, args=(fn, world_size, free_port(), folder, timeout_s),
+            _worker, args=(fn, world_size, free_port(), folder, timeout_s, backend),
             nprocs=world_size, join=False, start_method="spawn",
         )
         deadline = time.monotonic() + timeout_s

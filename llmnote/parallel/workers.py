@@ -95,3 +95,38 @@ def fail_in_rank(rank: int, world_size: int, failing_rank: int, kind: str = "err
     t = torch.ones(4)
     dist.all_reduce(t)  # never completes: the failing rank does not join it
     return rank
+
+
+@torch.no_grad()
+def ring_attention_cases(rank: int, world_size: int, cases: list[dict]) -> list[dict]:
+    """Ring attention on each case (``q, k, v`` of the whole sequence, ``causal``): this
+    rank takes its chunk, runs :func:`~llmnote.parallel.ring_attention.ring_attention`
+    and returns its rows of the output and the compute/wait seconds."""
+    from llmnote.parallel.ring_attention import chunk_sizes, ring_attention
+
+    dev = torch.device("cuda", rank) if dist.get_backend() == "nccl" else torch.device("cpu")
+    out = []
+    for c in cases:
+        sizes = chunk_sizes(c["q"].shape[2], world_size)
+        start = sum(sizes[:rank])
+        q, k, v = (c[x].narrow(2, start, sizes[rank]).to(dev) for x in ("q", "k", "v"))
+        stats: dict = {}
+        o = ring_attention(q, k, v, causal=c["causal"], stats=stats)
+        out.append({"out": o.cpu(), "start": start, **stats})
+    return out
+
+
+@torch.no_grad()
+def sharded_logits(rank: int, world_size: int, cfg: LlamaConfig, state: dict,
+                   ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Logits of ``ids`` through the engine's shard of the model
+    (:func:`~llmnote.engine.tp_worker.shard_for_engine`) in ``dtype``, on GPU ``rank``
+    under NCCL (the CPU under gloo); returned on the CPU in fp32."""
+    from llmnote.engine.tp_worker import shard_for_engine
+
+    dev = torch.device("cuda", rank) if dist.get_backend() == "nccl" else torch.device("cpu")
+    model = Llama(cfg)
+    model.load_state_dict(state)
+    model = model.to(device=dev, dtype=dtype).eval()
+    shard_for_engine(model, rank, world_size, Comm())
+    return model(ids.to(dev)).float().cpu()

@@ -1,0 +1,314 @@
+"""Tensor parallelism and ring attention on the GPUs of one host (2 H100s: NCCL).
+
+Parts (``--parts``), each a list of rows with ``bench = "tensor_parallel"``:
+
+* ``allreduce``: one bf16 NCCL all-reduce over 2 ranks at sizes from 2 KiB (a
+  batch-1 decode step of Llama-3-8B all-reduces 8 KiB per call) to 256 MiB; each
+  rank times batches of 20 back-to-back calls with CUDA events (``provider
+  nccl``, ``x_name bytes``, ``time`` in µs, ``busbw`` in GB/s), and the α-β fit of
+  :mod:`llmnote.parallel.cost` to them (``provider alpha-beta``).
+* ``engine``: Llama-3-8B-shaped random bf16 weights (``LLM("llama-3-8b", ...)``)
+  at ``tensor_parallel_size`` 1 and 2: batch-1 time per token (512-token
+  prompt; the engine's decode steps timed as in ``decode_latency``) and the
+  throughput of nano-vllm's workload (``requests`` of 100-1024 prompt and output
+  tokens). Both with the engine's defaults: CUDA graphs (per rank), multi-step
+  decoding and async scheduling.
+* ``70b``: a Llama-3-70B shape cut to ``layers_70b`` layers (the whole model, 141
+  GB in bf16, fits no single H100 and leaves almost nothing for a KV cache on two):
+  batch-1 time per token at TP=1 and TP=2, and per layer.
+* ``ring``: ring attention over 2 GPUs (causal, bf16, batch 1, 32 heads, 8 kv
+  heads, head_dim 128) at N = 32k-128k against llmnote's FlashAttention on one GPU
+  at the same N; extra columns ``compute_ms`` and ``wait_ms`` (time the busiest rank
+  spent attending, and blocked on the ring after it, from two further calls that
+  synchronise after each step).
+
+A ``ceiling`` row records the GPU's copy bandwidth in the same run. Every engine
+is built as a user builds one. ``NCCL_NVLS_ENABLE=0`` is set before
+any NCCL communicator exists (NVLink multicast can take a shared host's GPUs out
+of service). On a CPU (``--quick``) the same code runs on gloo with tiny shapes: a
+smoke test, not a measurement.
+"""
+
+from __future__ import annotations
+
+import functools
+import gc
+import os
+import time
+
+import numpy as np
+import pandas as pd
+import torch
+import torch.distributed as dist
+
+from llmnote import device
+from llmnote.bench.harness import Timing, measure, rows_for
+from llmnote.bench.results import environment
+
+BENCH = "tensor_parallel"
+PARTS = ("allreduce", "engine", "70b", "ring")
+AR_SIZES = [2**k for k in range(11, 29, 1)]  # 2 KiB .. 256 MiB
+RING_LENGTHS = [32768, 65536, 131072]
+
+
+def _free() -> None:
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def _sync(dev: torch.device) -> None:
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+
+
+# ---------------------------------------------------------------- rank functions
+def allreduce_rank(rank: int, world_size: int, sizes: list[int], reps: int = 10,
+                   inner: int = 20) -> list[list[float]]:
+    """Per size (bytes, bf16): seconds of one all-reduce, ``reps`` samples each the mean
+    of ``inner`` back-to-back calls (CUDA events on a GPU)."""
+    dev = torch.device("cuda", rank) if dist.get_backend() == "nccl" else torch.device("cpu")
+    out = []
+    for nbytes in sizes:
+        t = torch.ones(nbytes // 2, dtype=torch.bfloat16, device=dev)
+        for _ in range(3):
+            dist.all_reduce(t)
+        samples = []
+        for _ in range(reps):
+            dist.barrier()
+            _sync(dev)
+            if dev.type == "cuda":
+                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                a.record()
+                for _ in range(inner):
+                    dist.all_reduce(t)
+                b.record()
+                b.synchronize()
+                samples.append(a.elapsed_time(b) / 1e3 / inner)
+            else:
+                t0 = time.perf_counter()
+                for _ in range(inner):
+                    dist.all_reduce(t)
+                samples.append((time.perf_counter() - t0) / inner)
+        out.append(samples)
+    return out
+
+
+def ring_rank(rank: int, world_size: int, lengths: list[int], heads: int, kv_heads: int, d: int,
+              causal: bool, reps: int) -> list[dict]:
+    """Ring attention on this rank's chunk of random bf16 q, k, v at each length: the
+    wall time per call (the slowest rank's, after a barrier) and compute / wait split."""
+    from llmnote.parallel.ring_attention import chunk_sizes, ring_attention
+
+    on_gpu = dist.get_backend() == "nccl"
+    dev = torch.device("cuda", rank) if on_gpu else torch.device("cpu")
+    dtype = torch.bfloat16 if on_gpu else torch.float32
+    out = []
+    for n in lengths:
+        m = chunk_sizes(n, world_size)[rank]
+        g = torch.Generator(device=dev).manual_seed(rank)
+        q = torch.randn(1, heads, m, d, device=dev, dtype=dtype, generator=g)
+        k = torch.randn(1, kv_heads, m, d, device=dev, dtype=dtype, generator=g)
+        v = torch.randn(1, kv_heads, m, d, device=dev, dtype=dtype, generator=g)
+        ring_attention(q, k, v, causal=causal)  # warm-up: compile, communicators
+        times, stats = [], {}
+        for _ in range(reps):  # timed as used: nothing waits inside
+            dist.barrier()
+            _sync(dev)
+            t0 = time.perf_counter()
+            ring_attention(q, k, v, causal=causal)
+            _sync(dev)
+            times.append(time.perf_counter() - t0)  # the driver takes the slower rank's
+        for _ in range(2):  # then the split: these calls wait after each step's compute
+            dist.barrier()
+            ring_attention(q, k, v, causal=causal, stats=stats)
+        out.append({"n": n, "times": times, "compute_s": stats["compute_s"] / 2,
+                    "wait_s": stats["wait_s"] / 2})
+        del q, k, v
+    return out
+
+
+# ---------------------------------------------------------------- parts
+def allreduce_rows(env: dict, backend: str, sizes: list[int]) -> list[dict]:
+    from llmnote.parallel import launch
+    from llmnote.parallel.cost import bus_bandwidth, fit_alpha_beta
+
+    res = launch(allreduce_rank, 2, sizes, backend=backend, timeout_s=300)
+    rows, medians = [], []
+    for i, nbytes in enumerate(sizes):
+        s = np.array(res[0][i]) * 1e6  # rank 0's samples, µs
+        p50, p20, p80 = np.quantile(s, [0.5, 0.2, 0.8])
+        medians.append(p50 / 1e6)
+        rows += rows_for(BENCH, backend, "bytes", nbytes, Timing(p50, p20, p80), {
+            "busbw": ("GB/s", lambda x, us: bus_bandwidth(x, 2, us / 1e6) / 1e9)},
+            {"ranks": 2, "dtype": "bfloat16"}, env)
+        rows[-2]["unit"] = "us"  # the time row
+    alpha, bw = fit_alpha_beta(sizes, medians, 2)
+    print(f"{BENCH}: all-reduce α-β fit over 2 ranks: α = {alpha * 1e6:.2f} µs per step, "
+          f"B = {bw / 1e9:.1f} GB/s")
+    for metric, unit, val in (("alpha", "us", alpha * 1e6), ("bandwidth", "GB/s", bw / 1e9)):
+        rows.append(dict(bench=BENCH, provider="alpha-beta", x_name="ranks", x_value=2,
+                         metric=metric, unit=unit, p50=val, p20=val, p80=val, **env))
+    return rows
+
+
+def _batch1_rows(llm, label: str, tp: int, model: str, context: int, vocab: int, env: dict,
+                 extra: dict) -> tuple[list[dict], float]:
+    from llmnote.bench.suites.decode_latency import time_engine_steps
+
+    t = time_engine_steps(llm, 1, context, vocab, reps=20)
+    print(f"{BENCH}: {label} {model} batch 1: {t.p50:.3f} ms per token")
+    rows = rows_for(BENCH, label, "tp", tp, t, {"tokens_per_s": ("tok/s", lambda x, ms: 1e3 / ms)},
+                    {"model": model, "workload": "batch1", "context": context, **extra}, env)
+    return rows, t.p50
+
+
+def _engine(model, tp: int, max_model_len: int, **kw):
+    from llmnote.engine import LLM
+
+    return LLM(model, tensor_parallel_size=tp, max_model_len=max_model_len, **kw)
+
+
+def engine_rows(env: dict, model: str, requests: int, context: int, quick: bool) -> list[dict]:
+    from llmnote.bench.suites.engine import nano_vllm_requests
+
+    rows = []
+    hi = 64 if quick else 1024
+    reqs = nano_vllm_requests(requests, min(100, hi // 2), hi, vocab=10000 if not quick else 200)
+    vocab = 200 if quick else 10000
+    for label, tp, kw in (("llmnote-tp1", 1, {}), ("llmnote-tp2", 2, {})):
+        try:
+            rows += _engine_case(env, model, label, tp, kw, reqs, context, vocab, hi, quick)
+        except Exception as e:  # noqa: BLE001 - a TP=2 failure must not lose the other rows
+            if tp == 1:
+                raise
+            print(f"{BENCH}: {label} failed ({type(e).__name__}: {e}); again without CUDA graphs")
+            _free()
+            rows += _engine_case(env, model, f"{label}-eager", tp, {"cuda_graphs": False}, reqs,
+                                 context, vocab, hi, quick)
+    return rows
+
+
+def _engine_case(env: dict, model: str, label: str, tp: int, kw: dict, reqs, context: int,
+                 vocab: int, hi: int, quick: bool) -> list[dict]:
+    from llmnote.bench.suites.engine import nano_vllm_requests, run_engine
+
+    t0 = time.perf_counter()
+    llm = _engine(model, tp, 2 * hi + 64 if not quick else 256, **kw)
+    try:
+        start_s = time.perf_counter() - t0
+        extra = {"ranks": tp, "decode_steps": llm.runner.decode_steps, "startup_s": start_s,
+                 "kv_blocks": llm.runner.num_blocks,
+                 "cuda_graphs": bool(llm.runner.use_graphs)}
+        rows = _batch1_rows(llm, label, tp, model, context, vocab, env, extra)[0]
+        run_engine(llm, nano_vllm_requests(4, 8, 32, seed=1, vocab=vocab))  # warm-up
+        outs, wall = run_engine(llm, reqs)
+        tokens = sum(len(o.token_ids) for o in outs)
+        print(f"{BENCH}: {label} {model} workload: {tokens} tokens in {wall:.1f} s = "
+              f"{tokens / wall:.0f} tok/s")
+        t = Timing(wall * 1e3, wall * 1e3, wall * 1e3)
+        rows += rows_for(BENCH, label, "tp", tp, t, {
+            "throughput": ("tok/s", lambda x, ms, v=tokens / wall: v)},
+            {"model": model, "workload": "nano-vllm", "requests": len(reqs), **extra}, env)
+    finally:
+        llm.close()
+        del llm
+        _free()
+    return rows
+
+
+def seventy_rows(env: dict, layers: int, context: int, quick: bool) -> list[dict]:
+    from llmnote.engine.tp_worker import random_model
+    from llmnote.models import get_preset
+
+    cfg = get_preset("llama-3-70b" if not quick else "llama-tiny").replace(num_hidden_layers=layers)
+    name = f"llama-3-70b-{layers}layers" if not quick else f"llama-tiny-{layers}layers"
+    vocab = min(10000, cfg.vocab_size)
+    rows = []
+    params = 0
+    for label, tp in (("llmnote-tp1", 1), ("llmnote-tp2", 2)):
+        if tp == 1:  # the model the TP=2 ranks build, made here for one GPU
+            model = random_model(cfg)
+            params = sum(p.numel() for p in model.parameters())
+        else:
+            model = cfg
+        # room for the timed decode: 23 engine steps of up to 8 decode steps each
+        longest = context + 256
+        llm = _engine(model, tp, longest, num_blocks=longest // 16 + 4)
+        extra = {"ranks": tp, "layers": layers, "params": params,
+                 "weight_gb_per_gpu": params * 2 / tp / 1e9}
+        r, ms = _batch1_rows(llm, label, tp, name, context, vocab, env, extra)
+        rows += r
+        rows += rows_for(BENCH, label, "tp", tp, Timing(ms / layers, ms / layers, ms / layers),
+                         {}, {"model": name, "workload": "batch1-per-layer", "context": context,
+                              **extra}, env)
+        rows[-1]["metric"] = "time_per_layer"
+        llm.close()
+        del llm, model
+        _free()
+    return rows
+
+
+def ring_rows(env: dict, backend: str, lengths: list[int], reps: int) -> list[dict]:
+    from llmnote.ops.attention.reference import flash_attention_ref
+    from llmnote.parallel import launch
+
+    heads, kv_heads, d = (32, 8, 128) if backend == "nccl" else (4, 2, 16)
+    res = launch(ring_rank, 2, lengths, heads, kv_heads, d, True, reps, backend=backend,
+                 timeout_s=500)
+    rows = []
+    for i, n in enumerate(lengths):
+        ts = np.maximum(np.array(res[0][i]["times"]), np.array(res[1][i]["times"])) * 1e3
+        p50, p20, p80 = np.quantile(ts, [0.5, 0.2, 0.8])
+        busiest = max(res, key=lambda r: r[i]["compute_s"])[i]
+        shape = {"heads": heads, "kv_heads": kv_heads, "head_dim": d, "causal": True}
+        rows += rows_for(BENCH, "llmnote-ring2", "seq_len", n, Timing(p50, p20, p80), {},
+                         {"ranks": 2, "compute_ms": busiest["compute_s"] * 1e3,
+                          "wait_ms": busiest["wait_s"] * 1e3, **shape}, env)
+        print(f"{BENCH}: ring attention over 2 ranks, N={n}: {p50:.2f} ms "
+              f"(busiest rank: {busiest['compute_s'] * 1e3:.2f} ms attending, "
+              f"{busiest['wait_s'] * 1e3:.2f} ms waiting)")
+        if backend == "nccl":
+            from llmnote.ops import flash_attention as attend
+
+            dev, dtype = torch.device("cuda", 0), torch.bfloat16
+        else:
+            attend, dev, dtype = flash_attention_ref, torch.device("cpu"), torch.float32
+        q = torch.randn(1, heads, n, d, device=dev, dtype=dtype)
+        k = torch.randn(1, kv_heads, n, d, device=dev, dtype=dtype)
+        fn = functools.partial(attend, q, k, torch.randn_like(k), causal=True)
+        t = measure(fn)
+        print(f"{BENCH}: one device, N={n}: {t.p50:.2f} ms")
+        rows += rows_for(BENCH, "llmnote-1gpu" if backend == "nccl" else "reference-1cpu",
+                         "seq_len", n, t, {}, {"ranks": 1, **shape}, env)
+        del q, k, fn
+        _free()
+    return rows
+
+
+def run(quick: bool = False, parts: tuple[str, ...] = PARTS, requests: int = 128,
+        layers_70b: int = 32, context: int = 512) -> pd.DataFrame:
+    """The parts asked for, as one frame (quick: tiny shapes, for a CPU smoke test)."""
+    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # before any communicator exists
+    unknown = set(parts) - set(PARTS)
+    if unknown:
+        raise ValueError(f"parts must be among {PARTS}, got {sorted(unknown)}")
+    backend = "nccl" if device.on_gpu() and torch.cuda.device_count() >= 2 else "gloo"
+    if backend == "gloo" and not quick:
+        raise RuntimeError("this benchmark needs 2 CUDA GPUs (--quick: a CPU smoke test)")
+    env = environment()
+    rows: list[dict] = []
+    if backend == "nccl":  # this GPU's copy bandwidth: what a decode step's weight read meets
+        from llmnote.bench.ceilings import copy_bandwidth
+
+        rows += copy_bandwidth().to_dict("records")
+    if "allreduce" in parts:
+        rows += allreduce_rows(env, backend, AR_SIZES[:6] if quick else AR_SIZES)
+    if "engine" in parts:
+        rows += engine_rows(env, "llama-tiny" if quick else "llama-3-8b",
+                            8 if quick else requests, 32 if quick else context, quick)
+    if "70b" in parts:
+        rows += seventy_rows(env, 2 if quick else layers_70b, 32 if quick else context, quick)
+    if "ring" in parts:
+        rows += ring_rows(env, backend, [64, 129] if quick else RING_LENGTHS, 2 if quick else 5)
+    return pd.DataFrame(rows)

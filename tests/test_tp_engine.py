@@ -1,0 +1,275 @@
+"""The engine over tensor-parallel ranks (``LLM(..., tensor_parallel_size=N)``):
+greedy tokens equal the single-process engine's in fp32 on gloo (prefix caching,
+chunked prefill, preemption, multi-step decoding with runs queued ahead); a rank
+that raises, hangs or is killed stops the engine with that rank's error (a hang: a
+timeout) and leaves no child process, nor does close(); bad sizes are refused at
+construction. Each engine spawns fresh interpreters (seconds), so engines are few."""
+
+from __future__ import annotations
+
+import _thread
+import dataclasses
+import multiprocessing as mp
+import os
+import signal
+import threading
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from llmnote.engine import LLM, SamplingParams
+from llmnote.engine.tp_driver import TPRunner
+from llmnote.engine.tp_worker import random_model, shard_for_engine
+from llmnote.models import Llama, get_preset, save_pretrained
+from llmnote.models.llama import reference_ops
+from llmnote.parallel import Comm
+from llmnote.parallel.launcher import RankTraceback
+
+
+class InjectedFailure(ValueError):
+    """What :func:`swiglu_fails_on_rank1` raises."""
+
+
+def swiglu_fails_on_rank1(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """SwiGLU that raises in rank 1 of a process group (spawned ranks import it from here)."""
+    if dist.is_initialized() and dist.get_rank() == 1:
+        raise InjectedFailure("rank 1's MLP failed on purpose")
+    return torch.nn.functional.silu(a) * b
+
+
+def swiglu_hangs_on_rank1(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """SwiGLU that never returns in rank 1 (rank 0 then waits in its all-reduce)."""
+    if dist.is_initialized() and dist.get_rank() == 1:
+        time.sleep(3600)
+    return torch.nn.functional.silu(a) * b
+
+
+_SLOW = {"calls": 0}
+
+
+def swiglu_slow_once_on_rank0(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """SwiGLU whose first call in rank 0 takes a second (the driver is then waiting)."""
+    if dist.is_initialized() and dist.get_rank() == 0 and _SLOW["calls"] == 0:
+        _SLOW["calls"] += 1
+        time.sleep(1.0)
+    return torch.nn.functional.silu(a) * b
+
+
+def _prompts() -> list[list[int]]:
+    g = torch.Generator().manual_seed(7)
+    shared = torch.randint(0, 256, (37,), generator=g).tolist()  # 2 full blocks: cached
+    return [shared + [5, 6], shared + [9], torch.randint(0, 256, (23,), generator=g).tolist(),
+            [3], torch.randint(0, 256, (50,), generator=g).tolist()]
+
+
+@pytest.mark.parametrize("overrides", [
+    {"decode_steps": 4},  # multi-step decoding and async scheduling on the ranks
+    {"max_num_batched_tokens": 24, "num_blocks": 8, "block_size": 8},  # small chunks, preemption
+])
+def test_tp2_greedy_equals_single_process(tiny_llama, overrides, tmp_path):
+    prompts, sp = _prompts(), SamplingParams(temperature=0.0, max_tokens=20)
+    model, kw = tiny_llama, {}
+    if "num_blocks" in overrides:  # this case: a checkpoint folder, each rank reads it
+        model, kw = save_pretrained(tiny_llama, tmp_path / "ckpt"), {"ops": reference_ops()}
+    with LLM(model, device="cpu", **kw, **overrides) as ref:
+        want = ref.generate(prompts[:2], sp, use_tqdm=False)  # the shared prefix gets cached
+        want += ref.generate(prompts[2:], sp, use_tqdm=False)
+    with LLM(model, device="cpu", tensor_parallel_size=2, **kw, **overrides) as llm:
+        assert llm.runner.backend == "gloo" and len(llm.runner.pids) == 2
+        got = llm.generate(prompts[:2], sp, use_tqdm=False)
+        got += llm.generate(prompts[2:], sp, use_tqdm=False)
+        preempted = llm.scheduler.num_preemptions
+        chunks = [c for s in llm.step_log for c in s["chunks"]]
+        pids = llm.runner.pids
+        steps, ahead = llm.runner.decode_steps, llm.num_runs_ahead
+        assert len(_children()) == 2
+    # leaving the block closed the engine: no child process is left
+    assert _children() == [] and not any(_alive(p) for p in pids)
+    llm.close()  # twice is fine
+    with pytest.raises(RuntimeError, match="closed"):
+        llm.generate([[1]], SamplingParams(max_tokens=1), use_tqdm=False)
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    assert [o.num_cached_prompt_tokens for o in got] == [o.num_cached_prompt_tokens for o in want]
+    assert got[1].num_cached_prompt_tokens >= 32  # the prefix cache was used across ranks
+    if "decode_steps" in overrides:
+        assert steps == 4 and ahead > 0  # multi-step runs, some queued ahead
+    else:
+        assert preempted > 0  # the case exercises recompute after preemption
+        assert any(kind == "prefill" and n < 20 for _, n, kind in chunks)  # chunked prompts
+
+
+def test_shard_for_engine_logits_equal_whole_model(tiny_llama):
+    """One rank's shard with a one-rank Comm is the whole model (the wiring the ranks use)."""
+    cfg = tiny_llama.config
+    m = Llama(cfg)
+    m.load_state_dict(tiny_llama.state_dict())
+    shard_for_engine(m, 0, 1, Comm())
+    ids = torch.randint(0, cfg.vocab_size, (2, 9))
+    torch.testing.assert_close(m(ids), tiny_llama(ids), rtol=0, atol=0)
+    assert type(m.model.layers[0].self_attn.q_proj) is torch.nn.Linear  # fusable by the runner
+
+
+def _children() -> list:
+    return [p for p in mp.active_children() if p.name.startswith("llmnote-tp-rank")]
+
+
+def test_rank_error_stops_engine_and_close_leaves_no_children(tiny_llama):
+    ops = dataclasses.replace(reference_ops(), swiglu=swiglu_fails_on_rank1)
+    m = Llama(tiny_llama.config, ops=ops)
+    m.load_state_dict(tiny_llama.state_dict())
+    llm = LLM(m, device="cpu", tensor_parallel_size=2, distributed_timeout_s=60)
+    pids = llm.runner.pids
+    t0 = time.monotonic()
+    with pytest.raises(InjectedFailure, match="on purpose") as info:
+        llm.generate([[1, 2, 3]], SamplingParams(max_tokens=3), use_tqdm=False)
+    assert time.monotonic() - t0 < 30  # not the collective's timeout
+    assert isinstance(info.value.__cause__, RankTraceback)
+    assert "rank 1 of 2" in str(info.value.__cause__)
+    assert _children() == [] and all(not _alive(p) for p in pids)
+    with pytest.raises(RuntimeError, match="stopped after an error"):
+        llm.generate([[1, 2, 3]], SamplingParams(max_tokens=3), use_tqdm=False)
+    llm.close()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def test_random_model_is_made_in_its_dtype():
+    cfg = get_preset("qwen2-tiny")  # tied embeddings, q/k/v biases
+    m = random_model(cfg, "cpu", torch.bfloat16, seed=3)
+    assert {p.dtype for p in m.parameters()} == {torch.bfloat16}
+    assert m.lm_head.weight is m.model.embed_tokens.weight
+    assert (m.model.norm.weight == 1).all() and (m.model.layers[0].self_attn.q_proj.bias == 0).all()
+    w = m.model.layers[1].mlp.down_proj.weight.float()
+    assert abs(w.std().item() - 0.02) < 0.002
+    assert torch.equal(w, random_model(cfg, "cpu", torch.bfloat16, seed=3)
+                       .model.layers[1].mlp.down_proj.weight.float())
+
+
+def test_killed_rank_stops_engine():
+    """A config as the model (random weights made on each rank, as benchmarks use it);
+    then a rank is killed."""
+    cfg = get_preset("llama-tiny")
+    sp = SamplingParams(temperature=0.0, max_tokens=4)
+    with LLM(random_model(cfg, "cpu"), device="cpu") as one:
+        want = one.generate([[4, 5, 6]], sp, use_tqdm=False)[0].token_ids
+    llm = LLM(cfg, device="cpu", tensor_parallel_size=2, distributed_timeout_s=60)
+    assert llm.generate([[4, 5, 6]], sp, use_tqdm=False)[0].token_ids == want
+    victim = llm.runner.pids[1]
+    os.kill(victim, signal.SIGKILL)
+    t0 = time.monotonic()
+    want = f"rank 1 of 2 \\(pid {victim}\\) was killed by signal 9"
+    with pytest.raises(RuntimeError, match=want):
+        llm.generate([[7, 8, 9]], sp, use_tqdm=False)
+    assert time.monotonic() - t0 < 30
+    assert _children() == []
+    llm.close()
+
+
+def test_hung_rank_times_out(tiny_llama):
+    ops = dataclasses.replace(reference_ops(), swiglu=swiglu_hangs_on_rank1)
+    m = Llama(tiny_llama.config, ops=ops)
+    m.load_state_dict(tiny_llama.state_dict())
+    llm = LLM(m, device="cpu", tensor_parallel_size=2)
+    llm.runner.timeout_s = 3.0  # each step's deadline (distributed_timeout_s at start)
+    t0 = time.monotonic()
+    with pytest.raises(TimeoutError, match="did not finish a step within"):
+        llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2), use_tqdm=False)
+    assert 3.0 <= time.monotonic() - t0 < 20
+    assert _children() == []
+
+
+def test_interrupted_driver_reads_no_stale_tokens(tiny_llama):
+    """Ctrl-C while the driver waits for a step: that step's late answer is dropped, and
+    the next requests get their own tokens."""
+    ops = dataclasses.replace(reference_ops(), swiglu=swiglu_slow_once_on_rank0)
+    m = Llama(tiny_llama.config, ops=ops)
+    m.load_state_dict(tiny_llama.state_dict())
+    sp = SamplingParams(temperature=0.0, max_tokens=6)
+    prompts = _prompts()[2:4]
+    with LLM(tiny_llama, device="cpu") as one:
+        want = [o.token_ids for o in one.generate(prompts, sp, use_tqdm=False)]
+        want_steps = [s["seq_ids"] for s in one.step_log]
+    with LLM(m, device="cpu", tensor_parallel_size=2) as llm:
+        timer = threading.Timer(0.3, _thread.interrupt_main)
+        timer.start()
+        with pytest.raises(KeyboardInterrupt):
+            llm.generate([[9, 9, 9, 9]], sp, use_tqdm=False)
+        timer.join()
+        llm.step_log.clear()
+        got = [o.token_ids for o in llm.generate(prompts, sp, use_tqdm=False)]
+        # every step got its own answer: a late one would leave a step without tokens
+        got_steps = [[i - 1 for i in s["seq_ids"]] for s in llm.step_log]
+    assert got == want
+    assert got_steps == want_steps
+
+
+def test_bad_sizes_refused_at_construction(tiny_llama, monkeypatch):
+    heads = tiny_llama.config.num_attention_heads
+    with pytest.raises(ValueError, match=f"tensor_parallel_size=3 must divide .*num_attention_heads"
+                                         f" \\({heads}\\)"):
+        LLM(tiny_llama, device="cpu", tensor_parallel_size=3)
+    with pytest.raises(ValueError, match="num_key_value_heads \\(3\\): one must divide"):
+        LLM(Llama(get_preset("llama-tiny").replace(num_attention_heads=6, num_key_value_heads=3,
+                                                   head_dim=8)),
+            device="cpu", tensor_parallel_size=2)
+    with pytest.raises(TypeError, match="tensor_parallel_size must be an int"):
+        LLM(tiny_llama, device="cpu", tensor_parallel_size=2.0)
+    with pytest.raises(ValueError, match="distributed_backend must be"):
+        LLM(tiny_llama, device="cpu", tensor_parallel_size=2, distributed_backend="mpi")
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="'nccl' needs CUDA GPUs.*has none"):
+            LLM(tiny_llama, tensor_parallel_size=2, distributed_backend="nccl")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # a 1-GPU machine, as seen
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    with pytest.raises(ValueError, match="tensor_parallel_size=2 needs 2 GPUs .* has 1"):
+        TPRunner(tiny_llama, _config(2), device="cuda")
+    assert _children() == []
+
+
+def _config(n: int):
+    from llmnote.engine import EngineConfig
+
+    return EngineConfig(tensor_parallel_size=n)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
+def test_tp2_nccl_greedy_equals_single_gpu(tiny_llama):
+    """On two GPUs over NCCL (CUDA graphs per rank), fp32: the single-GPU engine's tokens."""
+    prompts, sp = _prompts(), SamplingParams(temperature=0.0, max_tokens=10)
+    with LLM(tiny_llama, device="cuda", dtype=torch.float32) as ref:
+        want = [o.token_ids for o in ref.generate(prompts, sp, use_tqdm=False)]
+    with LLM(tiny_llama, device="cuda", dtype=torch.float32, tensor_parallel_size=2) as llm:
+        assert llm.runner.backend == "nccl" and llm.runner.use_graphs
+        got = [o.token_ids for o in llm.generate(prompts, sp, use_tqdm=False)]
+    assert got == want
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
+def test_tp2_nccl_bf16_logits_within_bf16_error(tiny_llama):
+    """bf16 on two GPUs: the sharded model's logits are within twice the error of the
+    single-GPU bf16 model (against fp32) plus an ulp of the logits' scale."""
+    from llmnote.parallel import launch, workers
+
+    ids = torch.randint(0, tiny_llama.config.vocab_size, (3, 41))
+    state = {k: v.detach().cpu() for k, v in tiny_llama.state_dict().items()}
+    out = launch(workers.sharded_logits, 2, tiny_llama.config, state, ids, torch.bfloat16,
+                 backend="nccl")
+    m = Llama(tiny_llama.config)
+    m.load_state_dict(state)
+    with torch.no_grad():
+        ref32 = m.cuda().float()(ids.cuda()).cpu()
+        lowp = m.to(torch.bfloat16)(ids.cuda()).float().cpu()
+    bound = 2 * (lowp - ref32).abs().max() + 2 ** -7 * ref32.abs().max()
+    for rank in range(2):
+        assert (out[rank] - ref32).abs().max() <= bound, rank
+    assert torch.equal(out[0], out[1])  # the ranks hold identical logits
