@@ -355,3 +355,53 @@ def test_attention_without_a_kernel_scores_zero(attention, who, why):
     msg = d.loc[(who, "odd sizes, every dtype"), "message"]
     assert d.loc[(who, "odd sizes, every dtype"), "status"] == grading.REFUSED, msg
     assert why in msg, msg
+
+
+RMS_DEF = "def add_rmsnorm(x, residual, weight, eps=1e-6, offset=0.0, block_n=None):\n"
+
+
+@pytest.fixture(scope="module")
+def rmsnorm(tmp_path_factory):
+    """Assignment 2 from the student page (the kernel cell left as the stub), with
+    answers that come from llmnote or PyTorch instead of a kernel of the student's."""
+    import jupytext
+
+    tmp = tmp_path_factory.mktemp("rmsnorm")
+    stub = jupytext.read(gnb.STUDENT_DIR / "a2_rmsnorm.md", fmt="md:myst")
+    rstd = ("    hf = (x + residual).float()\n"
+            "    rstd = torch.rsqrt(hf.pow(2).mean(-1) + eps)\n")
+    subs = {
+        "ops_kernel": RMS_DEF + rstd
+        + "    y, h = ops.add_rmsnorm(x, residual, weight + offset, eps)\n"
+          "    return y, h, rstd\n",
+        "rms_norm": "import torch.nn.functional as F\n" + RMS_DEF
+        + "    h = x + residual\n"
+          "    y = F.rms_norm(h.float(), (h.shape[-1],), weight.float() + offset, eps)\n"
+          "    return y.to(x.dtype), h, torch.rsqrt(h.float().pow(2).mean(-1) + eps)\n",
+        "pytorch": RMS_DEF + rstd
+        + "    y = hf * rstd[..., None] * (weight.float() + offset)\n"
+          "    return y.to(x.dtype), x + residual, rstd\n",
+    }
+    folder = tmp / "subs"
+    folder.mkdir()
+    for stem, cell in subs.items():
+        nbformat.write(with_cells(stub, cell), folder / f"{stem}.ipynb")
+    nbformat.write(solved("rmsnorm"), folder / "good.ipynb")
+    df = grading.grade_folder(folder, "a2_rmsnorm", check_time_limit_s=120, quiet=True)
+    return df.set_index("student"), df.attrs["details"].set_index(["student", "check"])
+
+
+def test_rmsnorm_good_submission_scores_full(rmsnorm):
+    df, _ = rmsnorm
+    assert df.loc["good", "total"] == grading.get("rmsnorm").points, df.loc["good", "problems"]
+
+
+@pytest.mark.parametrize("who,why", [("ops_kernel", "llmnote.ops"), ("rms_norm", "rms_norm"),
+                                     ("pytorch", "without launching")])
+def test_rmsnorm_without_a_kernel_scores_zero(rmsnorm, who, why):
+    df, d = rmsnorm
+    assert df.loc[who, "total"] == 0, df.loc[who, "problems"]
+    for check in [c.name for c in grading.get("rmsnorm").checks]:
+        msg = d.loc[(who, check), "message"]
+        assert d.loc[(who, check), "status"] == grading.REFUSED, (check, msg)
+        assert why in msg, msg

@@ -267,22 +267,3 @@ def _arg_name(fn: Callable[..., Any], i: int, args: tuple, kwargs: dict[str, Any
     except (TypeError, ValueError):
         params = []
     return f"`{params[i]}`" if i < len(params) else f"number {i + 1}"
-
-
-def backward_call(name: str, fn: Callable[..., Any], args: tuple, grad_of: tuple[int, ...],
-                  dy: torch.Tensor, rules: Rules = NO_RULES
-                  ) -> tuple[torch.Tensor, list[torch.Tensor | None]]:
-    """Forward and backward of ``fn`` under ``rules``: ``y = fn(*args)`` with
-    ``args[i]`` (``i`` in ``grad_of``) requiring grad, then ``y.backward(dy)``.
-    Returns ``(y detached, [grad of args[i] for i in grad_of])``; an output without a
-    ``grad_fn`` is an ``AssertionError`` that says what to do."""
-    args = tuple(a.detach().clone().requires_grad_() if i in grad_of else a
-                 for i, a in enumerate(args))
-    y = graded_call(name, fn, args, {}, rules)
-    if not isinstance(y, torch.Tensor) or y.grad_fn is None:
-        raise AssertionError("the output has no grad_fn: wrap your kernels in a "
-                             "torch.autograd.Function so that backward reaches them")
-    graded_call(f"the backward of {name}", y.backward, (dy,), {},
-                Rules(rules.modules, rules.torch, (f"the backward of {name}",)
-                      if name in rules.kernels else (), rules.why))
-    return y.detach(), [args[i].grad for i in grad_of]

@@ -1,5 +1,5 @@
-"""Checks for the kernel assignments: fused softmax, RMSNorm forward and
-backward, RoPE. Inputs are drawn fresh on every run, sizes are deliberately
+"""Checks for the kernel assignments: fused softmax, fused residual add +
+RMSNorm, RoPE. Inputs are drawn fresh on every run, sizes are deliberately
 odd (not multiples of any block size), every float dtype is tried, and each
 failure names its case: shape, dtype and the worst mismatches with their
 indices (from :mod:`llmnote.testing`)."""
@@ -12,8 +12,7 @@ from llmnote import device
 from llmnote.grading.compare import expect_close
 from llmnote.grading.core import Assignment, Check, case
 from llmnote.grading.guard import Rules
-from llmnote.grading.sandbox import forward_backward
-from llmnote.ops import rmsnorm_ref, rope_ref, softmax_ref
+from llmnote.ops import rope_ref, softmax_ref
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -124,81 +123,101 @@ SOFTMAX = Assignment(
 
 # ---------------------------------------------------------------- (2) RMSNorm
 
-def _rms_inputs(shape, dtype, scale=1.0):
+def fused_add_rmsnorm_ref(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                          eps: float = 1e-6, offset: float = 0.0
+                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``h = x + residual`` in ``x``'s dtype, then RMSNorm of that ``h`` in fp32 with the
+    weight ``weight + offset`` (Gemma: ``offset = 1``): ``(y, h, rstd)``, ``rstd`` fp32 of
+    shape ``x.shape[:-1]``."""
+    h = x + residual
+    hf = h.float()
+    rstd = torch.rsqrt(hf.pow(2).mean(dim=-1) + eps)  # (...,)
+    y = hf * rstd[..., None] * (weight.float() + offset)
+    return y.to(x.dtype), h, rstd
+
+
+def _rms_inputs(shape, dtype, scale=1.0, w_mean=1.0):
     x = (scale * torch.randn(shape, device=_dev())).to(dtype)
-    w = (1 + 0.5 * torch.randn(shape[-1], device=_dev())).to(dtype)
-    return x, w
+    r = (scale * torch.randn(shape, device=_dev())).to(dtype)
+    w = (w_mean + 0.5 * torch.randn(shape[-1], device=_dev())).to(dtype)
+    return x, r, w
 
 
-def _rms_forward(rmsnorm, x, w, eps, label):
-    with case(f"{label}, shape {tuple(x.shape)}, {_name(x.dtype)}, eps {eps:g}"):
-        y = rmsnorm(x, w, eps)
-        expect_close(y, rmsnorm_ref(x.float(), w.float(), eps), rmsnorm_ref(x, w, eps),
-                     dtype=x.dtype, name="rmsnorm(x, weight)")
+def _rms_case(add_rmsnorm, x, r, w, label, eps=1e-6, offset=0.0, block_n=None):
+    tiles = "" if block_n is None else f", block_n {block_n}"
+    with case(f"{label}, shape {tuple(x.shape)}, {_name(x.dtype)}, eps {eps:g}, "
+              f"offset {offset:g}{tiles}"):
+        kw = {} if block_n is None else {"block_n": block_n}
+        out = add_rmsnorm(x, r, w, eps, offset, **kw)
+        if not isinstance(out, tuple) or len(out) != 3:
+            raise AssertionError("add_rmsnorm must return a tuple (y, h, rstd), got "
+                                 f"{type(out).__name__}")
+        y, h, rstd = out
+        y32, h32, _ = fused_add_rmsnorm_ref(x.float(), r.float(), w.float(), eps, offset)
+        y_lowp, h_lowp, _ = fused_add_rmsnorm_ref(x, r, w, eps, offset)
+        expect_close(h, h32, h_lowp, dtype=x.dtype, name="h (= x + residual)")
+        expect_close(y, y32, y_lowp, dtype=x.dtype, name="y")
+        # rstd belongs to h as the kernel stored it (rounded to x's dtype), in fp32. Taken
+        # from the returned h, not from x + residual: Triton's interpreter rounds fp32 to
+        # bf16 by truncation, the GPU (and PyTorch) to nearest.
+        rstd_h = torch.rsqrt(h.float().pow(2).mean(dim=-1) + eps)
+        expect_close(rstd, rstd_h, dtype=torch.float32,
+                     name="rstd (float32, one per row, of h as stored)")
 
 
-def rmsnorm_forward(rmsnorm) -> None:
+def rmsnorm_sizes(add_rmsnorm) -> None:
     for shape in [(1, 1), (5, 33), (7, 300)]:
         for dtype in DTYPES:
-            _rms_forward(rmsnorm, *_rms_inputs(shape, dtype), 1e-6, "random rows")
+            _rms_case(add_rmsnorm, *_rms_inputs(shape, dtype), "random rows")
 
 
-def rmsnorm_edge(rmsnorm) -> None:
-    for dtype in DTYPES:
-        x, w = _rms_inputs((4, 50), dtype)
-        x[1] = 0  # an all-zero row: output 0, not NaN
-        _rms_forward(rmsnorm, x, w, 1e-6, "a row of zeros")
-    x, w = _rms_inputs((3, 70), torch.float16, scale=300.0)
-    _rms_forward(rmsnorm, x, w, 1e-6, "fp16 values near 300 (their squares overflow fp16 "
-                                      "unless summed in fp32)")
-    x, w = _rms_inputs((3, 20), torch.float32)
-    _rms_forward(rmsnorm, x, w, 0.5, "a large eps (is eps inside the square root?)")
-
-
-def _rms_backward_case(rmsnorm, shape, dtype, eps=1e-6):
-    x, w = _rms_inputs(shape, dtype)
-    dy = torch.randn(shape, device=_dev()).to(dtype)
-    with case(f"backward, shape {tuple(shape)}, {_name(dtype)}"):
-        _, (gx, gw) = forward_backward(rmsnorm, (x, w, eps), (0, 1), dy)
-        fresh = lambda t, dt=None: t.detach().to(dt or t.dtype, copy=True).requires_grad_()  # noqa: E731
-        x32, w32 = fresh(x, torch.float32), fresh(w, torch.float32)
-        rmsnorm_ref(x32, w32, eps).backward(dy.float())
-        xl, wl = fresh(x), fresh(w)
-        rmsnorm_ref(xl, wl, eps).backward(dy)
-        # dweight sums over rows: allow the rounding of that many terms
-        atol = 1e-5 if dtype == torch.float32 else 1e-3 * shape[0]
-        for got, r32, lowp, n in [(gx, x32.grad, xl.grad, "grad of x"),
-                                  (gw, w32.grad, wl.grad, "grad of weight")]:
-            if got is None:
-                raise AssertionError(f"{n} is None: backward did not produce it")
-            expect_close(got, r32, lowp, dtype=dtype, name=n,
-                         atol=None if dtype == torch.float32 else atol,
-                         rtol=1e-4 if dtype == torch.float32 else None)
-
-
-def rmsnorm_backward(rmsnorm) -> None:
-    for shape in [(1, 3), (6, 33), (9, 130)]:
+def rmsnorm_tiles(add_rmsnorm) -> None:
+    for shape, block_n in [((4, 1), 16), ((5, 33), 16), ((2, 64), 16), ((3, 100), 32)]:
         for dtype in DTYPES:
-            _rms_backward_case(rmsnorm, shape, dtype)
+            _rms_case(add_rmsnorm, *_rms_inputs(shape, dtype),
+                      "rows of several tiles (loop over the row in tiles of block_n)",
+                      block_n=block_n)
 
 
-def rmsnorm_more_shapes(rmsnorm) -> None:
+def rmsnorm_offset(add_rmsnorm) -> None:
+    for shape, block_n in [((4, 50), None), ((3, 300), 64)]:
+        for dtype in DTYPES:
+            _rms_case(add_rmsnorm, *_rms_inputs(shape, dtype, w_mean=0.0),
+                      "Gemma's weight offset (the weight is weight + offset)", offset=1.0,
+                      block_n=block_n)
+
+
+def rmsnorm_edge(add_rmsnorm) -> None:
     for dtype in DTYPES:
-        _rms_forward(rmsnorm, *_rms_inputs((2, 3, 41), dtype), 1e-5, "3-D input")
-        _rms_backward_case(rmsnorm, (2, 3, 41), dtype, 1e-5)
+        x, r, w = _rms_inputs((4, 50), dtype)
+        x[1], r[1] = 0, 0  # an all-zero row of h: output 0, not NaN
+        _rms_case(add_rmsnorm, x, r, w, "a row of zeros")
+    _rms_case(add_rmsnorm, *_rms_inputs((3, 70), torch.float16, scale=300.0),
+              "fp16 values near 300 (their squares overflow fp16 unless summed in fp32)")
+    _rms_case(add_rmsnorm, *_rms_inputs((3, 20), torch.float32),
+              "a large eps (is eps inside the square root?)", eps=0.5)
+
+
+def rmsnorm_more_shapes(add_rmsnorm) -> None:
+    for dtype in DTYPES:
+        _rms_case(add_rmsnorm, *_rms_inputs((2, 3, 41), dtype, w_mean=0.0), "3-D input",
+                  eps=1e-5, offset=1.0, block_n=16)
+    _rms_case(add_rmsnorm, *_rms_inputs((1, (1 << 20) + 3), torch.float32),
+              "a row longer than one Triton tile holds (2**20 elements): loop over tiles")
 
 
 RMSNORM = Assignment(
     name="rmsnorm",
-    title="Assignment 2: RMSNorm forward and backward in Triton",
+    title="Assignment 2: fused residual add + RMSNorm, Gemma's offset too, in Triton",
     notebook="a2_rmsnorm",
     rules=Rules(("ops", "quant"), ("rms_norm", "_fused_rms_norm", "layer_norm"),
-                ("rmsnorm",), "This assignment asks for your own Triton kernels."),
+                ("add_rmsnorm",), "This assignment asks for your own Triton kernel."),
     checks=(
-        Check("forward: odd sizes, every dtype", rmsnorm_forward, ("rmsnorm",), 2.0),
-        Check("forward: zeros, fp16 overflow, eps", rmsnorm_edge, ("rmsnorm",), 1.0),
-        Check("backward: grads of x and weight", rmsnorm_backward, ("rmsnorm",), 2.0),
-        Check("3-D input, forward and backward", rmsnorm_more_shapes, ("rmsnorm",), 1.0, hidden=True),
+        Check("odd sizes, every dtype", rmsnorm_sizes, ("add_rmsnorm",), 2.0),
+        Check("several tiles per row", rmsnorm_tiles, ("add_rmsnorm",), 1.0),
+        Check("Gemma offset", rmsnorm_offset, ("add_rmsnorm",), 1.0),
+        Check("zeros, fp16 overflow, eps", rmsnorm_edge, ("add_rmsnorm",), 1.0),
+        Check("3-D input, long rows", rmsnorm_more_shapes, ("add_rmsnorm",), 1.0, hidden=True),
     ),
 )
 

@@ -489,12 +489,8 @@ class _Server:
         name = getattr(fn, "__name__", "the function")
         rules = self.rules or guard.NO_RULES
         try:
-            if isinstance(fn, _Backward):
-                inner = fn.fn.fn if isinstance(fn.fn, _Named) else fn.fn
-                out = guard.backward_call(fn.name, inner, args, *kwargs["spec"], rules)
-            else:
-                inner = fn.fn if isinstance(fn, _Named) else fn
-                out = guard.graded_call(name, inner, args, kwargs, rules)
+            inner = fn.fn if isinstance(fn, _Named) else fn
+            out = guard.graded_call(name, inner, args, kwargs, rules)
         finally:
             self.after = (self.handle(list(args)), self.handle(kwargs))
         return out
@@ -527,9 +523,6 @@ class _Server:
                     out = None
                 elif op == "call":
                     out = self.call(*args)
-                elif op == "backward":
-                    fn = self.objects[args[0]]
-                    out = _Backward(getattr(fn, "__name__", "the function"), fn)
                 elif op == "len":
                     out = len(self.objects[args[0]])
                 elif op == "list":
@@ -572,27 +565,6 @@ class _Named:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return self.fn(*args, **kwargs)
-
-
-class _Backward:
-    def __init__(self, name: str, fn: Any):
-        self.name, self.fn = name, fn
-
-
-def forward_backward(fn: Any, args: tuple, grad_of: tuple[int, ...],
-                     dy: torch.Tensor) -> tuple[torch.Tensor, list]:
-    """:func:`llmnote.grading.guard.backward_call` for a student function, wherever it
-    lives: a :class:`Remote` of a student process, or a function of this process
-    (wrapped with its rules by :func:`llmnote.grading.core.guarded`, or bare)."""
-    from llmnote.grading import guard
-
-    if isinstance(fn, Remote):
-        runner = fn._proc.request("backward", fn._oid)
-        return runner(*args, spec=(grad_of, dy))
-    rules = getattr(fn, "rules", None) or guard.NO_RULES
-    inner = fn.fn if isinstance(getattr(fn, "rules", None), guard.Rules) else fn
-    return guard.backward_call(getattr(fn, "__name__", "the function"), inner, args, grad_of,
-                               dy, rules)
 
 
 def _main(argv: list[str]) -> int:
