@@ -95,7 +95,7 @@ def _rmsnorm_fwd_kernel(
             x = _load_h(x_ptr, r_ptr, h_ptr, rows, cols, mask, stride_xm, stride_xn, stride_rm,
                         stride_rn, stride_hm, HAS_RESIDUAL, True, "")  # read MN (+ MN, write MN)
             # huge rows: divided by a power of two a ~ max|x| (exact), so x * x cannot overflow
-            a, inv_a = row_scale(tl.max(tl.abs(x), axis=1))  # (BLOCK_M,) each
+            _, inv_a = row_scale(tl.max(tl.abs(x), axis=1))  # (BLOCK_M,)
             x = x * inv_a[:, None]
             # (div_rn: IEEE division; a plain `/` is an approximate one on NVIDIA GPUs)
             ms = tl.math.div_rn(tl.sum(x * x, axis=1), N.to(tl.float32))  # padding adds 0
@@ -192,7 +192,8 @@ def _rmsnorm_bwd_kernel(
         g = dy * w[None, :]
         c = tl.sum(xh * g, axis=1) / N  # (BLOCK_M,) mean_j(xh_j * g_j)
         if DX_CHUNK == BLOCK_N:  # dx from the registers: the tile is still there
-            dx = (g - xh * c[:, None]) * (rstd * inv_a)[:, None]
+            # times 1/a last: a huge row's dx (and its rstd / a) may be subnormal
+            dx = (g - xh * c[:, None]) * rstd[:, None] * inv_a[:, None]
             if HAS_DH:  # add_rmsnorm: the gradient of the new residual joins in
                 dx += tl.load(dh_ptr + rows[:, None] * stride_dhm + cols[None, :] * stride_dhn,
                               mask=mask, other=0.0).to(tl.float32)  # read MN
@@ -204,7 +205,7 @@ def _rmsnorm_bwd_kernel(
                                                   stride_xm, stride_xn, stride_dym, stride_dyn,
                                                   stride_wn, DX_CHUNK)
                 xhc = xc * inv_a[:, None] * rstd[:, None]
-                dxc = (gc - xhc * c[:, None]) * (rstd * inv_a)[:, None]
+                dxc = (gc - xhc * c[:, None]) * rstd[:, None] * inv_a[:, None]
                 if HAS_DH:
                     dxc += tl.load(dh_ptr + rows[:, None] * stride_dhm
                                    + ccols[None, :] * stride_dhn,
