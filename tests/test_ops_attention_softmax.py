@@ -83,6 +83,55 @@ def test_check_catches_a_missing_rescale(dev, seed):
     assert_close(A.softmax_stats(x, block_n=16)[0], m, atol=0, rtol=0)
 
 
+@pytest.mark.parametrize("shape", [(3, 0), (0,), (2, 0, 0), (0, 5)], ids=str)
+def test_width_zero_and_no_rows_match_torch(shape, dev):
+    """No columns: an empty softmax (torch's), and (m, l) = (-inf, 0), whose m + log l
+    is torch.logsumexp's -inf; no rows: empty results."""
+    x = torch.empty(shape, device=dev)
+    for fn, ref in KERNELS:
+        for f in (fn, ref, lambda t: torch.softmax(t, -1)):
+            assert f(x).shape == x.shape
+    want = torch.logsumexp(x, -1)
+    for f in (A.softmax_stats, A.softmax_stats_ref):
+        m, l = f(x)
+        assert m.shape == l.shape == want.shape and m.dtype == l.dtype == torch.float32
+        assert torch.equal(m + torch.log(l), want)
+        if shape[-1] == 0:
+            assert (m == float("-inf")).all() and (l == 0).all()
+
+
+@pytest.mark.filterwarnings("ignore:All-NaN slice:RuntimeWarning")  # the CPU interpreter
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("block_n", [16, None])
+def test_nan_and_inf_rows(dtype, block_n, dev, seed):
+    """A NaN anywhere (first chunk, last chunk, a whole row) gives (NaN, NaN) statistics,
+    as the reference's amax does, and a NaN softmax row, as torch's; +inf gives
+    (inf, NaN) and a NaN row; the other rows are untouched."""
+    x = torch.randn(7, 70, device=dev).to(dtype)
+    x[0, 3] = float("nan")  # in the first chunk of 16
+    x[1, 69] = float("nan")  # in the last, partial one
+    x[2] = float("nan")
+    x[3, :20] = float("-inf")  # first chunk masked, then a NaN
+    x[3, 40] = float("nan")
+    x[4, 33] = float("inf")
+    x[5] = float("-inf")  # all masked: (-inf, 0), NaN softmax
+    m, l = A.softmax_stats(x, block_n=block_n)
+    m_ref, l_ref = A.softmax_stats_ref(x)
+    assert m.isnan().tolist() == [True] * 4 + [False] * 3
+    assert l.isnan().tolist() == [True] * 5 + [False] * 2
+    assert m[4] == float("inf") and m[5] == float("-inf") and l[5] == 0
+    assert_close(m, m_ref, atol=0, rtol=0, name="m")  # NaN exactly where the reference has it
+    assert_close(l, l_ref, atol=1e-5, rtol=1e-5, name="l")
+    want = torch.softmax(x.float(), -1)
+    assert want.isnan().all(-1).tolist() == [True] * 6 + [False]
+    for fn, ref in KERNELS:
+        for f in (fn, ref):
+            y = f(x, block_n)
+            assert y.isnan().all(-1).tolist() == [True] * 6 + [False], f.__name__
+            assert_close(y[6].float(), want[6], atol=1e-2 if dtype == torch.bfloat16 else 1e-6,
+                         rtol=1e-5, name=f.__name__)
+
+
 @pytest.mark.parametrize("fn", [A.softmax_three_pass, A.online_softmax, A.softmax_stats])
 def test_bad_input(fn, dev):
     with pytest.raises(TypeError, match="x must be a torch.Tensor, got list"):

@@ -93,6 +93,27 @@ def test_add_rmsnorm_gemv(dtype, m, config):
     assert y_ref.dtype == y.dtype and y_ref.shape == y.shape
 
 
+# the first sums of squares overflow (then are redone, scaled)
+@pytest.mark.filterwarnings("ignore:overflow encountered in multiply:RuntimeWarning")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("config", [None, DOT])
+def test_add_rmsnorm_gemv_of_rows_near_the_fp32_limit(dtype, config):
+    """Rows of h whose squares overflow fp32 (up to 3e38) are normed as add_rmsnorm norms
+    them (scaled first: the fp64 answer), and that normed row goes into the product."""
+    m, n, k = 4, 37, 100
+    x, r = rows(m, k, dtype), torch.zeros(m, k, device=dev(), dtype=dtype)
+    x[0, 5] = 3e38  # one huge element
+    x[1] = 3e38  # a constant huge row
+    x[2] *= 2.0**100  # a row scaled far up
+    nw = (1 + 0.1 * torch.randn(k, device=dev())).to(dtype)
+    w = torch.randn(n, k, device=dev(), dtype=dtype)
+    y, h = add_rmsnorm_gemv(x, r, nw, 1e-6, w, config=config)
+    hs_ref, h_ref = add_rmsnorm_ref(x, r, nw, 1e-6)
+    assert torch.equal(h, h_ref)
+    assert hs_ref.float().abs().amax(-1).min() > 0.5  # normed rows of size 1, not zeros
+    check_product(y, hs_ref, w, None, "add_rmsnorm_gemv, huge rows")
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("m", [1, 4, 16])
 @pytest.mark.parametrize("config", [None, DOT, ONE])

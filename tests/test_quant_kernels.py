@@ -356,6 +356,24 @@ def test_w4a16_add_rmsnorm_linear(seed, dev, dtype, m, n, k, g, config):
     assert torch.equal(h2, h_ref) and y_ref.shape == y.shape
 
 
+# the first sums of squares overflow (then are redone, scaled)
+@pytest.mark.filterwarnings("ignore:overflow encountered in multiply:RuntimeWarning")
+def test_w4a16_add_rmsnorm_linear_of_rows_near_the_fp32_limit(seed, dev):
+    """bf16 rows of h whose squares overflow fp32 (up to 3e38) are normed as add_rmsnorm
+    norms them (scaled first: the fp64 answer), and that normed row goes into the product."""
+    from llmnote.ops.rmsnorm import add_rmsnorm_ref
+
+    n, k, g, dtype = 40, 256, 64, torch.bfloat16
+    qw, s, z = _w4(n, k, g, dtype, dev)
+    x, r = _rows(1, k, dtype, dev), torch.zeros(1, k, device=dev, dtype=dtype)
+    x[0, 7] = 3e38
+    nw = (1 + 0.1 * torch.randn(k, device=dev)).to(dtype)
+    y, h = K.w4a16_add_rmsnorm_linear(x, r, nw, 1e-6, qw, s, z, g)
+    hs_ref, h_ref = add_rmsnorm_ref(x, r, nw, 1e-6)
+    assert torch.equal(h, h_ref) and hs_ref.float().abs().max() > 0.5  # not a row of zeros
+    _check_w4_product(y, hs_ref, qw, s, z, g, None, "w4a16_add_rmsnorm_linear, huge row")
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("m,n,i,g", [(1, 40, 256, 64), (1, 33, 128, 32), (2, 24, 128, 32)])
 @pytest.mark.parametrize("config", [None] + TILE3)

@@ -1,18 +1,23 @@
 """Ops and their references on bad or extreme input: NaN in gives NaN out, as torch
 does, at every row length (both softmax kernels); references give the kernel's answer
 where it is defined (unused decode-cache slots never read, fp16 scores in fp32);
-LayerNorm of rows near the fp32 limit gives what fp64 gives; softmax keeps autograd;
-RoPE refuses a theta it cannot use."""
+LayerNorm and RMSNorm of rows near the fp32 limit give what fp64 gives; softmax keeps
+autograd; RoPE refuses a theta it cannot use."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 import torch.nn.functional as F
+import triton
 
 from llmnote.ops.attention import decode_attention, flash_attention
 from llmnote.ops.attention.reference import decode_attention_ref, flash_attention_ref
+from llmnote.ops._rowwise import RowConfig
 from llmnote.ops.layernorm import layernorm, layernorm_ref
+from llmnote.ops.rmsnorm import _backward as rms_backward
+from llmnote.ops.rmsnorm import _forward as rms_forward
+from llmnote.ops.rmsnorm import add_rmsnorm, add_rmsnorm_ref, rmsnorm, rmsnorm_ref
 from llmnote.ops.rope import rope, rope_ref
 from llmnote.ops.softmax import MAX_FUSED_N, softmax, softmax_ref
 from llmnote.testing import assert_close
@@ -89,6 +94,65 @@ def test_layernorm_huge_rows_keep_a_gradient(dev, seed):
     ga = torch.autograd.grad(layernorm(x.requires_grad_(), w, b, 0.0), x, dy)[0]
     gb = torch.autograd.grad(layernorm(big.requires_grad_(), w, b, 0.0), big, dy)[0]
     assert_close(gb * 2.0**100, ga, atol=1e-5, rtol=1e-4)
+
+
+def _rms_fns():
+    """RMSNorm's kernel, its reference, and add_rmsnorm's (residual 0: h = x exactly)."""
+    def add(fn):
+        return lambda x, w: fn(x, torch.zeros_like(x), w)[0]
+    return {"rmsnorm": rmsnorm, "rmsnorm_ref": rmsnorm_ref, "add_rmsnorm": add(add_rmsnorm),
+            "add_rmsnorm_ref": add(add_rmsnorm_ref)}
+
+
+def _chunked(n: int, block_m: int) -> RowConfig:
+    """A launch shape that walks rows of ``n`` in chunks (two passes over each row)."""
+    block_n = triton.next_power_of_2(n)
+    return RowConfig(block_m, block_n, 4, chunk=min(128, block_n // 2))
+
+
+# the two-pass forward's first sums of squares overflow (then are redone, scaled)
+@pytest.mark.filterwarnings("ignore:overflow encountered in multiply:RuntimeWarning")
+@pytest.mark.parametrize("n", [8, 300, 4100])
+def test_rmsnorm_of_rows_near_the_fp32_limit_is_the_fp64_answer(n, dev, seed):
+    x = torch.randn(8, n, device=dev)
+    x[0, 2] = 3e38  # one huge element
+    x[1] = 3e38  # a constant huge row: w (to fp32's precision)
+    x[2, :3] = torch.tensor([3e38, -3e38, 1e38])  # huge of both signs
+    x[3] *= 1e25  # a row scaled far up: RMSNorm does not change (eps aside)
+    x[4] = 7.25e3  # a constant row of a moderate size
+    x[5, 1] = NAN  # NaN anywhere: a NaN row
+    x[6, 0] = float("inf")  # inf: NaN there, 0 elsewhere, as in fp64
+    w = torch.randn(n, device=dev)
+    want = F.rms_norm(x.double(), (n,), w.double(), 1e-6)
+    assert want[5].isnan().all() and want[6, 0].isnan() and not want[6, 1:].any()
+    for name, fn in _rms_fns().items():
+        assert_close(fn(x, w).double(), want, atol=1e-5, rtol=1e-5, name=name)
+    # the two-pass forward (sums of squares in chunks, y from a second read; fp32 rows of
+    # 16384 by default), whose huge rows take a third pass
+    y, _, _ = rms_forward(x, None, w, 1e-6, config=_chunked(n, 2))
+    assert_close(y.double(), want, atol=1e-5, rtol=1e-5, name="two-pass forward")
+
+
+@pytest.mark.parametrize("n", [8, 300, 4100])
+def test_rmsnorm_huge_rows_keep_their_gradient(n, dev, seed):
+    """Rows times 2^70 and 2^100 (their squares overflow fp32): dx scales by the inverse,
+    so dx times the row's scale, and dweight, equal fp64's."""
+    scale = torch.tensor([1.0, 2.0**70, 2.0**100], device=dev)[:, None]
+    x = torch.randn(3, n, device=dev) * scale
+    w = 1 + 0.5 * torch.randn(n, device=dev)
+    dy = torch.randn(3, n, device=dev)
+    xd, wd = x.double().requires_grad_(), w.double().requires_grad_()
+    want = torch.autograd.grad(F.rms_norm(xd, (n,), wd, 1e-6), (xd, wd), dy.double())
+    for name, fn in _rms_fns().items():
+        xg, wg = x.clone().requires_grad_(), w.clone().requires_grad_()
+        dx, dw = torch.autograd.grad(fn(xg, wg), (xg, wg), dy)
+        assert_close((dx * scale).double(), want[0] * scale, atol=1e-5, rtol=1e-4, name=name)
+        assert_close(dw.double(), want[1], atol=1e-4, rtol=1e-4, name=name + " dweight")
+    # the backward's second pass over long rows (dx in chunks)
+    y, _, rstd = rms_forward(x, None, w, 1e-6)
+    dx, dw = rms_backward(dy, x, w, rstd, None, config=_chunked(n, 1))
+    assert_close((dx * scale).double(), want[0] * scale, atol=1e-5, rtol=1e-4, name="chunked dx")
+    assert_close(dw.double(), want[1], atol=1e-4, rtol=1e-4, name="chunked dweight")
 
 
 @pytest.mark.parametrize("fn", [rope, rope_ref])

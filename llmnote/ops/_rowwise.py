@@ -70,6 +70,34 @@ ROW_REGISTERS = 48  # of the 64 a thread of a 32-warp program has: for fp32 row 
 DX_CHUNK = 4096  # columns per step of the backward's second pass (RowConfig.chunk)
 
 
+# Rows whose largest magnitude exceeds this are divided by a power of two near it before
+# their squares are summed: then N (2 max|x|)^2 < 2^128 for N <= 2^16, no overflow.
+SCALE_ABOVE = 2.0**50
+_SCALE_ABOVE = tl.constexpr(SCALE_ABOVE)  # the kernels' copy
+
+
+def row_scale_ref(xf: torch.Tensor) -> torch.Tensor:
+    """``(..., 1)``: per row of ``xf`` the power of two :func:`row_scale` divides it by
+    (1 unless the row's max |x| exceeds :data:`SCALE_ABOVE`; a NaN row gets 1). A
+    constant for autograd, as in the kernels."""
+    if xf.shape[-1] == 0:
+        return xf.new_ones((*xf.shape[:-1], 1))
+    amax = xf.detach().abs().amax(dim=-1, keepdim=True)
+    e = torch.floor(torch.log2(amax)).clamp(max=126)  # (2^127 would make 1 / a subnormal)
+    return torch.where(amax > SCALE_ABOVE, torch.exp2(e), 1.0)
+
+
+@triton.jit
+def row_scale(amax):
+    """``(a, 1 / a)`` per row from the rows' max |x|: a power of two near ``amax`` for
+    rows above :data:`SCALE_ABOVE` (dividing by it is exact), else 1. The norm kernels
+    divide such rows by ``a`` first (norms do not change under scaling but for
+    ``eps``, which is scaled with them), so that their squares cannot overflow."""
+    e = tl.minimum(tl.floor(tl.log2(tl.maximum(amax, _SCALE_ABOVE))), 126.0)  # 1/a normal
+    a = tl.where(amax > _SCALE_ABOVE, tl.exp2(e), 1.0)
+    return a, 1.0 / a  # one division per row
+
+
 def cdiv(a: int, b: int) -> int:
     """``ceil(a / b)`` for ints. (``triton.cdiv`` is a constexpr function in recent Triton
     releases and costs microseconds per call from Python: too much on the launch path.)"""

@@ -7,8 +7,10 @@ a round trip of the activations through memory:
 * :func:`add_rmsnorm_gemv`: ``h = x + residual``, ``hs = rmsnorm(h) * w_norm``
   (rounded to the dtype, as :func:`llmnote.ops.add_rmsnorm` stores it), then
   ``hs @ W.T``. Every program recomputes ``h`` and the row's ``1/rms`` from
-  the full rows (K = the hidden size: a few KB, read from L2); the programs of
-  the first column of tiles also store ``h``, the new residual stream.
+  the full rows (K = the hidden size: a few KB, read from L2; a row whose
+  squares could overflow is scaled first, as :func:`llmnote.ops.rmsnorm` does);
+  the programs of the first column of tiles also store ``h``, the new residual
+  stream.
 * :func:`swiglu_gemv`: ``s = silu(gate) * up`` (rounded to the dtype, as
   :func:`llmnote.ops.swiglu` stores it) from the two halves of a fused
   gate/up projection, then ``s @ W.T`` (the down projection).
@@ -33,7 +35,7 @@ import triton.language as tl
 
 from llmnote import device
 from llmnote.ops._pdl import wait_and_release
-from llmnote.ops._rowwise import check_eps
+from llmnote.ops._rowwise import check_eps, row_scale
 from llmnote.ops._validate import check_same, check_tensor
 from llmnote.ops.gemv import (
     GemvConfig, _check_weight, _check_x, _empty_result, _gemv_acc, _gemv_store, _key, _meta, _tuned, _weight_tile,
@@ -82,15 +84,29 @@ def _fast_sigmoid(a):
 
 
 @triton.jit
-def _normed(hv, rstd, nw, DT: tl.constexpr):
-    """``rmsnorm``'s output from ``h`` (in DT) and ``1 / rms``, rounded to DT as stored, in fp32."""
-    return (hv.to(tl.float32) * rstd * nw).to(DT).to(tl.float32)
+def _normed(hv, inv_a, rstd, nw, DT: tl.constexpr):
+    """``rmsnorm``'s output from ``h`` (in DT), the row's scale ``1 / a`` and the ``1 / rms``
+    of ``h / a`` (:func:`llmnote.ops._rowwise.row_scale`), rounded to DT as stored, in fp32."""
+    return (hv.to(tl.float32) * inv_a * rstd * nw).to(DT).to(tl.float32)
 
 
 @triton.jit
 def _swiglu_x(gate, up, DT: tl.constexpr):
     """``silu(gate) * up`` (fp32 in) rounded to DT as :func:`llmnote.ops.swiglu` stores it, in fp32."""
     return (gate * _fast_sigmoid(gate) * up).to(DT).to(tl.float32)
+
+
+@triton.jit
+def _h_chunk(x_ptr, r_ptr, ms, m_ok, k0, K, stride_xm, stride_rm, BLOCK_K: tl.constexpr,
+             ROUND_X: tl.constexpr, DT: tl.constexpr):
+    """Columns ``[k0, k0 + BLOCK_K)`` of ``h = x + residual``, rounded to DT as stored, in fp32."""
+    ks = k0 + tl.arange(0, BLOCK_K)
+    xm = m_ok & (ks[None, :] < K)
+    xv = tl.load(x_ptr + ms[:, None] * stride_xm + ks[None, :], mask=xm, other=0.0).to(tl.float32)
+    rv = tl.load(r_ptr + ms[:, None] * stride_rm + ks[None, :], mask=xm, other=0.0).to(tl.float32)
+    if ROUND_X:  # an fp32 accumulator as x: rounded as a kernel storing it would
+        xv = xv.to(DT).to(tl.float32)
+    return (xv + rv).to(DT).to(tl.float32)
 
 
 @triton.jit
@@ -112,16 +128,21 @@ def _fused_gemv_kernel(
     wait_and_release(USE_PDL)  # (programmatic dependent launch: llmnote.ops._pdl)
     if PROLOGUE == 1:  # 1/rms of h = x + residual over the full row, as _rmsnorm_fwd_kernel
         ss = tl.zeros((BLOCK_M, BLOCK_K), tl.float32)
+        am = tl.zeros((BLOCK_M, BLOCK_K), tl.float32)  # per lane: max |h|
         for k0 in range(0, K, BLOCK_K):
-            ks = k0 + tl.arange(0, BLOCK_K)
-            xm = m_ok & (ks[None, :] < K)
-            xv = tl.load(x_ptr + ms[:, None] * stride_xm + ks[None, :], mask=xm, other=0.0).to(tl.float32)
-            rv = tl.load(r_ptr + ms[:, None] * stride_rm + ks[None, :], mask=xm, other=0.0).to(tl.float32)
-            if ROUND_X:  # an fp32 accumulator as x: rounded as a kernel storing it would
-                xv = xv.to(dtype).to(tl.float32)
-            hv = (xv + rv).to(dtype).to(tl.float32)  # rounded as stored
+            hv = _h_chunk(x_ptr, r_ptr, ms, m_ok, k0, K, stride_xm, stride_rm, BLOCK_K, ROUND_X,
+                          dtype)
             ss += hv * hv
-        rstd = 1.0 / tl.sqrt(tl.sum(ss, axis=1) / K + eps)  # (BLOCK_M,)
+            am = tl.maximum(am, tl.abs(hv))
+        _, inv_a = row_scale(tl.max(am, axis=1))  # (BLOCK_M,): 1 but for huge rows
+        if tl.min(inv_a, axis=0) < 1.0:  # rare: a row whose squares may have overflowed:
+            ss = tl.zeros((BLOCK_M, BLOCK_K), tl.float32)  # the sums again, of h / a
+            for k0 in range(0, K, BLOCK_K):
+                hv = _h_chunk(x_ptr, r_ptr, ms, m_ok, k0, K, stride_xm, stride_rm, BLOCK_K, ROUND_X,
+                              dtype) * inv_a[:, None]
+                ss += hv * hv
+        rstd = 1.0 / tl.sqrt(tl.math.div_rn(tl.sum(ss, axis=1), K.to(tl.float32))
+                             + eps * inv_a * inv_a)  # (BLOCK_M,), of h / a
     acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
     for k0 in range(0, K, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
@@ -139,7 +160,7 @@ def _fused_gemv_kernel(
             if pid == 0:  # one program column stores the new residual
                 tl.store(h_ptr + ms[:, None] * stride_hm + ks[None, :], hv, mask=xm)
             nw = tl.load(nw_ptr + ks, mask=ks < K, other=0.0).to(tl.float32)
-            xv = _normed(hv, rstd[:, None], nw[None, :], dtype)
+            xv = _normed(hv, inv_a[:, None], rstd[:, None], nw[None, :], dtype)
         else:  # SwiGLU: gate in columns [0, K), up in [K, 2K) of the same row
             uv = tl.load(x_ptr + K + ms[:, None] * stride_xm + ks[None, :], mask=xm, other=0.0).to(tl.float32)
             xv = _swiglu_x(xv, uv, dtype)

@@ -45,16 +45,15 @@ import triton.language as tl
 from llmnote import device
 from llmnote.ops._rowwise import (
     MAX_N, SMEM_FOR_STAGES, RowConfig, as_rows, bwd_config, cdiv, check_eps, check_param,
-    check_row_length, fwd_config, launch_forward, load_chunk, resident_programs,
+    check_row_length, fwd_config, launch_forward, load_chunk, resident_programs, row_scale,
+    row_scale_ref,
 )
 from llmnote.ops._validate import check_tensor
 
 __all__ = ["MAX_N", "layernorm", "layernorm_ref"]
 
-# Rows with max|x| above this are scaled first: N (2 max|x|)^2 < 2^128 for N <= 2^16.
-SCALE_ABOVE = 2.0**50
 TINY = 2.0**-126  # smallest normal fp32: the floor of var + eps once eps has underflowed
-_SCALE_ABOVE, _TINY = tl.constexpr(SCALE_ABOVE), tl.constexpr(TINY)  # the kernel's copies
+_TINY = tl.constexpr(TINY)  # the kernel's copy
 
 
 def layernorm_ref(
@@ -65,9 +64,7 @@ def layernorm_ref(
     if x.shape[-1] == 0:
         return torch.empty_like(x)
     xf = x.float()
-    amax = xf.abs().amax(dim=-1, keepdim=True)  # (..., 1); NaN propagates, and a = 1
-    e = torch.floor(torch.log2(amax)).clamp(max=126)  # (2^127 would make 1 / a subnormal)
-    a = torch.where(amax > SCALE_ABOVE, torch.exp2(e), 1.0)
+    a = row_scale_ref(xf)  # (..., 1): 1 but for huge rows (and NaN rows)
     xs = xf / a  # exact: a is a power of two
     mean = xs.mean(dim=-1, keepdim=True)  # (..., 1)
     xc = xs - mean
@@ -93,10 +90,8 @@ def _layernorm_fwd_kernel(
         x = tl.load(x_ptr + rows[:, None] * stride_xm + cols[None, :] * stride_xn,
                     mask=mask, other=0.0).to(tl.float32)  # read MN
         # huge rows: divide by a power of two a ~ max|x| (exact), so xc * xc cannot overflow
-        amax = tl.max(tl.abs(x), axis=1)  # (BLOCK_M,)
-        e = tl.minimum(tl.floor(tl.log2(tl.maximum(amax, _SCALE_ABOVE))), 126.0)  # 1/a normal
-        a = tl.where(amax > _SCALE_ABOVE, tl.exp2(e), 1.0)
-        x = x * (1.0 / a)[:, None]  # one division per row
+        a, inv_a = row_scale(tl.max(tl.abs(x), axis=1))  # (BLOCK_M,) each
+        x = x * inv_a[:, None]
         # div_rn: IEEE division (a plain `/` compiles to an approximate one on NVIDIA
         # GPUs); with it a constant row's correction d cancels its xc exactly, to 0
         nf = N.to(tl.float32)

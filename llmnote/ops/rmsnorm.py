@@ -29,7 +29,10 @@ add_rmsnorm bwd    read 3MN (h, dy, dh), write  the norm's backward + an add
 
 Math is fp32 whatever the input dtype; ``y`` has ``x``'s dtype, ``dw`` the
 weight's. The cross-row reduction of ``dw`` is deterministic (see
-:mod:`llmnote.ops._rowwise`). Rows up to ``MAX_N`` = 65536 elements.
+:mod:`llmnote.ops._rowwise`). Rows up to ``MAX_N`` = 65536 elements. A row
+whose largest magnitude exceeds ``2**50`` is first divided by a power of two
+near it (exact; ``eps`` is scaled with it), so ``x * x`` cannot overflow: a row
+near fp32's limit gives what fp64 gives, and a NaN anywhere gives a NaN row.
 
 Sources: B. Zhang, R. Sennrich, "Root Mean Square Layer Normalization" (2019),
 https://arxiv.org/abs/1910.07467; Triton's layer-norm tutorial (partial sums
@@ -49,7 +52,7 @@ import triton.language as tl
 from llmnote import device
 from llmnote.ops._rowwise import (
     MAX_N, RowConfig, as_rows, bwd_config, cdiv, check_eps, check_param, check_row_length,
-    fwd_config, launch_forward, load_chunk, resident_programs,
+    fwd_config, launch_forward, load_chunk, resident_programs, row_scale, row_scale_ref,
 )
 from llmnote.ops._validate import check_same, check_tensor
 
@@ -57,10 +60,13 @@ __all__ = ["MAX_N", "add_rmsnorm", "add_rmsnorm_ref", "rmsnorm", "rmsnorm_ref"]
 
 
 def rmsnorm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
-    """RMSNorm over the last dimension in plain PyTorch (fp32 math, ``x``'s dtype out)."""
+    """RMSNorm over the last dimension in plain PyTorch (fp32 math, ``x``'s dtype out);
+    huge rows divided by a power of two first, as the kernel does."""
     xf = x.float()
-    rstd = torch.rsqrt(xf.pow(2).mean(dim=-1, keepdim=True) + eps)  # (..., 1)
-    return (xf * rstd * weight.float()).to(x.dtype)
+    a = row_scale_ref(xf)  # (..., 1): 1 but for rows whose squares could overflow
+    xs = xf / a  # exact: a is a power of two
+    rstd = torch.rsqrt(xs.pow(2).mean(dim=-1, keepdim=True) + eps / a / a)  # (..., 1), of xs
+    return (xs * rstd * weight.float()).to(x.dtype)
 
 
 def add_rmsnorm_ref(
@@ -88,7 +94,12 @@ def _rmsnorm_fwd_kernel(
             mask = (rows[:, None] < M) & (cols[None, :] < N)  # (BLOCK_M, BLOCK_N)
             x = _load_h(x_ptr, r_ptr, h_ptr, rows, cols, mask, stride_xm, stride_xn, stride_rm,
                         stride_rn, stride_hm, HAS_RESIDUAL, True, "")  # read MN (+ MN, write MN)
-            rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=1) / N + eps)  # (BLOCK_M,); padding adds 0
+            # huge rows: divided by a power of two a ~ max|x| (exact), so x * x cannot overflow
+            _, inv_a = row_scale(tl.max(tl.abs(x), axis=1))  # (BLOCK_M,)
+            x = x * inv_a[:, None]
+            # (div_rn: IEEE division; a plain `/` is an approximate one on NVIDIA GPUs)
+            ms = tl.math.div_rn(tl.sum(x * x, axis=1), N.to(tl.float32))  # padding adds 0
+            rstd = 1.0 / tl.sqrt(ms + eps * inv_a * inv_a)  # (BLOCK_M,), of x / a
             # The weight is loaded after the reduction, so it holds no registers while the
             # row sum waits on the other warps (an L1/L2 hit: every program reads it).
             w = tl.load(w_ptr + cols * stride_wn, mask=cols < N, other=0.0).to(tl.float32)
@@ -97,23 +108,38 @@ def _rmsnorm_fwd_kernel(
                      y.to(y_ptr.dtype.element_ty), mask=mask)  # write MN
         else:  # long rows, two passes of CHUNK columns: the sum of squares, then y
             ss = tl.zeros((BLOCK_M, CHUNK), tl.float32)  # per lane: no reduction in the loop
+            am = tl.zeros((BLOCK_M, CHUNK), tl.float32)  # per lane: max |x|
             for c0 in tl.range(0, N, CHUNK):
                 cols = c0 + tl.arange(0, CHUNK)
                 mask = (rows[:, None] < M) & (cols[None, :] < N)
                 x = _load_h(x_ptr, r_ptr, h_ptr, rows, cols, mask, stride_xm, stride_xn,
                             stride_rm, stride_rn, stride_hm, HAS_RESIDUAL, True, "evict_last")
                 ss += x * x
-            rstd = 1.0 / tl.sqrt(tl.sum(ss, axis=1) / N + eps)
+                am = tl.maximum(am, tl.abs(x))
+            a, inv_a = row_scale(tl.max(am, axis=1))
+            if tl.max(a, axis=0) > 1.0:  # rare: a huge row, whose squares may have overflowed:
+                ss = tl.zeros((BLOCK_M, CHUNK), tl.float32)  # the sums again, of x / a
+                for c0 in tl.range(0, N, CHUNK):  # (cache hits)
+                    cols = c0 + tl.arange(0, CHUNK)
+                    mask = (rows[:, None] < M) & (cols[None, :] < N)
+                    x = _load_h(x_ptr, r_ptr, h_ptr, rows, cols, mask, stride_xm, stride_xn,
+                                stride_rm, stride_rn, stride_hm, HAS_RESIDUAL, False, "")
+                    x = x * inv_a[:, None]
+                    ss += x * x
+            ms = tl.math.div_rn(tl.sum(ss, axis=1), N.to(tl.float32))
+            rstd = 1.0 / tl.sqrt(ms + eps * inv_a * inv_a)  # of x / a
             for c0 in tl.range(0, N, CHUNK):  # the rows again: cache hits, h recomputed
                 cols = c0 + tl.arange(0, CHUNK)
                 mask = (rows[:, None] < M) & (cols[None, :] < N)
                 x = _load_h(x_ptr, r_ptr, h_ptr, rows, cols, mask, stride_xm, stride_xn,
                             stride_rm, stride_rn, stride_hm, HAS_RESIDUAL, False, "evict_first")
                 w = tl.load(w_ptr + cols * stride_wn, mask=cols < N, other=0.0).to(tl.float32)
-                y = x * rstd[:, None] * w[None, :]
+                y = (x * inv_a[:, None]) * rstd[:, None] * w[None, :]
                 tl.store(y_ptr + rows[:, None] * stride_ym + cols[None, :],
                          y.to(y_ptr.dtype.element_ty), mask=mask)  # write MN
-        tl.store(rstd_ptr + rows, rstd, mask=rows < M)  # write M (fp32), kept for backward
+        # write M (fp32), kept for backward: the rstd of x / a, a normal number even for
+        # huge rows (the backward finds a again from the row)
+        tl.store(rstd_ptr + rows, rstd, mask=rows < M)
 
 
 @triton.jit
@@ -156,8 +182,9 @@ def _rmsnorm_bwd_kernel(
                     mask=mask, other=0.0).to(tl.float32)  # read MN
         dy = tl.load(dy_ptr + rows[:, None] * stride_dym + cols[None, :] * stride_dyn,
                      mask=mask, other=0.0).to(tl.float32)  # read MN
-        rstd = tl.load(rstd_ptr + rows, mask=rows < M, other=0.0)  # (BLOCK_M,)
-        xh = x * rstd[:, None]
+        rstd = tl.load(rstd_ptr + rows, mask=rows < M, other=0.0)  # (BLOCK_M,), of x / a
+        _, inv_a = row_scale(tl.max(tl.abs(x), axis=1))  # the forward's (1 but for huge rows)
+        xh = x * inv_a[:, None] * rstd[:, None]
         dw += dy * xh  # masked rows and columns add 0 (dy is 0 there)
         # Loaded here, not once before the loop: kept for the whole loop it would
         # hold BLOCK_N / (32 * num_warps) registers per thread; reloading it is an L1 hit.
@@ -165,7 +192,8 @@ def _rmsnorm_bwd_kernel(
         g = dy * w[None, :]
         c = tl.sum(xh * g, axis=1) / N  # (BLOCK_M,) mean_j(xh_j * g_j)
         if DX_CHUNK == BLOCK_N:  # dx from the registers: the tile is still there
-            dx = (g - xh * c[:, None]) * rstd[:, None]
+            # times 1/a last: a huge row's dx (and its rstd / a) may be subnormal
+            dx = (g - xh * c[:, None]) * rstd[:, None] * inv_a[:, None]
             if HAS_DH:  # add_rmsnorm: the gradient of the new residual joins in
                 dx += tl.load(dh_ptr + rows[:, None] * stride_dhm + cols[None, :] * stride_dhn,
                               mask=mask, other=0.0).to(tl.float32)  # read MN
@@ -176,7 +204,8 @@ def _rmsnorm_bwd_kernel(
                 xc, gc, ccols, cmask = load_chunk(x_ptr, dy_ptr, w_ptr, rows, row_ok, c0, N,
                                                   stride_xm, stride_xn, stride_dym, stride_dyn,
                                                   stride_wn, DX_CHUNK)
-                dxc = (gc - xc * rstd[:, None] * c[:, None]) * rstd[:, None]
+                xhc = xc * inv_a[:, None] * rstd[:, None]
+                dxc = (gc - xhc * c[:, None]) * rstd[:, None] * inv_a[:, None]
                 if HAS_DH:
                     dxc += tl.load(dh_ptr + rows[:, None] * stride_dhm
                                    + ccols[None, :] * stride_dhn,

@@ -25,7 +25,12 @@ longer rows a two-pass kernel that keeps a running pair per lane and combines
 the lanes at the end.
 
 A row of only ``-inf`` gives ``(m, l) = (-inf, 0)`` and a NaN softmax, as
-``torch.softmax`` does; the recurrence itself never produces NaN.
+``torch.softmax`` does; the recurrence itself never produces NaN from finite
+or ``-inf`` input. A NaN anywhere in a row gives ``(NaN, NaN)`` and a NaN
+row (the maximum propagates NaN, which Triton's ``tl.max`` would skip); a
+``+inf`` gives ``l = NaN`` and a NaN row, as ``torch.softmax``. A row of
+width 0 has ``(m, l) = (-inf, 0)`` (``torch.logsumexp`` gives ``-inf``) and an
+empty softmax.
 """
 
 from __future__ import annotations
@@ -42,6 +47,12 @@ from llmnote.ops.attention.reference import (
 )
 
 LOG2E = tl.constexpr(1.4426950408889634)  # exp(x) = exp2(x * log2(e))
+
+
+@triton.jit
+def _max_nan(a, b):
+    """``max(a, b)``, NaN if either is NaN (``tl.maximum``'s default would drop it)."""
+    return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
 
 
 @triton.jit
@@ -74,7 +85,7 @@ def _online_kernel(x_ptr, y_ptr, m_ptr, l_ptr, N, stride_xm, stride_ym,
     l = 0.0  # running sum of exp(x - m)
     for start in range(0, N, BLOCK_N):  # one pass: read N
         x = tl.load(x_row + start + cols, mask=start + cols < N, other=-float("inf")).to(tl.float32)
-        m_new = tl.maximum(m, tl.max(x, axis=0))
+        m_new = _max_nan(m, tl.reduce(x, 0, _max_nan))  # NaN in, NaN out
         m_sub = tl.where(m_new == -float("inf"), 0.0, m_new)  # nothing seen yet: no -inf - -inf
         l = l * tl.exp2((m - m_sub) * LOG2E) + tl.sum(tl.exp2((x - m_sub) * LOG2E), axis=0)
         m = m_new
@@ -95,7 +106,7 @@ def _rows(x: torch.Tensor, block_n: int | None) -> tuple[torch.Tensor, int]:
     elif (isinstance(block_n, bool) or not isinstance(block_n, int) or block_n < 1
           or block_n & (block_n - 1)):
         raise ValueError(f"block_n must be a power of two >= 1 or None, got {block_n!r}")
-    x2 = x.reshape(-1, x.shape[-1])
+    x2 = x.reshape(x.shape[:-1].numel(), x.shape[-1])  # (rows, N), N = 0 too
     if x2.shape[-1] > 1 and x2.stride(-1) != 1:
         x2 = x2.contiguous()  # the kernels read rows with unit stride
     return x2, block_n

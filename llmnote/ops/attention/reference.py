@@ -150,11 +150,12 @@ def online_softmax_ref(x: torch.Tensor, block_n: int | None = None) -> torch.Ten
 def softmax_stats_ref(x: torch.Tensor, block_n: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Per row: the maximum ``m`` and ``l = sum_j exp(x_j - m)``, both fp32.
 
-    A row of only ``-inf`` gives ``m = -inf`` and ``l = 0``.
+    A row of only ``-inf`` (or of width 0) gives ``m = -inf`` and ``l = 0``; a
+    NaN anywhere gives ``(NaN, NaN)``; a ``+inf`` gives ``(inf, NaN)``.
     """
     xf = x.float()
     m = xf.amax(dim=-1) if x.shape[-1] > 0 else xf.new_full(x.shape[:-1], float("-inf"))
-    m_sub = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+    m_sub = torch.where(m == float("-inf"), 0.0, m)  # nothing seen: no -inf - -inf
     l = torch.exp(xf - m_sub[..., None]).sum(dim=-1)
     return m, l
 

@@ -20,6 +20,7 @@ import triton
 import triton.language as tl
 
 from llmnote.ops._pdl import wait_and_release
+from llmnote.ops._rowwise import row_scale
 from llmnote.ops.fused_gemv import _normed, _swiglu_x
 from llmnote.quant.kernels.w4_decode import decode_pair, word_sum
 from llmnote.quant.kernels.w4a16_tiles import _w4_program, _w4_slice, _w4_step_load, _w4_store_tile
@@ -135,9 +136,9 @@ def _w4a16_gemv_kernel(
     # requested (PREFETCH) while the kernel before this one still runs; x after the wait.
     wait_and_release(USE_PDL)
     DT: tl.constexpr = c_ptr.dtype.element_ty
-    rstd = 0.0
+    inv_a, rstd = 1.0, 0.0
     if PROLOGUE == 1:
-        rstd = _w4_rstd(x_row, r_ptr, K, eps, DT)
+        inv_a, rstd = _w4_rstd(x_row, r_ptr, K, eps, DT)
     for step in tl.range(lo, hi, num_stages=LOOP_STAGES):
         if PREFETCH:
             words, s, z, kw = words_n, s_n, z_n, kw_n
@@ -151,9 +152,11 @@ def _w4a16_gemv_kernel(
         x_odd = tl.zeros((NG, GW), dtype=tl.float32)  # ... over odd j
         for p in tl.static_range(4):  # codes 2p, 2p + 1: f = 16 + q / 16, 1 + q / 16
             f_even, f_odd = decode_pair(words, p, mask_lo, mask_hi, True)
-            xe = _w4_x(x_row, r_ptr, nw_ptr, h_ptr, kw * 8 + 2 * p, K, rstd, pid, PROLOGUE, DT)  # (NG, GW)
+            xe = _w4_x(x_row, r_ptr, nw_ptr, h_ptr, kw * 8 + 2 * p, K, inv_a, rstd, pid, PROLOGUE,
+                       DT)  # (NG, GW)
             t += xe[:, :, None] * f_even
-            xo = _w4_x(x_row, r_ptr, nw_ptr, h_ptr, kw * 8 + 2 * p + 1, K, rstd, pid, PROLOGUE, DT)
+            xo = _w4_x(x_row, r_ptr, nw_ptr, h_ptr, kw * 8 + 2 * p + 1, K, inv_a, rstd, pid,
+                       PROLOGUE, DT)
             t += xo[:, :, None] * f_odd
             x_even += xe
             x_odd += xo
@@ -165,20 +168,37 @@ def _w4a16_gemv_kernel(
 
 @triton.jit
 def _w4_rstd(x_row, r_row, K, eps, DT: tl.constexpr, BLOCK: tl.constexpr = 1024):
-    """``1 / rms(h)`` of ``h = x + r`` (rounded to DT as stored), over the row of length K,
-    as :func:`llmnote.ops.fused_gemv.add_rmsnorm_gemv` computes it."""
+    """``(1 / a, 1 / rms(h / a))`` of ``h = x + r`` (rounded to DT as stored) over the row of
+    length K, ``a`` its scale (1 but for huge rows), as
+    :func:`llmnote.ops.fused_gemv.add_rmsnorm_gemv` computes them."""
     ss = tl.zeros((BLOCK,), tl.float32)
+    am = tl.zeros((BLOCK,), tl.float32)  # per lane: max |h|
     for k0 in range(0, K, BLOCK):
-        offs = k0 + tl.arange(0, BLOCK)
-        m = offs < K
-        hv = (tl.load(x_row + offs, mask=m, other=0.0).to(tl.float32)
-              + tl.load(r_row + offs, mask=m, other=0.0).to(tl.float32)).to(DT).to(tl.float32)
+        hv = _w4_h(x_row, r_row, k0, K, DT, BLOCK)
         ss += hv * hv
-    return 1.0 / tl.sqrt(tl.sum(ss, axis=0) / K + eps)
+        am = tl.maximum(am, tl.abs(hv))
+    _, inv_a = row_scale(tl.max(am, axis=0))
+    if inv_a < 1.0:  # rare: a huge row, whose squares may have overflowed: again, of h / a
+        ss = tl.zeros((BLOCK,), tl.float32)
+        for k0 in range(0, K, BLOCK):
+            hv = _w4_h(x_row, r_row, k0, K, DT, BLOCK) * inv_a
+            ss += hv * hv
+    ms = tl.math.div_rn(tl.sum(ss, axis=0), K.to(tl.float32))  # IEEE division, as rmsnorm
+    return inv_a, 1.0 / tl.sqrt(ms + eps * inv_a * inv_a)
 
 
 @triton.jit
-def _w4_x(x_row, r_row, nw_ptr, h_row, offs, K, rstd, pid, PROLOGUE: tl.constexpr, DT: tl.constexpr):
+def _w4_h(x_row, r_row, k0, K, DT: tl.constexpr, BLOCK: tl.constexpr):
+    """Elements ``[k0, k0 + BLOCK)`` of ``h = x + r``, rounded to DT as stored, in fp32."""
+    offs = k0 + tl.arange(0, BLOCK)
+    m = offs < K
+    return (tl.load(x_row + offs, mask=m, other=0.0).to(tl.float32)
+            + tl.load(r_row + offs, mask=m, other=0.0).to(tl.float32)).to(DT).to(tl.float32)
+
+
+@triton.jit
+def _w4_x(x_row, r_row, nw_ptr, h_row, offs, K, inv_a, rstd, pid, PROLOGUE: tl.constexpr,
+          DT: tl.constexpr):
     """Activations at ``offs`` in fp32. PROLOGUE 0: ``x``; 1: ``add_rmsnorm``'s normed output
     (rounded to DT, as that kernel stores it; program ``pid`` 0 also stores ``h = x + r``); 2:
     ``swiglu(gate, up)`` with ``gate = x[offs]``, ``up = x[K + offs]`` (rounded to DT)."""
@@ -186,7 +206,7 @@ def _w4_x(x_row, r_row, nw_ptr, h_row, offs, K, rstd, pid, PROLOGUE: tl.constexp
     if PROLOGUE == 1:
         hv = (xv + tl.load(r_row + offs).to(tl.float32)).to(DT)
         tl.store(h_row + offs, hv, mask=(offs < K) & ((offs * 0 + pid) == 0))
-        xv = _normed(hv, rstd, tl.load(nw_ptr + offs).to(tl.float32), DT)
+        xv = _normed(hv, inv_a, rstd, tl.load(nw_ptr + offs).to(tl.float32), DT)
     elif PROLOGUE == 2:
         xv = _swiglu_x(xv, tl.load(x_row + K + offs).to(tl.float32), DT)
     return xv
