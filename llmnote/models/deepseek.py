@@ -331,7 +331,10 @@ class _MLPShape:  # what llama.MLP reads from a config
 class MLADecoder(nn.Module):
     def __init__(self, cfg: MLAConfig, ops: LlamaOps) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        # _weight: no random init here (the model initialises, or loads, its weights);
+        # on the meta device that init would import torch._dynamo: about a second
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size,
+                                         _weight=torch.empty(cfg.vocab_size, cfg.hidden_size))
         self.layers = nn.ModuleList(MLADecoderLayer(cfg, i, ops)
                                     for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
