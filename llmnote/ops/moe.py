@@ -1,0 +1,276 @@
+"""A mixture-of-experts feed-forward block, fused: align, then two grouped GEMMs.
+
+Each of ``T`` tokens ``x (T, H)`` goes to ``k`` of ``E`` experts (``topk_ids (T, k)``)
+with weights ``topk_weights (T, k)``; expert ``e`` is a SwiGLU MLP with ``w13[e]``
+``(2I, H)`` (gate rows, then up rows) and ``w2[e]`` ``(H, I)``::
+
+    y[t] = sum_j  topk_weights[t, j] * w2[e] @ (silu(w13[e, :I] @ x[t]) * w13[e, I:] @ x[t]),
+           e = topk_ids[t, j]
+
+A loop over experts (:func:`fused_moe_ref`) launches ~4 kernels an expert and reads
+every token row and every expert it touches once per expert. The fused version:
+
+1. **align** (:func:`moe_align`): the ``T k`` (token, slot) pairs sorted by expert and
+   each expert's list padded to a multiple of ``BLOCK_M`` with a sentinel, so every
+   ``BLOCK_M`` rows of the sorted list belong to one expert (``expert_ids`` per block).
+   Built from sort, cumsum and searchsorted on the device: no host sync, so the block
+   can be captured in a CUDA graph.
+2. **gate/up** (``_moe_gate_up_kernel``): a grouped GEMM, one program a (row block,
+   column block): gathers its tokens' rows of ``x``, multiplies by its expert's gate and
+   up tiles, writes ``silu(gate) * up`` (``T k`` rows of ``I``: read ``H`` a row, write ``I``).
+3. **down** (``_moe_down_kernel``): the same over ``w2``, scaled by each row's router
+   weight; the ``k`` rows of a token are then summed (in fp32, one rounding).
+
+Each expert's weights are read once per row block that routes to it: at decode, the
+bytes of the experts touched, which sets the speed limit (the chapter's roofline).
+Interpreter: bf16 tiles are upcast to fp32 (its bf16 ``tl.dot`` is wrong). fp32 dots
+use IEEE precision, not TF32.
+
+Sources: the fused MoE kernel of vLLM (``fused_moe.py``, ``moe_align_block_size``);
+T. Gale et al., "MegaBlocks" (2022), https://arxiv.org/abs/2211.15841.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from llmnote import device
+from llmnote.ops._validate import FLOAT_DTYPES, check_tensor
+
+__all__ = ["fused_moe", "fused_moe_ref", "moe_align", "route"]
+
+ID_DTYPES = (torch.int32, torch.int64)
+
+
+def route(router_logits: torch.Tensor, top_k: int, renormalize: bool
+          ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(topk_weights fp32 (T, k), topk_ids int64 (T, k))`` from ``router_logits (T, E)``:
+    softmax over the experts in fp32, the ``k`` largest, and with ``renormalize`` divided by
+    their sum (then equal to a softmax over the top-k logits alone, as Mixtral routes)."""
+    check_tensor("router_logits", router_logits, ndim=2, backend_device=False)
+    num_experts = router_logits.shape[1]
+    if not isinstance(top_k, int) or not 1 <= top_k <= num_experts:
+        raise ValueError(f"top_k must be an int in [1, {num_experts}] (the number of experts), "
+                         f"got {top_k!r}")
+    probs = torch.softmax(router_logits.float(), dim=-1)  # (T, E)
+    weights, ids = torch.topk(probs, top_k, dim=-1)  # (T, k)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights, ids
+
+
+def _check(x, w13, w2, topk_weights, topk_ids, backend_device: bool) -> tuple[int, int, int, int]:
+    """(T, H, E, I) after checking every argument; raises ``TypeError``/``ValueError``.
+    The reference (``backend_device=False``) takes fp64 too."""
+    dtypes = FLOAT_DTYPES if backend_device else (*FLOAT_DTYPES, torch.float64)
+    check_tensor("x", x, dtypes=dtypes, ndim=2, backend_device=backend_device)
+    check_tensor("w13", w13, dtypes=dtypes, ndim=3, backend_device=backend_device)
+    check_tensor("w2", w2, dtypes=dtypes, ndim=3, backend_device=backend_device)
+    check_tensor("topk_weights", topk_weights, dtypes=dtypes, ndim=2,
+                 backend_device=backend_device)
+    check_tensor("topk_ids", topk_ids, dtypes=ID_DTYPES, ndim=2, backend_device=backend_device)
+    for name, t in (("w13", w13), ("w2", w2)):
+        if t.dtype != x.dtype:
+            raise TypeError(f"{name} must have x's dtype {x.dtype}, got {t.dtype}")
+    t_, h = x.shape
+    e, two_i, h13 = w13.shape
+    if h13 != h or two_i % 2:
+        raise ValueError(f"w13 must have shape (experts, 2 * intermediate, {h}), got "
+                         f"{tuple(w13.shape)}")
+    i = two_i // 2
+    if tuple(w2.shape) != (e, h, i):
+        raise ValueError(f"w2 must have shape ({e}, {h}, {i}) (experts, hidden, intermediate) "
+                         f"to match w13 {tuple(w13.shape)}, got {tuple(w2.shape)}")
+    k = topk_ids.shape[1]
+    if topk_ids.shape[0] != t_ or not 1 <= k <= e:
+        raise ValueError(f"topk_ids must have shape ({t_}, k) with 1 <= k <= {e} (the number of "
+                         f"experts), got {tuple(topk_ids.shape)}")
+    if tuple(topk_weights.shape) != tuple(topk_ids.shape):
+        raise ValueError(f"topk_weights must have topk_ids' shape {tuple(topk_ids.shape)}, "
+                         f"got {tuple(topk_weights.shape)}")
+    if topk_ids.device.type != "cuda" and topk_ids.numel():  # (on a GPU: no host sync)
+        lo, hi = int(topk_ids.min()), int(topk_ids.max())
+        if lo < 0 or hi >= e:
+            raise ValueError(f"topk_ids must lie in [0, {e}), got values in [{lo}, {hi}]")
+    return t_, h, e, i
+
+
+def fused_moe_ref(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+                  topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+    """The plain loop over experts: for each expert, gather its tokens, run its SwiGLU MLP
+    in ``x``'s dtype, scale by the router weights and add into an fp32 sum (fp64 for fp64 inputs), rounded once."""
+    t_, h, e, i = _check(x, w13, w2, topk_weights, topk_ids, backend_device=False)
+    acc = torch.float64 if x.dtype == torch.float64 else torch.float32
+    out = torch.zeros((t_, h), dtype=acc, device=x.device)
+    for expert in range(e):
+        tok, slot = torch.where(topk_ids == expert)  # its tokens, and which of their k slots
+        if tok.numel() == 0:
+            continue
+        gu = F.linear(x[tok], w13[expert])  # (n, 2I)
+        a = (F.silu(gu[:, :i].to(acc)) * gu[:, i:].to(acc)).to(x.dtype)  # (n, I)
+        y = F.linear(a, w2[expert])  # (n, H)
+        out.index_add_(0, tok, y.to(acc) * topk_weights[tok, slot, None].to(acc))
+    return out.to(x.dtype)
+
+
+def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Sort the ``T k`` (token, slot) pairs by expert, each expert's run padded to a
+    multiple of ``block_m``. Returns ``sorted_ids`` (int32, the flat index ``t * k + j`` of
+    each pair, padding = ``T k``), ``expert_ids`` (int32, the expert of each block of
+    ``block_m``) and ``num_padded`` (int32 (1,), the used length of ``sorted_ids``).
+    The lengths are upper bounds known on the host, so nothing waits for the device."""
+    flat = topk_ids.reshape(-1).long()  # (N,), N = T k
+    n = flat.numel()
+    counts = torch.zeros(num_experts, dtype=torch.long, device=flat.device)
+    counts.scatter_add_(0, flat, torch.ones_like(flat))  # tokens per expert
+    padded = (counts + block_m - 1) // block_m * block_m
+    ends = padded.cumsum(0)  # each expert's run in sorted_ids: [ends - padded, ends)
+    order = torch.argsort(flat, stable=True)  # pair indices grouped by expert
+    e_sorted = flat[order]
+    rank = torch.arange(n, device=flat.device) - (counts.cumsum(0) - counts)[e_sorted]
+    # at most one partly filled block per expert that has a token
+    max_len = (triton.cdiv(n, block_m) + min(num_experts, n)) * block_m
+    sorted_ids = torch.full((max_len,), n, dtype=torch.int32, device=flat.device)
+    sorted_ids.scatter_(0, (ends - padded)[e_sorted] + rank, order.int())
+    starts = torch.arange(0, max_len, block_m, device=flat.device)
+    expert_ids = torch.searchsorted(ends, starts, right=True).clamp_(max=num_experts - 1)
+    return sorted_ids, expert_ids.int(), ends[-1:].int()
+
+
+@triton.jit
+def _moe_gate_up_kernel(
+    x_ptr, w_ptr, out_ptr, sorted_ptr, expert_ptr, npad_ptr, num_rows, top_k, H, I,
+    stride_xm, stride_we, stride_wn, stride_om,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    UPCAST: tl.constexpr, IEEE: tl.constexpr,
+):
+    # one (BLOCK_M rows of one expert) x (BLOCK_N columns of I) tile of silu(gate) * up
+    pid_m, pid_n = tl.program_id(0), tl.program_id(1)
+    if pid_m * BLOCK_M >= tl.load(npad_ptr):
+        return  # a block past the padded list: nothing routed here
+    e = tl.load(expert_ptr + pid_m).to(tl.int64)
+    rows = tl.load(sorted_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))  # (BM,) pair ids
+    row_ok = rows < num_rows  # padding rows are masked
+    tok = (rows // top_k).to(tl.int64)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    a_ptrs = x_ptr + tok[:, None] * stride_xm + offs_k[None, :]  # (BM, BK) gathered rows
+    g_ptrs = w_ptr + e * stride_we + offs_n[None, :].to(tl.int64) * stride_wn + offs_k[:, None]
+    u_ptrs = g_ptrs + I * stride_wn  # up rows follow the gate rows
+    n_ok = offs_n[None, :] < I
+    acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, H, BLOCK_K):
+        k_ok = offs_k < H - k0
+        a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)  # read BM x BK
+        g = tl.load(g_ptrs, mask=k_ok[:, None] & n_ok, other=0.0)  # read BK x BN (the weights)
+        u = tl.load(u_ptrs, mask=k_ok[:, None] & n_ok, other=0.0)
+        if UPCAST:  # interpreter only: its bf16 dot is wrong
+            a, g, u = a.to(tl.float32), g.to(tl.float32), u.to(tl.float32)
+        if IEEE:
+            acc_g = tl.dot(a, g, acc_g, input_precision="ieee")
+            acc_u = tl.dot(a, u, acc_u, input_precision="ieee")
+        else:
+            acc_g = tl.dot(a, g, acc_g)
+            acc_u = tl.dot(a, u, acc_u)
+        a_ptrs += BLOCK_K
+        g_ptrs += BLOCK_K
+        u_ptrs += BLOCK_K
+    y = acc_g * tl.sigmoid(acc_g) * acc_u  # SwiGLU in fp32
+    o_ptrs = out_ptr + rows[:, None].to(tl.int64) * stride_om + offs_n[None, :]
+    tl.store(o_ptrs, y.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & n_ok)  # write BM x BN
+
+
+@triton.jit
+def _moe_down_kernel(
+    a_ptr, w_ptr, out_ptr, weights_ptr, sorted_ptr, expert_ptr, npad_ptr, num_rows, H, I,
+    stride_am, stride_we, stride_wn, stride_om,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    UPCAST: tl.constexpr, IEEE: tl.constexpr,
+):
+    # one (BLOCK_M rows of one expert) x (BLOCK_N columns of H) tile of weight * (a @ w2[e]^T)
+    pid_m, pid_n = tl.program_id(0), tl.program_id(1)
+    if pid_m * BLOCK_M >= tl.load(npad_ptr):
+        return
+    e = tl.load(expert_ptr + pid_m).to(tl.int64)
+    rows = tl.load(sorted_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))  # (BM,)
+    row_ok = rows < num_rows
+    rows64 = rows.to(tl.int64)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    a_ptrs = a_ptr + rows64[:, None] * stride_am + offs_k[None, :]  # (BM, BK)
+    b_ptrs = w_ptr + e * stride_we + offs_n[None, :].to(tl.int64) * stride_wn + offs_k[:, None]
+    n_ok = offs_n[None, :] < H
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, I, BLOCK_K):
+        k_ok = offs_k < I - k0
+        a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        b = tl.load(b_ptrs, mask=k_ok[:, None] & n_ok, other=0.0)  # read BK x BN (the weights)
+        if UPCAST:
+            a, b = a.to(tl.float32), b.to(tl.float32)
+        if IEEE:
+            acc = tl.dot(a, b, acc, input_precision="ieee")
+        else:
+            acc = tl.dot(a, b, acc)
+        a_ptrs += BLOCK_K
+        b_ptrs += BLOCK_K
+    w = tl.load(weights_ptr + rows64, mask=row_ok, other=0.0).to(tl.float32)  # router weights
+    acc = acc * w[:, None]
+    o_ptrs = out_ptr + rows64[:, None] * stride_om + offs_n[None, :]
+    tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & n_ok)
+
+
+def _config(num_pairs: int, num_experts: int, element_size: int) -> dict:
+    """Tiles: (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages). Few pairs an expert (decode):
+    BLOCK_M = 16, the smallest ``tl.dot`` tile, so padding wastes little, and narrow
+    column blocks so the few row blocks still give many programs; many pairs an expert
+    (prefill): larger tiles, the usual GEMM shape. Interpreter: small tiles."""
+    if device.interpreting():
+        return dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=32, num_warps=4, num_stages=1)
+    stages = 4 if element_size == 2 else 2
+    per_expert = num_pairs / num_experts
+    if per_expert <= 16:
+        return dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=stages)
+    if per_expert <= 64:
+        return dict(BLOCK_M=32, BLOCK_N=64, BLOCK_K=64, num_warps=4, num_stages=stages)
+    return dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=min(stages, 3))
+
+
+def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+              topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+    """The MoE block of the module docstring: ``x (T, H)``, ``w13 (E, 2I, H)``, ``w2 (E, H,
+    I)`` of one dtype (fp32, fp16 or bf16), ``topk_weights (T, k)`` (any float dtype) and
+    ``topk_ids (T, k)`` (int32/int64, values in ``[0, E)``; checked on the CPU only, where
+    reading them costs no device sync) -> ``(T, H)`` in ``x``'s dtype. Graph-capturable."""
+    t_, h, e, i = _check(x, w13, w2, topk_weights, topk_ids, backend_device=True)
+    if device.use_reference("fused_moe", min_capability=(8, 0)) or t_ == 0:
+        return fused_moe_ref(x, w13, w2, topk_weights, topk_ids)
+    x = x if x.stride(1) == 1 else x.contiguous()
+    w13, w2 = w13.contiguous(), w2.contiguous()
+    k = topk_ids.shape[1]
+    cfg = _config(t_ * k, e, x.element_size())
+    bm = cfg["BLOCK_M"]
+    sorted_ids, expert_ids, num_padded = moe_align(topk_ids, e, bm)
+    weights = topk_weights.float().contiguous().view(-1)  # (T k,) by pair index
+    inter = torch.empty((t_ * k, i), dtype=x.dtype, device=x.device)  # silu(gate) * up per pair
+    out = torch.empty((t_ * k, h), dtype=x.dtype, device=x.device)  # weighted expert outputs
+    upcast = device.interpreting() and x.dtype == torch.bfloat16
+    ieee = x.dtype == torch.float32
+    blocks = sorted_ids.numel() // bm
+    launch = dict(cfg)
+    bn = launch.pop("BLOCK_N")
+    _moe_gate_up_kernel[(blocks, triton.cdiv(i, bn))](
+        x, w13, inter, sorted_ids, expert_ids, num_padded, t_ * k, k, h, i,
+        x.stride(0), w13.stride(0), w13.stride(1), inter.stride(0),
+        BLOCK_N=bn, UPCAST=upcast, IEEE=ieee, **launch)
+    _moe_down_kernel[(blocks, triton.cdiv(h, bn))](
+        inter, w2, out, weights, sorted_ids, expert_ids, num_padded, t_ * k, h, i,
+        inter.stride(0), w2.stride(0), w2.stride(1), out.stride(0),
+        BLOCK_N=bn, UPCAST=upcast, IEEE=ieee, **launch)
+    if k == 1:
+        return out
+    return out.view(t_, k, h).sum(dim=1, dtype=torch.float32).to(x.dtype)  # the top-k sum

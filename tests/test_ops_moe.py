@@ -1,0 +1,91 @@
+"""The fused MoE kernel against the loop over experts (Triton's interpreter on the CPU)."""
+
+import pytest
+import torch
+
+from llmnote.ops.moe import fused_moe, fused_moe_ref, moe_align, route
+from llmnote.testing import assert_close_lowp
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+# (tokens, experts, top-k): odd token counts, E in {4, 8}, k from 1 to E
+CASES = [(1, 4, 1), (7, 8, 2), (13, 4, 4), (33, 8, 8), (5, 8, 3)]
+
+
+def make(t, e, k, dtype, dev, h=48, i=40):
+    """x (T, H), w13 (E, 2I, H), w2 (E, H, I) scaled to keep outputs near 1, and a routing."""
+    x = torch.randn(t, h, device=dev).to(dtype)
+    w13 = (torch.randn(e, 2 * i, h, device=dev) / h**0.5).to(dtype)
+    w2 = (torch.randn(e, h, i, device=dev) / i**0.5).to(dtype)
+    weights, ids = route(torch.randn(t, e, device=dev), k, renormalize=True)
+    return x, w13, w2, weights, ids
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("t,e,k", CASES)
+def test_fused_moe_matches_loop(t, e, k, dtype, dev, seed):
+    """Error against the loop run in higher precision (fp64 for fp32 inputs, fp32 for
+    fp16/bf16) at most twice that of the loop run in the inputs' dtype, plus one rounding
+    of the output (eps of the dtype times its largest value)."""
+    x, w13, w2, w, ids = make(t, e, k, dtype, dev)
+    hi = torch.float64 if dtype == torch.float32 else torch.float32
+    ref_hi = fused_moe_ref(x.to(hi), w13.to(hi), w2.to(hi), w, ids)
+    lowp = fused_moe_ref(x, w13, w2, w, ids)
+    got = fused_moe(x, w13, w2, w, ids)
+    assert got.shape == (t, x.shape[1]) and got.dtype == dtype
+    atol = torch.finfo(dtype).eps * float(ref_hi.abs().max())
+    assert_close_lowp(got, ref_hi, lowp, atol=atol, name=f"fused_moe {dtype}")
+
+
+def test_int32_ids_and_unnormalised_weights(dev, seed):
+    x, w13, w2, _, _ = make(9, 8, 2, torch.float32, dev)
+    w, ids = route(torch.randn(9, 8, device=dev), 2, renormalize=False)
+    assert float(w.sum(-1).max()) < 1  # not renormalised: a part of the softmax
+    got = fused_moe(x, w13, w2, w, ids.int())
+    ref = fused_moe_ref(x.double(), w13.double(), w2.double(), w, ids)
+    assert float((got.double() - ref).abs().max()) < 1e-5
+
+
+def test_align_groups_and_pads(seed):
+    """Every pair appears once; each block holds one expert's pairs; padding is the sentinel."""
+    t, e, k, bm = 11, 4, 2, 16
+    ids = torch.randint(0, e, (t, k))
+    sorted_ids, expert_ids, num_padded = moe_align(ids, e, bm)
+    n = t * k
+    used = sorted_ids[: int(num_padded)]
+    real = used[used < n]
+    assert sorted(real.tolist()) == list(range(n))
+    assert bool((sorted_ids[int(num_padded):] == n).all())
+    counts = torch.bincount(ids.flatten(), minlength=e)
+    assert int(num_padded) == int(((counts + bm - 1) // bm * bm).sum())
+    for b in range(int(num_padded) // bm):
+        block = used[b * bm:(b + 1) * bm]
+        block = block[block < n]
+        assert bool((ids.flatten()[block.long()] == expert_ids[b]).all())
+
+
+def test_route_mixtral_equals_softmax_over_topk(seed):
+    logits = torch.randn(6, 8)
+    w, ids = route(logits, 2, renormalize=True)
+    assert torch.allclose(w, torch.softmax(logits.gather(1, ids), dim=-1), atol=1e-6)
+    assert torch.equal(ids, logits.topk(2, dim=-1).indices)
+
+
+def test_bad_input(dev):
+    x, w13, w2, w, ids = make(3, 4, 2, torch.float32, dev)
+    with pytest.raises(ValueError, match="top_k must be an int in"):
+        route(torch.randn(3, 4, device=dev), 5, True)
+    with pytest.raises(ValueError, match="topk_ids must have shape"):
+        fused_moe(x, w13, w2, torch.ones(3, 5, device=dev), torch.zeros(3, 5, dtype=torch.long,
+                                                                        device=dev))
+    with pytest.raises(ValueError, match="topk_weights must have topk_ids' shape"):
+        fused_moe(x, w13, w2, w[:, :1], ids)
+    with pytest.raises(TypeError, match="x must have dtype in"):
+        fused_moe(x.double(), w13, w2, w, ids)
+    with pytest.raises(TypeError, match="w13 must have x's dtype"):
+        fused_moe(x, w13.half(), w2, w, ids)
+    with pytest.raises(TypeError, match="topk_ids must have dtype in"):
+        fused_moe(x, w13, w2, w, ids.float())
+    with pytest.raises(ValueError, match=r"topk_ids must lie in \[0, 4\)"):
+        fused_moe(x, w13, w2, w, ids + 4)
+    with pytest.raises(ValueError, match="w2 must have shape"):
+        fused_moe(x, w13, w2[:, :, :-1], w, ids)
