@@ -10,10 +10,12 @@ from llmnote.bench.suites import decode_latency, roofline
 from llmnote.bench.suites import quant
 from llmnote.bench.suites import gemv
 from llmnote.bench.suites import engine
+from llmnote.bench.suites import moe
 
 SUITES = {
     "attention": attention.run, "cuda_elementwise": cuda_elementwise.run, "cuda_reduction": cuda_reduction.run,
     "matmul": matmul.run, "norms": norms.run, "rope": rope.run, "softmax": softmax.run, "roofline": roofline.run, "decode_latency": decode_latency.run,
-    "engine": engine.run, "quant": quant.run, "gemv": gemv.run, "vector_add": vector_add.run}
+    "engine": engine.run, "quant": quant.run, "gemv": gemv.run, "vector_add": vector_add.run,
+    "moe": moe.run}
 
 __all__ = ["SUITES"]
