@@ -100,3 +100,30 @@ class SparseMoeBlock(nn.Module):
         x2 = x.reshape(-1, shape[-1])  # (T, H)
         weights, ids = self.route(x2)
         return self.ops.moe(x2, *self.stacked(), weights, ids).view(shape)
+
+
+def parameter_counts(cfg: LlamaConfig) -> tuple[int, int]:
+    """``(total, active)`` parameters of a model: all of them, and those one token's
+    forward pass multiplies by (attention, norms, dense MLPs, the router, the ``k``
+    experts it is routed to, the LM head; not the embedding table, one row of which is
+    read). Counted from the config, so it works for full-size presets."""
+    h, d = cfg.hidden_size, cfg.head_dim
+    attn = h * d * (cfg.num_attention_heads * 2 + cfg.num_key_value_heads * 2)
+    attn += (cfg.num_attention_heads + 2 * cfg.num_key_value_heads) * d * cfg.qkv_bias
+    attn += h * cfg.o_bias + (2 * d if cfg.qk_norm else 0)
+    norms = 2 * h
+    dense_mlp = 3 * h * cfg.intermediate_size
+    expert = 3 * h * cfg.moe_intermediate_size
+    total = active = 0
+    for i in range(cfg.num_hidden_layers):
+        total += attn + norms
+        active += attn + norms
+        if cfg.is_sparse_layer(i):
+            total += cfg.num_experts * (h + expert)  # router row + expert, per expert
+            active += cfg.num_experts * h + cfg.num_experts_per_tok * expert
+        else:
+            total += dense_mlp
+            active += dense_mlp
+    embed = cfg.vocab_size * h
+    head = 0 if cfg.tie_word_embeddings else cfg.vocab_size * h
+    return total + embed + head + h, active + cfg.vocab_size * h + h
