@@ -152,3 +152,45 @@ def test_bad_moe_config():
         from_hf_config({**base, "num_experts": 0})
     with pytest.raises(ValueError, match="sliding_window"):
         from_hf_config({**base, "architectures": ["MixtralForCausalLM"], "sliding_window": 4096})
+
+
+@pytest.mark.parametrize("name", ["qwen3-moe-tiny", "mixtral-tiny", "qwen3-tiny", "llama-tiny"])
+def test_parameter_counts(name):
+    """``total`` equals the built model's count; ``active`` swaps the experts for k of them
+    and the embedding table for one row's worth (the LM head, counted once)."""
+    from llmnote.models.moe import parameter_counts
+
+    cfg = get_preset(name)
+    model = Llama(cfg)
+    total, active = parameter_counts(cfg)
+    assert total == model.num_parameters()
+    experts = sum(p.numel() for n, p in model.named_parameters() if ".experts." in n)
+    per_expert = 3 * cfg.hidden_size * cfg.moe_intermediate_size
+    sparse = sum(cfg.is_sparse_layer(i) for i in range(cfg.num_hidden_layers))
+    embed = 0 if cfg.tie_word_embeddings else cfg.vocab_size * cfg.hidden_size
+    assert active == total - experts + sparse * cfg.num_experts_per_tok * per_expert - embed
+
+
+def test_stacked_experts_follow_the_weights(seed):
+    """The stacked (E, 2I, H) / (E, H, I) tensors are views' owners: a dtype change or a
+    new weight re-stacks them, and the experts stay usable one by one."""
+    model = Llama(get_preset("qwen3-moe-tiny")).eval()
+    block = model.model.layers[0].mlp
+    w13, w2 = block.stacked()
+    g, u, d = block.experts[3].projections()
+    assert torch.equal(w13[3, :48], g.weight) and torch.equal(w2[3], d.weight)
+    assert g.weight.data_ptr() == w13[3].data_ptr()
+    with torch.no_grad():
+        u.weight.add_(1.0)  # in place: seen through the view
+    assert torch.equal(block.stacked()[0][3, 48:], u.weight)
+    model.to(torch.float64)
+    w13b, _ = block.stacked()
+    assert w13b.dtype == torch.float64 and w13b.data_ptr() != w13.data_ptr()
+    x = torch.randn(5, 64, dtype=torch.float64)
+    w, ids = block.route(x)
+    want = sum(w[:, j:j + 1] * torch.stack([
+        block.experts[int(e)].projections()[2](
+            torch.nn.functional.silu(block.experts[int(e)].projections()[0](x[t]))
+            * block.experts[int(e)].projections()[1](x[t]))
+        for t, e in enumerate(ids[:, j])]) for j in range(ids.shape[1]))
+    assert torch.allclose(block(x), want, atol=1e-12)

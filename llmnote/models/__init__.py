@@ -1,5 +1,6 @@
 """Models: the paper's encoder-decoder Transformer, one Llama-family decoder
-(Llama 2/3, Qwen2/2.5, Qwen3), named presets and the Hugging Face loader."""
+(Llama 2/3, Qwen2/2.5, Qwen3; Qwen3-MoE and Mixtral with the experts of
+:mod:`llmnote.models.moe`), named presets and the Hugging Face loader."""
 
 from llmnote.models.config import LlamaConfig
 from llmnote.models.llama import KVCache, Llama, LlamaOps, auto_ops, kernel_ops, reference_ops

@@ -50,7 +50,8 @@ def route(router_logits: torch.Tensor, top_k: int, renormalize: bool
     """``(topk_weights fp32 (T, k), topk_ids int64 (T, k))`` from ``router_logits (T, E)``:
     softmax over the experts in fp32, the ``k`` largest, and with ``renormalize`` divided by
     their sum (then equal to a softmax over the top-k logits alone, as Mixtral routes)."""
-    check_tensor("router_logits", router_logits, ndim=2, backend_device=False)
+    check_tensor("router_logits", router_logits, dtypes=(*FLOAT_DTYPES, torch.float64), ndim=2,
+                 backend_device=False)
     num_experts = router_logits.shape[1]
     if not isinstance(top_k, int) or not 1 <= top_k <= num_experts:
         raise ValueError(f"top_k must be an int in [1, {num_experts}] (the number of experts), "
