@@ -227,18 +227,32 @@ def _moe_down_kernel(
 
 def _config(num_pairs: int, num_experts: int, element_size: int) -> dict:
     """Tiles: (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages). Few pairs an expert (decode):
-    BLOCK_M = 16, the smallest ``tl.dot`` tile, so padding wastes little, and narrow
-    column blocks so the few row blocks still give many programs; many pairs an expert
-    (prefill): larger tiles, the usual GEMM shape. Interpreter: small tiles."""
+    BLOCK_M = 16, the smallest ``tl.dot`` tile, so padding wastes little, BLOCK_N set per
+    GEMM by :func:`_block_n`; many pairs an expert (prefill): larger tiles, the usual GEMM
+    shape. Interpreter: small tiles. Chosen by reasoning, not yet tuned on a GPU."""
     if device.interpreting():
         return dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=32, num_warps=4, num_stages=1)
     stages = 4 if element_size == 2 else 2
     per_expert = num_pairs / num_experts
     if per_expert <= 16:
-        return dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=stages)
+        return dict(BLOCK_M=16, BLOCK_N=None, BLOCK_K=128, num_warps=4, num_stages=stages)
     if per_expert <= 64:
         return dict(BLOCK_M=32, BLOCK_N=64, BLOCK_K=64, num_warps=4, num_stages=stages)
     return dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=min(stages, 3))
+
+
+def _block_n(row_blocks: int, n: int, dev: torch.device) -> int:
+    """Decode: the widest column tile (128, 64 or 32) that still gives each SM two
+    programs, ``row_blocks`` being the row tiles that hold tokens (at most one per
+    pair): at 1 token of Qwen3-30B-A3B 8 row tiles x 768 columns would be 48 programs
+    of 128 columns, too few to keep the memory system busy."""
+    from llmnote.ops.attention._common import num_sms
+
+    want = 2 * num_sms(dev)
+    for bn in (128, 64):
+        if row_blocks * triton.cdiv(n, bn) >= want:
+            return bn
+    return 32
 
 
 def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
@@ -264,14 +278,17 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     blocks = sorted_ids.numel() // bm
     launch = dict(cfg)
     bn = launch.pop("BLOCK_N")
-    _moe_gate_up_kernel[(blocks, triton.cdiv(i, bn))](
+    used = min(blocks, t_ * k)  # row tiles that can hold tokens
+    bn1 = bn or _block_n(used, i, x.device)
+    bn2 = bn or _block_n(used, h, x.device)
+    _moe_gate_up_kernel[(blocks, triton.cdiv(i, bn1))](
         x, w13, inter, sorted_ids, expert_ids, num_padded, t_ * k, k, h, i,
         x.stride(0), w13.stride(0), w13.stride(1), inter.stride(0),
-        BLOCK_N=bn, UPCAST=upcast, IEEE=ieee, **launch)
-    _moe_down_kernel[(blocks, triton.cdiv(h, bn))](
+        BLOCK_N=bn1, UPCAST=upcast, IEEE=ieee, **launch)
+    _moe_down_kernel[(blocks, triton.cdiv(h, bn2))](
         inter, w2, out, weights, sorted_ids, expert_ids, num_padded, t_ * k, h, i,
         inter.stride(0), w2.stride(0), w2.stride(1), out.stride(0),
-        BLOCK_N=bn, UPCAST=upcast, IEEE=ieee, **launch)
+        BLOCK_N=bn2, UPCAST=upcast, IEEE=ieee, **launch)
     if k == 1:
         return out
     return out.view(t_, k, h).sum(dim=1, dtype=torch.float32).to(x.dtype)  # the top-k sum
