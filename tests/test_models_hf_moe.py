@@ -134,11 +134,13 @@ def test_expert_count_not_matching_checkpoint(field, tmp_path, seed):
     e = c[field]
     c[field] = e + 2
     (tmp_path / "config.json").write_text(json.dumps(c))
-    with pytest.raises(CheckpointError, match=rf"missing tensors .*experts\.{e}\."):
+    with pytest.raises(CheckpointError, match=rf"sets {e + 2} experts a layer .* holds {e} "
+                       rf"(?s:.*)missing tensors .*experts\.{e}\."):
         load_pretrained(tmp_path, device="cpu")
     c[field] = e - 1
     (tmp_path / "config.json").write_text(json.dumps(c))
-    with pytest.raises(CheckpointError, match=rf"unexpected tensors .*experts\.{e - 1}\."):
+    with pytest.raises(CheckpointError, match=rf"sets {e - 1} experts a layer .* holds {e} "
+                       rf"(?s:.*)unexpected tensors .*experts\.{e - 1}\."):
         load_pretrained(tmp_path, device="cpu")
 
 
