@@ -95,3 +95,16 @@ def test_greedy_tokens_match_hf_on_gpu(case, graphs):
     assert [o.token_ids for o in outs] == case[3]
     assert llm.runner.ops.moe is fused_moe
     assert (llm.runner.num_graph_steps > 0) == graphs
+
+
+def test_moe_preset_by_name():
+    """``LLM("<moe preset>")`` builds it (random weights); the MoE presets live apart from
+    the dense ones, whose arithmetic (llmnote.analysis) does not count experts."""
+    from llmnote.models import MOE_PRESETS, PRESETS
+
+    assert set(MOE_PRESETS).isdisjoint(PRESETS)
+    llm = LLM("mixtral-tiny", device="cpu", cpu_num_blocks=16, max_model_len=64)
+    out = llm.generate([[1, 2, 3]], SamplingParams(temperature=0, max_tokens=4,
+                                                   ignore_eos=True), use_tqdm=False)
+    assert len(out[0].token_ids) == 4
+    assert hasattr(llm.model.model.layers[0].mlp, "experts")

@@ -5,10 +5,10 @@
 from llmnote.models.config import LlamaConfig
 from llmnote.models.llama import KVCache, Llama, LlamaOps, auto_ops, kernel_ops, reference_ops
 from llmnote.models.loader import CheckpointError, load_pretrained, save_pretrained
-from llmnote.models.presets import PRESETS, as_config, from_hf_config, get_preset, to_hf_config
+from llmnote.models.presets import MOE_PRESETS, PRESETS, as_config, from_hf_config, get_preset, to_hf_config
 
 __all__ = [
-    "PRESETS", "CheckpointError", "KVCache", "Llama", "LlamaConfig", "LlamaOps", "as_config",
+    "MOE_PRESETS", "PRESETS", "CheckpointError", "KVCache", "Llama", "LlamaConfig", "LlamaOps", "as_config",
     "auto_ops", "from_hf_config", "get_preset", "kernel_ops", "load_pretrained",
     "reference_ops", "save_pretrained", "to_hf_config",
 ]

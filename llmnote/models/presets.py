@@ -38,18 +38,6 @@ PRESETS: dict[str, LlamaConfig] = {
         num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=256,
         rope_theta=1000000.0, qk_norm=True, tie_word_embeddings=True, architecture="qwen3",
     ),
-    "qwen3-moe-tiny": LlamaConfig(
-        vocab_size=256, hidden_size=64, intermediate_size=192, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=1, head_dim=32, max_position_embeddings=256,
-        rope_theta=1000000.0, qk_norm=True, architecture="qwen3_moe", num_experts=8,
-        num_experts_per_tok=2, moe_intermediate_size=48, norm_topk_prob=True,
-    ),
-    "mixtral-tiny": LlamaConfig(
-        vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=1, max_position_embeddings=256,
-        rms_norm_eps=1e-5, rope_theta=1000000.0, architecture="mixtral", num_experts=4,
-        num_experts_per_tok=2,
-    ),
     # full size, from the public config.json files
     "llama-2-7b": LlamaConfig(
         vocab_size=32000, hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
@@ -83,6 +71,24 @@ PRESETS: dict[str, LlamaConfig] = {
         max_position_embeddings=40960, rope_theta=1000000.0, qk_norm=True,
         architecture="qwen3",
     ),
+}
+
+# Mixtures of experts (llmnote.models.moe), apart from PRESETS: the dense-model
+# arithmetic of llmnote.analysis (parameters, FLOPs, memory) does not count experts;
+# llmnote.models.moe.parameter_counts does. get_preset and as_config find both.
+MOE_PRESETS: dict[str, LlamaConfig] = {
+    "qwen3-moe-tiny": LlamaConfig(
+        vocab_size=256, hidden_size=64, intermediate_size=192, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=1, head_dim=32, max_position_embeddings=256,
+        rope_theta=1000000.0, qk_norm=True, architecture="qwen3_moe", num_experts=8,
+        num_experts_per_tok=2, moe_intermediate_size=48, norm_topk_prob=True,
+    ),
+    "mixtral-tiny": LlamaConfig(
+        vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=1, max_position_embeddings=256,
+        rms_norm_eps=1e-5, rope_theta=1000000.0, architecture="mixtral", num_experts=4,
+        num_experts_per_tok=2,
+    ),
     "qwen3-30b-a3b": LlamaConfig(
         vocab_size=151936, hidden_size=2048, intermediate_size=6144, num_hidden_layers=48,
         num_attention_heads=32, num_key_value_heads=4, head_dim=128,
@@ -110,10 +116,12 @@ _MODEL_TYPES = {name: cls for cls, (name, _) in HF_ARCHITECTURES.items()}  # con
 
 
 def get_preset(name: str) -> LlamaConfig:
-    """A preset by name; ``KeyError`` lists the names."""
-    if name not in PRESETS:
-        raise KeyError(f"unknown preset {name!r}; presets: {', '.join(PRESETS)}")
-    return PRESETS[name]
+    """A preset by name (of :data:`PRESETS` or :data:`MOE_PRESETS`); ``KeyError`` lists the
+    names."""
+    presets = {**PRESETS, **MOE_PRESETS}
+    if name not in presets:
+        raise KeyError(f"unknown preset {name!r}; presets: {', '.join(presets)}")
+    return presets[name]
 
 
 def _read_json(path: str | Path) -> dict:
@@ -220,8 +228,8 @@ def as_config(config: LlamaConfig | str | dict | Path) -> LlamaConfig:
     path to ``config.json`` (or its folder)."""
     if isinstance(config, LlamaConfig):
         return config
-    if isinstance(config, str) and config in PRESETS:
-        return PRESETS[config]
+    if isinstance(config, str) and (config in PRESETS or config in MOE_PRESETS):
+        return get_preset(config)
     if isinstance(config, dict):
         return from_hf_config(config)
     if isinstance(config, (str, Path)):
