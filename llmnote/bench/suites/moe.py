@@ -97,9 +97,11 @@ def grouped_mm_moe(x, w13, w2, weights, ids):
     return out.to(x.dtype)
 
 
-def _providers() -> dict:
+def _providers(quick: bool) -> dict:
     out = {"llmnote": fused_moe, "torch": fused_moe_ref}
     try:
+        if quick:
+            raise Skip("not in a quick run")
         out["torch.compile"] = _compiled_loop()
     except Skip as why:
         print(f"torch.compile: {why}")
@@ -115,13 +117,13 @@ def touched_bytes(ids: torch.Tensor, hidden: int, width: int, element_size: int 
 
 
 def _layer_rows(model: str, shape: tuple[int, int, int, int], tokens: list[int], env: dict,
-                bw: float | None, dev) -> list[dict]:
+                bw: float | None, dev, quick: bool = False) -> list[dict]:
     e, k, h, i = shape
     dtype = torch.bfloat16
     g = torch.Generator(device=dev).manual_seed(0)
     w13 = (torch.randn(e, 2 * i, h, device=dev, generator=g) / h**0.5).to(dtype)
     w2 = (torch.randn(e, h, i, device=dev, generator=g) / i**0.5).to(dtype)
-    providers = _providers()
+    providers = _providers(quick)
     rows = []
     for t in tokens:
         x = torch.randn(t, h, device=dev, dtype=dtype, generator=g)
@@ -300,8 +302,9 @@ def _engine_rows(bw: float | None, quick: bool) -> list[dict]:
 
 def run(quick: bool = False, parts: tuple[str, ...] = ("layer", "engine"),
         tokens: list[int] | None = None, shapes: dict | None = None) -> pd.DataFrame:
-    """The MoE benchmark. ``quick``: Qwen3's layer at 1, 16 and 256 tokens and a 2-layer
-    engine run; on the CPU (interpreter) only a tiny layer, for a smoke test."""
+    """The MoE benchmark. ``quick``: Qwen3's layer at 1, 16 and 256 tokens without
+    ``torch.compile``, and a 2-layer engine run; on the CPU (interpreter) only a tiny
+    layer, for a smoke test."""
     dev = device.default_device()
     on_gpu = device.on_gpu()
     env = environment()
@@ -316,7 +319,7 @@ def run(quick: bool = False, parts: tuple[str, ...] = ("layer", "engine"),
     rows = []
     if "layer" in parts:
         for model in shapes:
-            rows += _layer_rows(model, shapes[model], tokens, env, bw, dev)
+            rows += _layer_rows(model, shapes[model], tokens, env, bw, dev, quick)
             _free()
     if "engine" in parts:
         rows += _engine_rows(bw, quick)
