@@ -3,12 +3,14 @@
 import pytest
 import torch
 
+from llmnote import device
 from llmnote.ops.moe import fused_moe, fused_moe_ref, moe_align, route
 from llmnote.testing import assert_close_lowp
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 # (tokens, experts, top-k): odd token counts, E in {4, 8}, k from 1 to E
-CASES = [(1, 4, 1), (7, 8, 2), (13, 4, 4), (33, 8, 8), (5, 8, 3)]
+# (301, 4, 2): 150 pairs an expert, the prefill tiles on a GPU
+CASES = [(1, 4, 1), (7, 8, 2), (13, 4, 4), (33, 8, 8), (5, 8, 3), (301, 4, 2)]
 
 
 def moe_atol(ref_hi, dtype, h, i):
@@ -119,3 +121,25 @@ def test_gpu_tile_shapes_in_the_interpreter(t, e, k, dtype, dev, seed, monkeypat
     got = fused_moe(x, w13, w2, w, ids)
     atol = moe_atol(ref_hi, dtype, 160, 100)
     assert_close_lowp(got, ref_hi, fused_moe_ref(x, w13, w2, w, ids), atol=atol)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or device.interpreting(),
+                    reason="needs a GPU (CUDA graphs)")
+def test_fused_moe_replays_in_a_cuda_graph(seed):
+    """No host sync anywhere (align included): the call is captured once and replayed with
+    new tokens and a new routing written into the same buffers."""
+    t, e, k = 37, 8, 2
+    x, w13, w2, w, ids = make(t, e, k, torch.bfloat16, torch.device("cuda"))
+    fused_moe(x, w13, w2, w, ids)  # compile outside the capture
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        out = fused_moe(x, w13, w2, w, ids)
+    for _ in range(3):
+        x2, _, _, w_new, ids_new = make(t, e, k, torch.bfloat16, torch.device("cuda"))
+        x.copy_(x2)
+        w.copy_(w_new)
+        ids.copy_(ids_new)
+        g.replay()
+        want = fused_moe(x, w13, w2, w, ids)
+        assert torch.equal(out, want)
