@@ -364,4 +364,4 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
         BLOCK_N=bn2, UPCAST=upcast, IEEE=ieee, **launch)
     if k == 1:
         return out
-    return out.view(t_, k, h).sum(dim=1, dtype=torch.float32).to(x.dtype)  # the top-k sum
+    return out.view(t_, k, h).sum(dim=1)  # the top-k sum (accumulated in fp32 by torch)
