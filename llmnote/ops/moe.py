@@ -38,6 +38,7 @@ import triton
 import triton.language as tl
 
 from llmnote import device
+from llmnote.ops._tuning import TuneCache
 from llmnote.ops._validate import FLOAT_DTYPES, check_tensor
 
 __all__ = ["fused_moe", "fused_moe_ref", "moe_align", "moe_align_ref", "route"]
@@ -298,20 +299,30 @@ def _moe_down_kernel(
     tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & n_ok)
 
 
-def _config(num_pairs: int, num_experts: int, element_size: int) -> dict:
-    """Tiles: (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages). Few pairs an expert (decode):
-    BLOCK_M = 16, the smallest ``tl.dot`` tile, so padding wastes little, BLOCK_N set per
-    GEMM by :func:`_block_n`; many pairs an expert (prefill): larger tiles, the usual GEMM
-    shape. Interpreter: small tiles. Chosen by reasoning, not yet tuned on a GPU."""
+# Tiles as (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages); BLOCK_N None: _block_n.
+# Few pairs an expert (decode): BLOCK_M = 16, the smallest tl.dot tile, so padding
+# wastes little; many (prefill): the usual GEMM tiles. The first of each list is the
+# choice off the GPU and inside a graph capture; on a GPU the first call of each size
+# bucket times them all (TUNING) and keeps the fastest. Not yet measured on a GPU.
+DECODE_TILES = [(16, None, 128, 4, 4), (16, None, 64, 4, 5), (16, None, 256, 4, 3)]
+MIDDLE_TILES = [(32, 64, 64, 4, 4), (16, 64, 128, 4, 4), (64, 64, 64, 4, 4), (32, 128, 64, 4, 4)]
+PREFILL_TILES = [(64, 128, 64, 8, 3), (128, 128, 64, 8, 3), (64, 128, 64, 4, 4),
+                 (128, 64, 64, 4, 4), (64, 256, 64, 8, 3)]
+INTERPRETER_TILE = (16, 32, 32, 4, 1)
+TUNING = TuneCache("fused_moe")
+
+
+def _tiles(num_pairs: int, num_experts: int, element_size: int) -> list[tuple]:
+    """The candidate tiles for ``num_pairs`` (token, expert) pairs over ``num_experts``;
+    fp32 (4-byte) tiles take at most 2 stages (shared memory)."""
     if device.interpreting():
-        return dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=32, num_warps=4, num_stages=1)
-    stages = 4 if element_size == 2 else 2
+        return [INTERPRETER_TILE]
     per_expert = num_pairs / num_experts
-    if per_expert <= 16:
-        return dict(BLOCK_M=16, BLOCK_N=None, BLOCK_K=128, num_warps=4, num_stages=stages)
-    if per_expert <= 64:
-        return dict(BLOCK_M=32, BLOCK_N=64, BLOCK_K=64, num_warps=4, num_stages=stages)
-    return dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=min(stages, 3))
+    tiles = DECODE_TILES if per_expert <= 16 else MIDDLE_TILES if per_expert <= 64 \
+        else PREFILL_TILES
+    if element_size == 4:
+        tiles = [(m, n, min(k, 128), w, min(st, 2)) for m, n, k, w, st in tiles]
+    return list(dict.fromkeys(tiles))
 
 
 def _block_n(row_blocks: int, n: int, dev: torch.device) -> int:
@@ -328,20 +339,11 @@ def _block_n(row_blocks: int, n: int, dev: torch.device) -> int:
     return 32
 
 
-def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
-              topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
-    """The MoE block of the module docstring: ``x (T, H)``, ``w13 (E, 2I, H)``, ``w2 (E, H,
-    I)`` of one dtype (fp32, fp16 or bf16), ``topk_weights (T, k)`` (any float dtype) and
-    ``topk_ids (T, k)`` (int32/int64, values in ``[0, E)``; checked on the CPU only, where
-    reading them costs no device sync) -> ``(T, H)`` in ``x``'s dtype. Graph-capturable."""
-    t_, h, e, i = _check(x, w13, w2, topk_weights, topk_ids, backend_device=True)
-    if device.use_reference("fused_moe", min_capability=(8, 0)) or t_ == 0:
-        return fused_moe_ref(x, w13, w2, topk_weights, topk_ids)
-    x = x if x.stride(1) == 1 else x.contiguous()
-    w13, w2 = w13.contiguous(), w2.contiguous()
-    k = topk_ids.shape[1]
-    cfg = _config(t_ * k, e, x.element_size())
-    bm = cfg["BLOCK_M"]
+def _forward(x, w13, w2, topk_weights, topk_ids, tile: tuple) -> torch.Tensor:
+    """The three steps with one tile (see the module docstring)."""
+    (t_, h), (e, two_i, _), k = x.shape, w13.shape, topk_ids.shape[1]
+    i = two_i // 2
+    bm, bn, bk, warps, stages = tile
     sorted_ids, expert_ids, num_padded = moe_align(topk_ids, e, bm)
     weights = topk_weights.float().contiguous().view(-1)  # (T k,) by pair index
     inter = torch.empty((t_ * k, i), dtype=x.dtype, device=x.device)  # silu(gate) * up per pair
@@ -349,19 +351,37 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     upcast = device.interpreting() and x.dtype == torch.bfloat16
     ieee = x.dtype == torch.float32
     blocks = sorted_ids.numel() // bm
-    launch = dict(cfg)
-    bn = launch.pop("BLOCK_N")
     used = min(blocks, t_ * k)  # row tiles that can hold tokens
     bn1 = bn or _block_n(used, i, x.device)
     bn2 = bn or _block_n(used, h, x.device)
+    launch = dict(BLOCK_M=bm, BLOCK_K=bk, UPCAST=upcast, IEEE=ieee, num_warps=warps,
+                  num_stages=stages)
     _moe_gate_up_kernel[(blocks, triton.cdiv(i, bn1))](
         x, w13, inter, sorted_ids, expert_ids, num_padded, t_ * k, k, h, i,
-        x.stride(0), w13.stride(0), w13.stride(1), inter.stride(0),
-        BLOCK_N=bn1, UPCAST=upcast, IEEE=ieee, **launch)
+        x.stride(0), w13.stride(0), w13.stride(1), inter.stride(0), BLOCK_N=bn1, **launch)
     _moe_down_kernel[(blocks, triton.cdiv(h, bn2))](
         inter, w2, out, weights, sorted_ids, expert_ids, num_padded, t_ * k, h, i,
-        inter.stride(0), w2.stride(0), w2.stride(1), out.stride(0),
-        BLOCK_N=bn2, UPCAST=upcast, IEEE=ieee, **launch)
+        inter.stride(0), w2.stride(0), w2.stride(1), out.stride(0), BLOCK_N=bn2, **launch)
     if k == 1:
         return out
     return out.view(t_, k, h).sum(dim=1)  # the top-k sum (accumulated in fp32 by torch)
+
+
+def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+              topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+    """The MoE block of the module docstring: ``x (T, H)``, ``w13 (E, 2I, H)``, ``w2 (E, H,
+    I)`` of one dtype (fp32, fp16 or bf16), ``topk_weights (T, k)`` (any float dtype) and
+    ``topk_ids (T, k)`` (int32/int64, values in ``[0, E)``; checked on the CPU only, where
+    reading them costs no device sync) -> ``(T, H)`` in ``x``'s dtype. Graph-capturable
+    (the first call of a size, outside a capture, picks the tile)."""
+    t_, h, e, i = _check(x, w13, w2, topk_weights, topk_ids, backend_device=True)
+    if device.use_reference("fused_moe", min_capability=(8, 0)) or t_ == 0:
+        return fused_moe_ref(x, w13, w2, topk_weights, topk_ids)
+    x = x if x.stride(1) == 1 else x.contiguous()
+    w13, w2 = w13.contiguous(), w2.contiguous()
+    pairs = t_ * topk_ids.shape[1]
+    key = (triton.next_power_of_2(triton.cdiv(pairs, e)), e, h, i, x.dtype)
+    tile = TUNING.tune(key, _tiles(pairs, e, x.element_size()),
+                       lambda c: _forward(x, w13, w2, topk_weights, topk_ids, c),
+                       timing=device.on_gpu())
+    return _forward(x, w13, w2, topk_weights, topk_ids, tile)
