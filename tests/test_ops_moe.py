@@ -152,3 +152,17 @@ def test_fused_moe_replays_in_a_cuda_graph(seed):
         g.replay()
         want = fused_moe(x, w13, w2, w, ids)
         assert torch.equal(out, want)
+
+
+def test_every_gpu_tile_fits_shared_memory():
+    """Each candidate (decode tiles at their narrowest column tile, which _block_n falls
+    back to) fits the shared-memory budget in fp16/bf16 and in fp32, so the first
+    candidate, launched untimed inside a graph capture, always compiles."""
+    from llmnote.ops import moe as M
+
+    for size in (2, 4):
+        for tile in M.DECODE_TILES + M.MIDDLE_TILES + M.PREFILL_TILES:
+            if size == 4:
+                m, n, k, w, st = tile
+                tile = (m, n, min(k, 128), w, min(st, 2))
+            assert M.smem_bytes(tile, tile[1] or 32, size) <= M.SMEM_BUDGET, (tile, size)

@@ -307,7 +307,8 @@ def _moe_down_kernel(
 DECODE_TILES = [(16, None, 128, 4, 4), (16, None, 64, 4, 5), (16, None, 256, 4, 3)]
 MIDDLE_TILES = [(32, 64, 64, 4, 4), (16, 64, 128, 4, 4), (64, 64, 64, 4, 4), (32, 128, 64, 4, 4)]
 PREFILL_TILES = [(64, 128, 64, 8, 3), (128, 128, 64, 8, 3), (64, 128, 64, 4, 4),
-                 (128, 64, 64, 4, 4), (64, 256, 64, 8, 3)]
+                 (128, 64, 64, 4, 4), (64, 256, 32, 8, 4)]
+SMEM_BUDGET = 200 * 1024  # bytes of shared memory a tile may take (the H100 has 227 KiB)
 INTERPRETER_TILE = (16, 32, 32, 4, 1)
 TUNING = TuneCache("fused_moe")
 
@@ -325,16 +326,24 @@ def _tiles(num_pairs: int, num_experts: int, element_size: int) -> list[tuple]:
     return list(dict.fromkeys(tiles))
 
 
-def _block_n(row_blocks: int, n: int, dev: torch.device) -> int:
-    """Decode: the widest column tile (128, 64 or 32) that still gives each SM two
-    programs, ``row_blocks`` being the row tiles that hold tokens (at most one per
-    pair): at 1 token of Qwen3-30B-A3B 8 row tiles x 768 columns would be 48 programs
-    of 128 columns, too few to keep the memory system busy."""
+def smem_bytes(tile: tuple, block_n: int, element_size: int, b_tiles: int = 2) -> int:
+    """Shared memory of a tile's pipeline: ``stages`` copies of the A tile and of the
+    ``b_tiles`` weight tiles (2 in the gate/up kernel: gate and up)."""
+    bm, _, bk, _, stages = tile
+    return stages * (bm * bk + b_tiles * bk * block_n) * element_size
+
+
+def _block_n(row_blocks: int, n: int, dev: torch.device, tile: tuple, element_size: int) -> int:
+    """Decode: the widest column tile (128, 64 or 32) that fits :data:`SMEM_BUDGET` and
+    still gives each SM two programs, ``row_blocks`` being the row tiles that hold tokens
+    (at most one per pair): at 1 token of Qwen3-30B-A3B 8 row tiles x 768 columns would
+    be 48 programs of 128 columns, too few to keep the memory system busy."""
     from llmnote.ops.attention._common import num_sms
 
     want = 2 * num_sms(dev)
     for bn in (128, 64):
-        if row_blocks * triton.cdiv(n, bn) >= want:
+        if row_blocks * triton.cdiv(n, bn) >= want and \
+                smem_bytes(tile, bn, element_size) <= SMEM_BUDGET:
             return bn
     return 32
 
@@ -352,8 +361,8 @@ def _forward(x, w13, w2, topk_weights, topk_ids, tile: tuple) -> torch.Tensor:
     ieee = x.dtype == torch.float32
     blocks = sorted_ids.numel() // bm
     used = min(blocks, t_ * k)  # row tiles that can hold tokens
-    bn1 = bn or _block_n(used, i, x.device)
-    bn2 = bn or _block_n(used, h, x.device)
+    bn1 = bn or _block_n(used, i, x.device, tile, x.element_size())
+    bn2 = bn or _block_n(used, h, x.device, tile, x.element_size())
     launch = dict(BLOCK_M=bm, BLOCK_K=bk, UPCAST=upcast, IEEE=ieee, num_warps=warps,
                   num_stages=stages)
     _moe_gate_up_kernel[(blocks, triton.cdiv(i, bn1))](
