@@ -79,7 +79,8 @@ class Batch1Paths:
         from llmnote.ops.swiglu import swiglu
         from llmnote.quant.layers import W4A16Linear, _use_kernel
 
-        mods = self.fused_qkv + self.fused_gate_up + [l.mlp.down_proj for l in self.model.model.layers]
+        mods = self.fused_qkv + self.fused_gate_up + [getattr(l.mlp, "down_proj", None)
+                                                      for l in self.model.model.layers]
         ops = self.ops
         return (self.dtype in (torch.float16, torch.bfloat16) and self.rope_table is not None
                 and ops.add_rmsnorm is add_rmsnorm and ops.swiglu is swiglu

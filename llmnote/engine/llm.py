@@ -59,7 +59,7 @@ from llmnote.engine.mla_runner import MLAModelRunner
 from llmnote.models.deepseek import DeepseekV3
 from llmnote.engine.speculative import SpeculativeConfig, Speculator, check_params, load_draft
 from llmnote.models.llama import Llama, LlamaOps
-from llmnote.models.presets import PRESETS
+from llmnote.models.presets import MOE_PRESETS, PRESETS, get_preset
 from llmnote.nvtx import annotate
 
 
@@ -132,14 +132,14 @@ def _load(model: object, dtype: torch.dtype | None, device: str | torch.device |
         eos = json.loads((Path(model) / "config.json").read_text()).get("eos_token_id")
         eos = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
         return m, tok, eos
-    if str(model) in PRESETS:
+    if str(model) in PRESETS or str(model) in MOE_PRESETS:
         dev, dt = placement(device, dtype, cpu_dtype=torch.float32)
         torch.manual_seed(seed)
         with torch.device(dev):  # random weights made where they will live
-            m = Llama(PRESETS[str(model)], ops=ops)
+            m = Llama(get_preset(str(model)), ops=ops)
         return m.to(dtype=dt).eval(), None, []
     raise ValueError(f"model {str(model)!r} is neither a checkpoint folder, 'shakespeare' nor a "
-                     f"preset (presets: {sorted(PRESETS)})")
+                     f"preset (presets: {sorted(PRESETS) + sorted(MOE_PRESETS)})")
 
 
 _LIVE: weakref.WeakSet = weakref.WeakSet()  # the engines of this process not yet closed

@@ -146,6 +146,10 @@ class ModelRunner(CudaGraphs, GraphTuning, MultiStep, Batch1Paths):
         for layer in self.model.model.layers:
             a, mlp = layer.self_attn, layer.mlp
             self.fused_qkv.append(_fuse([a.q_proj, a.k_proj, a.v_proj]))
+            if hasattr(mlp, "stacked"):  # a mixture of experts: its experts stacked once
+                mlp.stacked()  # (here, not in a graph capture); _mlp then calls the block
+                self.fused_gate_up.append(None)
+                continue
             self.fused_gate_up.append(_fuse([mlp.gate_proj, mlp.up_proj]))
 
     def _rope_table(self) -> tuple[torch.Tensor, torch.Tensor] | None:

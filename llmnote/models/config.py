@@ -12,6 +12,10 @@ Llama 3 / 3.1  no        no          no           theta 5e5 (3.1: llama3)
 Qwen2 / 2.5    **yes**   no          small ones   theta 1e6 (YaRN opt.)
 Qwen3          no        **yes**     small ones   theta 1e6
 =============  ========  ==========  ===========  =======================
+
+Mixtures of experts (:mod:`llmnote.models.moe`) add the ``num_experts`` fields: Qwen3-MoE
+(attention as Qwen3; ``norm_topk_prob`` renormalises the top-k router weights) and
+Mixtral (attention as Llama; its top-k weights are always renormalised).
 """
 
 from __future__ import annotations
@@ -21,6 +25,8 @@ from dataclasses import asdict, dataclass, replace
 from llmnote.ops.rope_scaling import RopeScaling, as_rope_scaling
 
 ARCHITECTURES = ("llama", "qwen2", "qwen3")
+MOE_ARCHITECTURES = ("qwen3_moe", "mixtral")  # mixtures of experts (llmnote.models.moe)
+ARCHITECTURES += MOE_ARCHITECTURES
 
 
 @dataclass(frozen=True)
@@ -45,6 +51,13 @@ class LlamaConfig:
     qk_norm: bool = False  # Qwen3: RMSNorm over head_dim on q and k before RoPE
     tie_word_embeddings: bool = False
     architecture: str = "llama"  # which HF class the weights come from
+    # mixture of experts (0 experts: a dense model); see llmnote.models.moe
+    num_experts: int = 0
+    num_experts_per_tok: int = 0  # top-k
+    moe_intermediate_size: int | None = None  # each expert's width; None: intermediate_size
+    norm_topk_prob: bool = True  # renormalise the top-k router weights to sum to 1
+    decoder_sparse_step: int = 1  # Qwen3-MoE: every n-th layer is sparse
+    mlp_only_layers: tuple[int, ...] = ()  # Qwen3-MoE: layers kept dense
 
     def __post_init__(self) -> None:
         if self.num_key_value_heads is None:
@@ -70,11 +83,32 @@ class LlamaConfig:
             raise ValueError(
                 f"architecture must be one of {ARCHITECTURES}, got {self.architecture!r}"
             )
+        self._check_moe()
         if not self.rms_norm_eps > 0 or not self.rope_theta > 0:
             raise ValueError(
                 "rms_norm_eps and rope_theta must be > 0, got "
                 f"{self.rms_norm_eps}, {self.rope_theta}"
             )
+
+    def _check_moe(self) -> None:
+        object.__setattr__(self, "mlp_only_layers", tuple(self.mlp_only_layers))
+        if self.moe_intermediate_size is None:
+            object.__setattr__(self, "moe_intermediate_size", self.intermediate_size)
+        moe = self.architecture in MOE_ARCHITECTURES
+        if moe != (self.num_experts > 0):
+            raise ValueError(f"num_experts must be > 0 exactly for the architectures "
+                             f"{MOE_ARCHITECTURES}, got {self.num_experts} for {self.architecture!r}")
+        if moe and not 1 <= self.num_experts_per_tok <= self.num_experts:
+            raise ValueError(f"num_experts_per_tok (top-k) must lie in [1, num_experts = "
+                             f"{self.num_experts}], got {self.num_experts_per_tok}")
+        if moe and not (self.moe_intermediate_size > 0 and self.decoder_sparse_step > 0):
+            raise ValueError("moe_intermediate_size and decoder_sparse_step must be > 0, got "
+                             f"{self.moe_intermediate_size}, {self.decoder_sparse_step}")
+
+    def is_sparse_layer(self, layer_idx: int) -> bool:
+        """Whether decoder layer ``layer_idx`` has a mixture of experts (else a dense MLP)."""
+        return (self.num_experts > 0 and layer_idx not in self.mlp_only_layers
+                and (layer_idx + 1) % self.decoder_sparse_step == 0)
 
     @property
     def gqa_group(self) -> int:

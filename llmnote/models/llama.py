@@ -34,6 +34,7 @@ from torch import nn
 
 from llmnote import device
 from llmnote.models.config import LlamaConfig
+from llmnote.ops.moe import fused_moe_ref
 from llmnote.ops.rope import rope_ref
 
 
@@ -89,7 +90,8 @@ class LlamaOps:
     eps) -> (rmsnorm(x + residual), x + residual);  swiglu(a, b) -> silu(a) * b;
     rope(q, k, positions, theta, interleaved, scaling) -> (q, k), in place (see
     :func:`llmnote.ops.rope.rope`); attention(q, k, v, causal, sm_scale) -> o as
-    :func:`attention_torch`.
+    :func:`attention_torch`; moe(x, w13, w2, topk_weights, topk_ids) -> y, the experts of a
+    mixture-of-experts layer (:func:`llmnote.ops.moe.fused_moe`).
     """
 
     rmsnorm: Callable[..., torch.Tensor] = rmsnorm_torch
@@ -97,6 +99,7 @@ class LlamaOps:
     swiglu: Callable[..., torch.Tensor] = swiglu_torch
     rope: Callable[..., tuple[torch.Tensor, torch.Tensor]] = rope_ref
     attention: Callable[..., torch.Tensor] = attention_torch
+    moe: Callable[..., torch.Tensor] = fused_moe_ref
     name: str = "reference"
     # auto_ops: the concrete ops for tensors on a CUDA GPU and for the rest
     on_cuda: LlamaOps | None = None
@@ -139,16 +142,18 @@ def kernel_ops() -> LlamaOps:
             if g > 1:
                 k, v = k.repeat_interleave(g, dim=1), v.repeat_interleave(g, dim=1)
             return flash(q, k, v, causal=causal, sm_scale=sm_scale)
+    from llmnote.ops.moe import fused_moe
+
     used = [n for n, f in (("rmsnorm", rmsnorm), ("swiglu", swiglu), ("rope", rope),
-                           ("flash_attention", flash)) if f is not None]
+                           ("flash_attention", flash), ("fused_moe", fused_moe)) if f is not None]
     return LlamaOps(
         rmsnorm=rmsnorm or rmsnorm_torch, add_rmsnorm=add_rmsnorm or add_rmsnorm_torch,
         swiglu=swiglu or swiglu_torch, rope=rope or rope_ref,
-        attention=attention, name="kernels: " + (", ".join(used) or "none"),
+        attention=attention, moe=fused_moe, name="kernels: " + (", ".join(used) or "none"),
     )
 
 
-_OP_NAMES = ("rmsnorm", "add_rmsnorm", "swiglu", "rope", "attention")
+_OP_NAMES = ("rmsnorm", "add_rmsnorm", "swiglu", "rope", "attention", "moe")
 
 
 @functools.cache
@@ -276,14 +281,28 @@ class Attention(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    """Pre-norm block: attention then MLP, each added to the residual stream."""
+    """Pre-norm block: attention then MLP, each added to the residual stream. In a
+    mixture-of-experts layer the MLP is a :class:`~llmnote.models.moe.SparseMoeBlock`
+    (Mixtral's checkpoints name it ``block_sparse_moe``; ``layer.mlp`` finds it)."""
 
     def __init__(self, cfg: LlamaConfig, layer_idx: int, ops: LlamaOps) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
         self.self_attn = Attention(cfg, layer_idx, ops)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
-        self.mlp = MLP(cfg, ops)
+        if cfg.is_sparse_layer(layer_idx):
+            from llmnote.models.moe import BLOCK_NAMES, SparseMoeBlock
+
+            self.add_module(BLOCK_NAMES[cfg.architecture], SparseMoeBlock(cfg, ops))
+        else:
+            self.mlp = MLP(cfg, ops)
+
+    @property
+    def mlp(self) -> nn.Module:
+        for name in ("mlp", "block_sparse_moe"):
+            if self._modules.get(name) is not None:
+                return self._modules[name]
+        raise AttributeError("this DecoderLayer has no MLP yet")
 
     def forward(
         self, x: torch.Tensor, positions: torch.Tensor, cache: KVCache | None

@@ -190,6 +190,12 @@ def _check_names(model: Llama, stored: dict[str, tuple[int, ...]], folder: Path)
     unexpected = sorted(set(stored) - set(expected))
     wrong = sorted(n for n in set(expected) & set(stored) if expected[n] != stored[n])
     problems = []
+    experts = {int(n.split(".experts.")[1].split(".")[0]) for n in stored
+               if ".experts." in n and n.split(".experts.")[1].split(".")[0].isdigit()}
+    if experts and len(experts) != model.config.num_experts:  # a mixture of experts
+        problems.append(f"config.json sets {model.config.num_experts} experts a layer "
+                        "(num_experts; Mixtral: num_local_experts), but the checkpoint holds "
+                        f"{len(experts)} (expert indices {min(experts)}..{max(experts)})")
     if missing:
         problems.append(f"missing tensors ({len(missing)}): {_listing(missing)}")
     if unexpected:

@@ -2,7 +2,8 @@
 
 The full-size presets copy the public ``config.json`` of each checkpoint
 (meta-llama/Llama-2-7b-hf, meta-llama/Meta-Llama-3-8B, meta-llama/Llama-3.1-8B,
-meta-llama/Meta-Llama-3-70B, Qwen/Qwen3-0.6B, Qwen/Qwen3-8B); they are used for
+meta-llama/Meta-Llama-3-70B, Qwen/Qwen3-0.6B, Qwen/Qwen3-8B, Qwen/Qwen3-30B-A3B,
+mistralai/Mixtral-8x7B-v0.1); they are used for
 arithmetic (parameters, FLOPs, memory) and are far too large to build in tests.
 The ``*-tiny`` presets have the same switches at toy sizes.
 """
@@ -72,20 +73,55 @@ PRESETS: dict[str, LlamaConfig] = {
     ),
 }
 
+# Mixtures of experts (llmnote.models.moe), apart from PRESETS: the dense-model
+# arithmetic of llmnote.analysis (parameters, FLOPs, memory) does not count experts;
+# llmnote.models.moe.parameter_counts does. get_preset and as_config find both.
+MOE_PRESETS: dict[str, LlamaConfig] = {
+    "qwen3-moe-tiny": LlamaConfig(
+        vocab_size=256, hidden_size=64, intermediate_size=192, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=1, head_dim=32, max_position_embeddings=256,
+        rope_theta=1000000.0, qk_norm=True, architecture="qwen3_moe", num_experts=8,
+        num_experts_per_tok=2, moe_intermediate_size=48, norm_topk_prob=True,
+    ),
+    "mixtral-tiny": LlamaConfig(
+        vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=1, max_position_embeddings=256,
+        rms_norm_eps=1e-5, rope_theta=1000000.0, architecture="mixtral", num_experts=4,
+        num_experts_per_tok=2,
+    ),
+    "qwen3-30b-a3b": LlamaConfig(
+        vocab_size=151936, hidden_size=2048, intermediate_size=6144, num_hidden_layers=48,
+        num_attention_heads=32, num_key_value_heads=4, head_dim=128,
+        max_position_embeddings=40960, rope_theta=1000000.0, qk_norm=True,
+        architecture="qwen3_moe", num_experts=128, num_experts_per_tok=8,
+        moe_intermediate_size=768, norm_topk_prob=True,
+    ),
+    "mixtral-8x7b": LlamaConfig(
+        vocab_size=32000, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+        num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=32768,
+        rms_norm_eps=1e-5, rope_theta=1000000.0, architecture="mixtral", num_experts=8,
+        num_experts_per_tok=2,
+    ),
+}
+
 # HF class name in config.json "architectures" -> (our name, config.json's defaults)
 HF_ARCHITECTURES: dict[str, tuple[str, dict]] = {
     "LlamaForCausalLM": ("llama", {"max_position_embeddings": 2048}),
     "Qwen2ForCausalLM": ("qwen2", {"max_position_embeddings": 32768}),
     "Qwen3ForCausalLM": ("qwen3", {"max_position_embeddings": 32768}),
+    "Qwen3MoeForCausalLM": ("qwen3_moe", {"max_position_embeddings": 32768}),
+    "MixtralForCausalLM": ("mixtral", {"max_position_embeddings": 4096 * 32}),
 }
 _MODEL_TYPES = {name: cls for cls, (name, _) in HF_ARCHITECTURES.items()}  # config "model_type"
 
 
 def get_preset(name: str) -> LlamaConfig:
-    """A preset by name; ``KeyError`` lists the names."""
-    if name not in PRESETS:
-        raise KeyError(f"unknown preset {name!r}; presets: {', '.join(PRESETS)}")
-    return PRESETS[name]
+    """A preset by name (of :data:`PRESETS` or :data:`MOE_PRESETS`); ``KeyError`` lists the
+    names."""
+    presets = {**PRESETS, **MOE_PRESETS}
+    if name not in presets:
+        raise KeyError(f"unknown preset {name!r}; presets: {', '.join(presets)}")
+    return presets[name]
 
 
 def _read_json(path: str | Path) -> dict:
@@ -126,8 +162,9 @@ def from_hf_config(config: dict | str | Path) -> LlamaConfig:
     if c.get("quantization_config"):
         raise _unsupported("quantization_config", c["quantization_config"].get("quant_method"),
                            "quantized checkpoints are not loaded by this model")
-    if c.get("use_sliding_window"):
-        raise _unsupported("use_sliding_window", True, "sliding-window attention is not built")
+    if c.get("use_sliding_window") or (arch == "mixtral" and c.get("sliding_window")):
+        raise _unsupported("use_sliding_window" if c.get("use_sliding_window") else
+                           "sliding_window", True, "sliding-window attention is not built")
     bad_layers = sorted(set(c.get("layer_types") or []) - {"full_attention"})
     if bad_layers:
         raise _unsupported("layer_types", bad_layers, "only full_attention layers are implemented")
@@ -157,10 +194,33 @@ def from_hf_config(config: dict | str | Path) -> LlamaConfig:
         qkv_bias=True if arch == "qwen2" else attention_bias,
         o_bias=False if arch == "qwen2" else attention_bias,
         mlp_bias=bool(c.get("mlp_bias", False)),
-        qk_norm=arch == "qwen3",
+        qk_norm=arch in ("qwen3", "qwen3_moe"),
         tie_word_embeddings=bool(c.get("tie_word_embeddings", False)),
         architecture=arch,
+        **_moe_fields(arch, c),
     )
+
+
+def _moe_fields(arch: str, c: dict) -> dict:
+    """The mixture-of-experts fields of a Qwen3-MoE or Mixtral ``config.json`` (none for a
+    dense one). Qwen3-MoE names the expert count ``num_experts``; Mixtral and
+    transformers 5 ``num_local_experts``."""
+    if arch not in ("qwen3_moe", "mixtral"):
+        return {}
+    experts = c.get("num_experts") or c.get("num_local_experts")
+    for name, v in (("num_experts", experts), ("num_experts_per_tok", c.get("num_experts_per_tok"))):
+        if not (isinstance(v, int) and not isinstance(v, bool) and v > 0):
+            raise _unsupported(name, v, "a mixture of experts needs a positive int")
+    if c.get("shared_expert_intermediate_size"):
+        raise _unsupported("shared_expert_intermediate_size", c["shared_expert_intermediate_size"],
+                           "shared experts are not built for this architecture")
+    if arch == "mixtral":
+        return dict(num_experts=experts, num_experts_per_tok=c["num_experts_per_tok"])
+    return dict(num_experts=experts, num_experts_per_tok=c["num_experts_per_tok"],
+                moe_intermediate_size=c.get("moe_intermediate_size") or c["intermediate_size"],
+                norm_topk_prob=bool(c.get("norm_topk_prob", False)),
+                decoder_sparse_step=c.get("decoder_sparse_step") or 1,
+                mlp_only_layers=tuple(c.get("mlp_only_layers") or ()))
 
 
 def as_config(config: LlamaConfig | str | dict | Path) -> LlamaConfig:
@@ -168,8 +228,8 @@ def as_config(config: LlamaConfig | str | dict | Path) -> LlamaConfig:
     path to ``config.json`` (or its folder)."""
     if isinstance(config, LlamaConfig):
         return config
-    if isinstance(config, str) and config in PRESETS:
-        return PRESETS[config]
+    if isinstance(config, str) and (config in PRESETS or config in MOE_PRESETS):
+        return get_preset(config)
     if isinstance(config, dict):
         return from_hf_config(config)
     if isinstance(config, (str, Path)):
@@ -190,7 +250,8 @@ def to_hf_config(config: LlamaConfig | str) -> dict:
     c = as_config(config)
     cls = next(k for k, (name, _) in HF_ARCHITECTURES.items() if name == c.architecture)
     want = {"llama": (c.qkv_bias, c.qkv_bias, False), "qwen2": (True, False, False),
-            "qwen3": (c.qkv_bias, c.qkv_bias, True)}[c.architecture]
+            "qwen3": (c.qkv_bias, c.qkv_bias, True), "qwen3_moe": (c.qkv_bias, c.qkv_bias, True),
+            "mixtral": (False, False, False)}[c.architecture]
     if (c.qkv_bias, c.o_bias, c.qk_norm) != want or c.rope_interleaved:
         raise ValueError(
             f"{c.architecture} checkpoints cannot express qkv_bias={c.qkv_bias}, "
@@ -219,7 +280,17 @@ def to_hf_config(config: LlamaConfig | str) -> dict:
         "rms_norm_eps": c.rms_norm_eps, "rope_theta": c.rope_theta, "rope_scaling": rope,
         "tie_word_embeddings": c.tie_word_embeddings,
     }
-    if c.architecture != "qwen2":
+    if c.architecture == "qwen3_moe":
+        d.update(num_experts=c.num_experts, num_experts_per_tok=c.num_experts_per_tok,
+                 moe_intermediate_size=c.moe_intermediate_size, norm_topk_prob=c.norm_topk_prob,
+                 decoder_sparse_step=c.decoder_sparse_step, mlp_only_layers=list(c.mlp_only_layers))
+    elif c.architecture == "mixtral":
+        if c.moe_intermediate_size != c.intermediate_size or not c.norm_topk_prob:
+            raise ValueError("mixtral checkpoints cannot express moe_intermediate_size != "
+                             "intermediate_size or norm_topk_prob=False")
+        d.update(num_local_experts=c.num_experts, num_experts_per_tok=c.num_experts_per_tok,
+                 sliding_window=None)
+    if c.architecture not in ("qwen2", "mixtral"):
         d["attention_bias"] = c.qkv_bias
     if c.architecture == "llama":
         d["mlp_bias"] = c.mlp_bias

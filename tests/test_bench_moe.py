@@ -1,0 +1,41 @@
+"""The MoE benchmark's code on the CPU: a tiny layer sweep (the interpreter), the
+transformers peer holding the same weights, the bytes a decode step reads."""
+
+import pytest
+import torch
+
+from llmnote.bench.suites import SUITES
+from llmnote.bench.suites import moe as S
+from llmnote.models import Llama, get_preset
+
+
+def test_tiny_layer_sweep_records_every_metric():
+    assert SUITES["moe"] is S.run
+    df = S.run(parts=("layer",))
+    layer = df[df.bench == "moe"]
+    assert set(layer.provider) == {"llmnote", "torch"}  # the rest need a GPU
+    assert set(layer.metric) == {"time", "weight_bandwidth", "roofline_fraction"}
+    assert set(layer.x_value) == {1, 5} and (layer.p50 > 0).all()
+    assert set(df[df.bench == "ceiling"].provider) == {"copy"}
+    assert len(S.summary(df)) == 4  # per size: speed-up over the best peer, roofline fraction
+
+
+def test_touched_bytes_counts_distinct_experts():
+    ids = torch.tensor([[0, 3], [3, 5], [0, 5]])
+    assert S.touched_bytes(ids, hidden=8, width=4) == 3 * 3 * 8 * 4 * 2
+
+
+def test_hf_peer_has_the_same_weights(seed):
+    pytest.importorskip("transformers")
+    model = Llama(get_preset("qwen3-moe-tiny")).eval()
+    hf = S._hf_model(model)
+    ids = torch.randint(0, 256, (2, 11))
+    with torch.no_grad():
+        assert float((hf(ids).logits - model(ids)).abs().max()) < 1e-4
+    c = model.config
+    per_expert = 3 * c.hidden_size * c.moe_intermediate_size * 4
+    experts_all = c.num_hidden_layers * c.num_experts * per_expert
+    embed = c.vocab_size * c.hidden_size * 4
+    want = model.num_parameters() * 4 - experts_all - embed + \
+        c.num_hidden_layers * c.num_experts_per_tok * per_expert
+    assert S.step_bytes(model) == want
