@@ -141,7 +141,7 @@ def _fused_gemv_kernel(
                 hv = _h_chunk(x_ptr, r_ptr, ms, m_ok, k0, K, stride_xm, stride_rm, BLOCK_K, ROUND_X,
                               dtype) * inv_a[:, None]
                 ss += hv * hv
-        rstd = 1.0 / tl.sqrt(tl.math.div_rn(tl.sum(ss, axis=1), K.to(tl.float32))
+        rstd = 1.0 / tl.sqrt(tl.math.div_rn(tl.sum(ss, axis=1), tl.cast(K, tl.float32))
                              + eps * inv_a * inv_a)  # (BLOCK_M,), of h / a
     acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
     for k0 in range(0, K, BLOCK_K):

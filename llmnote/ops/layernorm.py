@@ -94,7 +94,7 @@ def _layernorm_fwd_kernel(
         x = x * inv_a[:, None]
         # div_rn: IEEE division (a plain `/` compiles to an approximate one on NVIDIA
         # GPUs); with it a constant row's correction d cancels its xc exactly, to 0
-        nf = N.to(tl.float32)
+        nf = tl.cast(N, tl.float32)  # (tl.cast: N == 1 arrives as a constexpr int)
         mean = tl.math.div_rn(tl.sum(x, axis=1), nf)  # (BLOCK_M,)
         xc = tl.where(mask, x - mean[:, None], 0.0)  # padding must not count in the variance
         d = tl.math.div_rn(tl.sum(xc, axis=1), nf)  # the mean's rounding error (corrected two-pass)

@@ -98,7 +98,7 @@ def _rmsnorm_fwd_kernel(
             _, inv_a = row_scale(tl.max(tl.abs(x), axis=1))  # (BLOCK_M,)
             x = x * inv_a[:, None]
             # (div_rn: IEEE division; a plain `/` is an approximate one on NVIDIA GPUs)
-            ms = tl.math.div_rn(tl.sum(x * x, axis=1), N.to(tl.float32))  # padding adds 0
+            ms = tl.math.div_rn(tl.sum(x * x, axis=1), tl.cast(N, tl.float32))  # padding adds 0
             rstd = 1.0 / tl.sqrt(ms + eps * inv_a * inv_a)  # (BLOCK_M,), of x / a
             # The weight is loaded after the reduction, so it holds no registers while the
             # row sum waits on the other warps (an L1/L2 hit: every program reads it).
@@ -126,7 +126,7 @@ def _rmsnorm_fwd_kernel(
                                 stride_rm, stride_rn, stride_hm, HAS_RESIDUAL, False, "")
                     x = x * inv_a[:, None]
                     ss += x * x
-            ms = tl.math.div_rn(tl.sum(ss, axis=1), N.to(tl.float32))
+            ms = tl.math.div_rn(tl.sum(ss, axis=1), tl.cast(N, tl.float32))
             rstd = 1.0 / tl.sqrt(ms + eps * inv_a * inv_a)  # of x / a
             for c0 in tl.range(0, N, CHUNK):  # the rows again: cache hits, h recomputed
                 cols = c0 + tl.arange(0, CHUNK)

@@ -183,7 +183,7 @@ def _w4_rstd(x_row, r_row, K, eps, DT: tl.constexpr, BLOCK: tl.constexpr = 1024)
         for k0 in range(0, K, BLOCK):
             hv = _w4_h(x_row, r_row, k0, K, DT, BLOCK) * inv_a
             ss += hv * hv
-    ms = tl.math.div_rn(tl.sum(ss, axis=0), K.to(tl.float32))  # IEEE division, as rmsnorm
+    ms = tl.math.div_rn(tl.sum(ss, axis=0), tl.cast(K, tl.float32))  # IEEE division, as rmsnorm
     return inv_a, 1.0 / tl.sqrt(ms + eps * inv_a * inv_a)
 
 
