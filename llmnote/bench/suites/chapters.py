@@ -47,7 +47,11 @@ def write_rows(rows: list[dict], path: Path) -> pd.DataFrame:
 
 def table(df: pd.DataFrame) -> pd.DataFrame:
     """Seconds per chapter, one column per recorded machine (``chapters.csv`` as loaded by
-    :func:`llmnote.bench.load`), with the total as the last row."""
+    :func:`llmnote.bench.load`), with the total as the last row (of the chapters timed
+    there: a GPU column may leave out chapters not yet run on that GPU, and a chapter
+    whose run failed)."""
+    if "passed" in df:  # a chapter that failed has no time to show
+        df = df[df["passed"].astype(str) != "False"]
     df = df.assign(machine=df["gpu_name"] + " (" + df["provider"] + ")",
                    chapter=df["x_value"].str.removeprefix("notebooks/").str.removesuffix(".ipynb"))
     t = df.pivot_table(index="chapter", columns="machine", values="p50", aggfunc="last")
