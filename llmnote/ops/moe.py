@@ -93,7 +93,9 @@ def _check(x, w13, w2, topk_weights, topk_ids, backend_device: bool) -> tuple[in
     if tuple(topk_weights.shape) != tuple(topk_ids.shape):
         raise ValueError(f"topk_weights must have topk_ids' shape {tuple(topk_ids.shape)}, "
                          f"got {tuple(topk_weights.shape)}")
-    if topk_ids.device.type != "cuda" and topk_ids.numel():  # (on a GPU: no host sync)
+    # checked on the CPU; on a GPU that would cost a host sync per call, and the align
+    # kernels drop a pair whose id is out of range instead (no write outside a buffer)
+    if topk_ids.device.type != "cuda" and topk_ids.numel():
         lo, hi = int(topk_ids.min()), int(topk_ids.max())
         if lo < 0 or hi >= e:
             raise ValueError(f"topk_ids must lie in [0, {e}), got values in [{lo}, {hi}]")
@@ -150,11 +152,11 @@ def _max_padded(n: int, num_experts: int, block_m: int) -> int:
 
 
 @triton.jit
-def _moe_count_kernel(ids_ptr, counts_ptr, n, BLOCK: tl.constexpr):
+def _moe_count_kernel(ids_ptr, counts_ptr, n, num_experts, BLOCK: tl.constexpr):
     # pairs per expert: one atomic add per pair (counts zeroed before)
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    ok = offs < n
-    e = tl.load(ids_ptr + offs, mask=ok, other=0)
+    e = tl.load(ids_ptr + offs, mask=offs < n, other=0)
+    ok = (offs < n) & (e >= 0) & (e < num_experts)  # an id out of range: its pair is dropped
     tl.atomic_add(counts_ptr + e, tl.full((BLOCK,), 1, tl.int32), mask=ok)
 
 
@@ -183,11 +185,11 @@ def _moe_offsets_kernel(counts_ptr, cursor_ptr, sorted_ptr, expert_ptr, npad_ptr
 
 
 @triton.jit
-def _moe_scatter_kernel(ids_ptr, cursor_ptr, sorted_ptr, n, BLOCK: tl.constexpr):
+def _moe_scatter_kernel(ids_ptr, cursor_ptr, sorted_ptr, n, num_experts, BLOCK: tl.constexpr):
     # each pair takes the next free slot of its expert's run (order within a run: any)
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    ok = offs < n
-    e = tl.load(ids_ptr + offs, mask=ok, other=0)
+    e = tl.load(ids_ptr + offs, mask=offs < n, other=0)
+    ok = (offs < n) & (e >= 0) & (e < num_experts)  # (never a write outside the buffers)
     slot = tl.atomic_add(cursor_ptr + e, tl.full((BLOCK,), 1, tl.int32), mask=ok)
     tl.store(sorted_ptr + slot, offs.to(tl.int32), mask=ok)
 
@@ -208,11 +210,12 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int
     sorted_ids = torch.empty(max_len, dtype=torch.int32, device=flat.device)
     expert_ids = torch.empty(max_len // block_m, dtype=torch.int32, device=flat.device)
     block = 256
-    _moe_count_kernel[(triton.cdiv(n, block),)](flat, counts, n, BLOCK=block)
+    _moe_count_kernel[(triton.cdiv(n, block),)](flat, counts, n, num_experts, BLOCK=block)
     _moe_offsets_kernel[(1,)](counts, cursor, sorted_ids, expert_ids, num_padded, n,
                               num_experts, max_len, BLOCK_M=block_m,
                               E_PAD=max(16, triton.next_power_of_2(num_experts)), BLOCK=128)
-    _moe_scatter_kernel[(triton.cdiv(n, block),)](flat, cursor, sorted_ids, n, BLOCK=block)
+    _moe_scatter_kernel[(triton.cdiv(n, block),)](flat, cursor, sorted_ids, n, num_experts,
+                                                  BLOCK=block)
     return sorted_ids, expert_ids, num_padded
 
 
