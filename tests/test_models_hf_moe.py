@@ -97,18 +97,21 @@ def test_sparse_and_dense_layers(pair):
 
 
 def test_fused_kernel_in_the_model(pair):
-    """The fused MoE kernel (Triton's interpreter here) in the whole model: same logits."""
+    """The fused MoE kernel in the whole model, fp32 (Triton's interpreter on the CPU,
+    compiled on a GPU, where the model is copied: Triton takes no CPU tensors there)."""
+    import copy
     from dataclasses import replace
 
+    from llmnote import device
     from llmnote.models.llama import reference_ops
     from llmnote.ops.moe import fused_moe
 
-    _, ours, _ = pair
-    ids = torch.randint(0, 199, (1, 9))
+    dev = device.default_device()
+    ours = copy.deepcopy(pair[1]).to(dev)
+    ids = torch.randint(0, 199, (1, 9), device=dev)
     with torch.no_grad():
         want = ours.use_ops(reference_ops())(ids)
         got = ours.use_ops(replace(reference_ops(), moe=fused_moe, name="fused moe"))(ids)
-    ours.use_ops(reference_ops())
     assert_close(got, want, atol=1e-4, rtol=0, name="logits with kernel ops")
 
 
