@@ -79,9 +79,9 @@ def case(request, tmp_path_factory):
     return ours, hf.eval(), prompts
 
 
-@pytest.fixture(scope="module")
-def hf_tokens(case):
-    _, hf, prompts = case
+def hf_greedy_tokens(hf, prompts: list[list[int]]) -> list[list[int]]:
+    """transformers' greedy MAX_TOKENS new tokens for each prompt, one at a time (the oracle),
+    checked not to be degenerate."""
     out = []
     for p in prompts:
         ids = torch.tensor([p])
@@ -92,6 +92,12 @@ def hf_tokens(case):
         out.append(g[0, len(p):].tolist())
     assert len({t for o in out for t in o}) > 2 * len(out), f"degenerate oracle output {out}"
     return out
+
+
+@pytest.fixture(scope="module")
+def hf_tokens(case):
+    _, hf, prompts = case
+    return hf_greedy_tokens(hf, prompts)
 
 
 SHAKESPEARE_MODES = ("plain", "chunked+cache", "preempt")  # the larger model: each switch once
