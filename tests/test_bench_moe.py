@@ -4,6 +4,7 @@ transformers peer holding the same weights, the bytes a decode step reads."""
 import pytest
 import torch
 
+from llmnote import device
 from llmnote.bench.suites import SUITES
 from llmnote.bench.suites import moe as S
 from llmnote.models import Llama, get_preset
@@ -13,7 +14,10 @@ def test_tiny_layer_sweep_records_every_metric():
     assert SUITES["moe"] is S.run
     df = S.run(parts=("layer",))
     layer = df[df.bench == "moe"]
-    assert set(layer.provider) == {"llmnote", "torch"}  # the rest need a GPU
+    gpu_peers = {"torch.compile"} | ({"torch._grouped_mm"} if hasattr(torch, "_grouped_mm")
+                                     else set())
+    assert set(layer.provider) == {"llmnote", "torch"} | (gpu_peers if device.on_gpu()
+                                                         else set())  # these need a GPU
     assert set(layer.metric) == {"time", "weight_bandwidth", "roofline_fraction"}
     assert set(layer.x_value) == {1, 5} and (layer.p50 > 0).all()
     assert set(df[df.bench == "ceiling"].provider) == {"copy"}

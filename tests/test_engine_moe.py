@@ -61,11 +61,13 @@ def test_greedy_tokens_match_hf(case, mode):
 
 
 def test_checkpoint_folder_with_fused_kernel(case):
-    """``LLM(folder)`` loads the checkpoint; the fused MoE kernel (the interpreter here)
-    gives the same tokens."""
+    """``LLM(folder)`` loads the checkpoint; the fused MoE kernel (the interpreter on a
+    CPU machine, compiled in fp32 on a GPU) gives the same tokens."""
     _, folder, prompts, want = case
     ops = dataclasses.replace(reference_ops(), moe=fused_moe, name="fused moe")
-    llm = LLM(folder, device="cpu", ops=ops, config=engine_config("chunked+cache"))
+    dev = "cuda" if device.on_gpu() else "cpu"  # the kernel runs where its tensors are
+    llm = LLM(folder, device=dev, dtype=torch.float32, ops=ops,
+              config=engine_config("chunked+cache"))
     outs = llm.generate(prompts[:3], SamplingParams(temperature=0, max_tokens=MAX_TOKENS,
                                                     ignore_eos=True), use_tqdm=False)
     assert [o.token_ids for o in outs] == want[:3]

@@ -136,7 +136,8 @@ def test_swallowing_loop_in_a_cell_is_killed(roofline):
 def test_forged_grades_do_not_count(roofline):
     df, d, _, _ = roofline
     for who in ("forge_run_check", "forge_stdout"):
-        assert status(d, who, PARAM_CHECK) == grading.NOT_IMPLEMENTED, who
+        assert status(d, who, PARAM_CHECK) == grading.NOT_IMPLEMENTED, \
+            (who, d.loc[(who, PARAM_CHECK), "message"], df.loc[who, "problems"])
         assert df.loc[who, "total"] == FULL - 1, who
 
 
@@ -166,7 +167,8 @@ def test_flood_and_files(roofline):
 
 def test_importing_the_answer_is_refused(roofline):
     _, d, _, _ = roofline
-    assert status(d, "imports_answer", PARAM_CHECK) == grading.REFUSED
+    assert status(d, "imports_answer", PARAM_CHECK) == grading.REFUSED, \
+        d.loc[("imports_answer", PARAM_CHECK), "message"]
     assert "llmnote.analysis" in d.loc[("imports_answer", PARAM_CHECK), "message"]
 
 

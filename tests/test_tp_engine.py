@@ -11,6 +11,7 @@ import _thread
 import dataclasses
 import multiprocessing as mp
 import os
+import pickle
 import signal
 import threading
 import time
@@ -20,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from llmnote.engine import LLM, SamplingParams
-from llmnote.engine.tp_driver import TPRunner
+from llmnote.engine.tp_driver import TPRunner, _portable
 from llmnote.engine.tp_worker import random_model, shard_for_engine
 from llmnote.models import Llama, get_preset, save_pretrained
 from llmnote.models.llama import reference_ops
@@ -273,3 +274,16 @@ def test_tp2_nccl_bf16_logits_within_bf16_error(tiny_llama):
     for rank in range(2):
         assert (out[rank] - ref32).abs().max() <= bound, rank
     assert torch.equal(out[0], out[1])  # the ranks hold identical logits
+
+
+def test_dispatching_ops_travel_as_the_default():
+    """The default ops on a GPU machine (``auto_ops``: closures that dispatch on the
+    device) do not pickle; they go to the ranks as ``None``, from which each rank builds
+    the same default. Plain ops travel as they are."""
+    local = dataclasses.replace(reference_ops(), rmsnorm=lambda x, w, eps=1e-6: x,
+                                on_cuda=reference_ops(), off_cuda=reference_ops())
+    with pytest.raises((pickle.PicklingError, AttributeError)):
+        pickle.dumps(local)
+    assert _portable(local) is None
+    plain = reference_ops()
+    assert _portable(plain) is plain and pickle.loads(pickle.dumps(plain)).name == plain.name

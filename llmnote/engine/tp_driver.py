@@ -80,6 +80,13 @@ def _pick_backend(config: EngineConfig, device) -> str:
     return want
 
 
+def _portable(ops: LlamaOps | None) -> LlamaOps | None:
+    """``ops`` as a rank process can receive them: the default dispatching ops
+    (:func:`~llmnote.models.llama.auto_ops`, closures that do not pickle) travel as
+    ``None``, from which each rank builds the same default for its own device."""
+    return None if ops is not None and ops.on_cuda is not None else ops
+
+
 class TPRunner:
     """The driver's handle on the ranks, with the runner methods :class:`LLM` calls:
     :meth:`run`, :meth:`release`, :meth:`close`; ``num_blocks``, ``max_model_len``,
@@ -111,7 +118,7 @@ class TPRunner:
             check_tp_shapes(model.config, n)
             path = Path(self._tmp.name) / "model.pt"
             p = next(model.parameters())
-            torch.save({"config": model.config, "ops": model.ops, "dtype": p.dtype,
+            torch.save({"config": model.config, "ops": _portable(model.ops), "dtype": p.dtype,
                         "state": {k: v.detach().cpu() for k, v in model.state_dict().items()}},
                        path)
             source = ("state", str(path))
@@ -130,7 +137,8 @@ class TPRunner:
         for rank in range(n):
             parent, child = ctx.Pipe()
             p = ctx.Process(target=rank_main, daemon=True, name=f"llmnote-tp-rank{rank}",
-                            args=(rank, n, port, self.backend, child, source, config, dtype, ops))
+                            args=(rank, n, port, self.backend, child, source, config, dtype,
+                                  _portable(ops)))
             p.start()
             child.close()
             self.procs.append(p)
