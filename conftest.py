@@ -14,6 +14,21 @@ _TIMES: dict[str, float] = defaultdict(float)
 _FAILED: set[str] = set()
 
 
+def pytest_configure(config):
+    """Under pytest-xdist, each worker gets its share of the cores for PyTorch's threads,
+    and so do the notebook kernels and student processes it starts (``OMP_NUM_THREADS``):
+    otherwise n workers each start a thread per core. (A CPU-side engine test that takes
+    2 s alone ran past its 240 s limit beside 11 other test processes on a 16-core GPU
+    host.)"""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT") or 0)
+    if workers > 1:
+        share = str(max(1, (os.cpu_count() or 1) // workers))
+        os.environ.setdefault("OMP_NUM_THREADS", share)
+        import torch
+
+        torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+
+
 def pytest_runtest_logreport(report):
     path = report.nodeid.split("::")[0]
     if path.endswith(".ipynb"):
