@@ -287,3 +287,24 @@ def test_quantized_model_through_the_engine(seed, dev, method, kernels):
     llm.runner._w4_layer = lambda *a, **k: calls.append(a[0]) or w4_layer(*a, **k)
     assert llm.generate([prompts[0]], params, use_tqdm=False)[0].token_ids == want[0]
     assert (len(calls) > 0) == kernels  # batch-1 steps of the int4 model on the kernels
+
+
+def test_decode_notice_reads_the_recorded_engine_benchmark():
+    """The one-line notice: said for a method the recorded batch-1 run found slower than
+    bf16 on that GPU, for models no larger than the measured one; silent otherwise."""
+    from llmnote.quant.pays import _recorded, decode_notice
+
+    rec = _recorded()
+    assert not rec.empty, "engine.csv has no decode-b1-quant rows"
+    gpu = rec.gpu_name.iloc[0]
+    r = rec[rec.gpu_name == gpu].set_index("provider")
+    size = float(r.loc["llmnote-bf16", "weight_bytes"])
+    for method, provider in (("awq", "llmnote-w4a16"), ("smoothquant", "llmnote-w8a8")):
+        ratio = r.loc[provider, "p50"] / r.loc["llmnote-bf16", "p50"]
+        line = decode_notice(method, size / 2, gpu)
+        if ratio > 1:
+            assert line is not None and f"{ratio:.2f}x" in line and gpu in line
+        else:
+            assert line is None
+        assert decode_notice(method, size * 2, gpu) is None  # a larger model: not measured
+    assert decode_notice("awq", size / 2, "a GPU nothing was recorded on") is None

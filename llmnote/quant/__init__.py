@@ -72,6 +72,7 @@ def quantize_model(model: nn.Module, method: str = "smoothquant", calibration=No
     if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1:
         raise ValueError(f"group_size must be an int >= 1, got {group_size!r}")
     targets = _linears(model)
+    bf16_bytes = 2.0 * sum(p.numel() for p in model.parameters())  # as the benchmark counts
     if method in ("smoothquant", "awq"):
         calibration_batches(calibration)  # fails early on empty or malformed data
     if method in ("rtn-int4", "awq"):
@@ -93,7 +94,24 @@ def quantize_model(model: nn.Module, method: str = "smoothquant", calibration=No
         else:
             new = W8A8Linear(lin, act or "token", weight or "channel", use_kernel=use_kernel)
         setattr(parent, name, new)
+    _say_if_it_does_not_pay(method, targets[0][2].weight, bf16_bytes)
     return model
+
+
+def _say_if_it_does_not_pay(method: str, weight, bf16_bytes: float) -> None:
+    """On a GPU: one warning when the recorded engine benchmark found this method slower
+    than bf16 at batch 1 on this GPU for a model no smaller (:mod:`llmnote.quant.pays`)."""
+    import warnings
+
+    import torch
+
+    from llmnote.quant.pays import decode_notice
+
+    if not weight.is_cuda:
+        return
+    line = decode_notice(method, bf16_bytes, torch.cuda.get_device_name(weight.device))
+    if line:
+        warnings.warn(line, stacklevel=3)
 
 
 __all__ = [
