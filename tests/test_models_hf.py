@@ -58,12 +58,19 @@ def hf_model(family: str, **kw):
 
 @pytest.fixture(scope="module", params=CASES, ids=[c[0] for c in CASES])
 def pair(request, tmp_path_factory):
-    """(HF model, llmnote model loaded from HF's save_pretrained folder)."""
-    case_id, family, kw = request.param
+    """(HF model, llmnote model loaded from HF's save_pretrained folder, the folder)."""
+    return make_pair(request.param, tmp_path_factory, hf_model)
+
+
+def make_pair(case: tuple, tmp_path_factory, build):
+    """For a case ``(id, family, config overrides)``: the HF model ``build(family, **kw)``
+    makes on a fresh seed (printed), saved (in shards when the id says "sharded") and
+    loaded by llmnote in fp32 on the CPU, as HF's is: ``(hf, ours, folder)``."""
+    case_id, family, kw = case
     seed = int.from_bytes(os.urandom(4), "little")
     torch.manual_seed(seed)
     print(f"{case_id}: torch seed = {seed}")
-    hf = hf_model(family, **kw)
+    hf = build(family, **kw)
     folder = tmp_path_factory.mktemp(case_id)
     sharded = "sharded" in case_id
     hf.save_pretrained(folder, max_shard_size="200KB" if sharded else "5GB")

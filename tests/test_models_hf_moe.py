@@ -8,7 +8,6 @@ normalisations, dense layers between sparse ones.
 """
 
 import json
-import os
 
 import pytest
 import torch
@@ -18,6 +17,8 @@ from llmnote.models import save_pretrained
 from llmnote.testing import assert_close
 
 transformers = pytest.importorskip("transformers")
+
+from test_models_hf import make_pair
 
 QWEN = dict(head_dim=32, moe_intermediate_size=24)
 MIX = dict(num_attention_heads=4, num_key_value_heads=1)  # head_dim 16
@@ -55,14 +56,7 @@ def hf_model(family: str, **kw):
 @pytest.fixture(scope="module", params=CASES, ids=[c[0] for c in CASES])
 def pair(request, tmp_path_factory):
     """(HF model, llmnote model loaded from HF's save_pretrained folder, the folder)."""
-    case_id, family, kw = request.param
-    seed = int.from_bytes(os.urandom(4), "little")
-    torch.manual_seed(seed)
-    print(f"{case_id}: torch seed = {seed}")
-    hf = hf_model(family, **kw)
-    folder = tmp_path_factory.mktemp(case_id)
-    hf.save_pretrained(folder)
-    return hf, load_pretrained(folder, device="cpu"), folder
+    return make_pair(request.param, tmp_path_factory, hf_model)
 
 
 def test_logits_match(pair):
