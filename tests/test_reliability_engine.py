@@ -33,6 +33,12 @@ VOCAB = 256
 # multi-step decoding changes how many tokens one step() makes).
 DEVICE = "cpu"
 NUM_SCHEDULES = 300
+# A greedy tie: this model's fp32 logits (|logit| < 8) computed whole, batched or in two
+# chunks through the KV cache differed by up to 8.1e-6 over 50 random prompts, so the gap
+# between the top two moves by up to twice that; a schedule hit a gap of 4.8e-7 that
+# batching flipped. A gap under 1e-4 (six times the most it was seen to move) is a tie
+# that rounding decides.
+TIE = 1e-4
 # what the schedules must have exercised, each many times
 EVENTS = ("fault", "abort", "stream", "generate", "refused", "preemption", "run ahead",
           "prefix hit")
@@ -149,6 +155,21 @@ class Alone:
         if key not in self.memo:
             self.memo[key] = self.llm.generate([ids], params, use_tqdm=False)[0].token_ids
         return self.memo[key]
+
+    def same(self, ids: list[int], params: SamplingParams, got: list[int],
+             want: list[int]) -> bool:
+        """``got == want``, but for greedy tokens that part where the model's top two
+        logits were tied to within TIE: batch and chunk shapes change fp32's rounding,
+        which decides such a tie (the tokens after it then follow another text)."""
+        if got == want:
+            return True
+        if params.temperature != 0 or len(got) != len(want):
+            return False
+        j = next(i for i, (g, w) in enumerate(zip(got, want)) if g != w)
+        with torch.no_grad():
+            logits = self.llm.model(torch.tensor([ids + want[:j]]))[0, -1]
+        top2 = logits.float().topk(2).values
+        return float(top2[0] - top2[1]) < TIE and logits[got[j]] >= top2[1]
 
 
 @pytest.fixture(scope="module")
@@ -321,12 +342,15 @@ def run_schedule(model: Llama, alone: Alone, seed: int) -> dict[str, int]:
     seen["run ahead"] = llm.num_runs_ahead  # async scheduling queued a run
     seen["prefix hit"] = bm.hits
     for rid, seq in llm.requests.items():
-        want = alone(seq.token_ids[:seq.num_prompt_tokens], seq.params)
+        prompt = seq.token_ids[:seq.num_prompt_tokens]
+        want = alone(prompt, seq.params)
         got = seq.output_ids
         if seq.finish_reason in ("stop", "length"):
-            assert got == want, f"request {rid} ({seq.finish_reason}) differs from running alone"
+            assert alone.same(prompt, seq.params, got, want), \
+                f"request {rid} ({seq.finish_reason}) differs from running alone"
         else:
-            assert got == want[:len(got)], f"request {rid} ({seq.finish_reason}) went wrong"
+            assert alone.same(prompt, seq.params, got, want[:len(got)]), \
+                f"request {rid} ({seq.finish_reason}) went wrong"
             assert seq.finish_reason in ("abort", "error"), seq.finish_reason
             if seq.finish_reason == "abort":
                 assert rid in ours, f"request {rid} aborted by nobody"
@@ -336,10 +360,13 @@ def run_schedule(model: Llama, alone: Alone, seed: int) -> dict[str, int]:
 
 
 def test_fault_injection_schedules(model, alone, one_thread, faulty_sampler):
-    base = int.from_bytes(os.urandom(4), "little")
+    """NUM_SCHEDULES random schedules from a fresh seed (printed); a failing one prints
+    its own seed, and LLMNOTE_SCHEDULE_SEED=<seed> runs that schedule alone."""
+    only = os.environ.get("LLMNOTE_SCHEDULE_SEED")
+    base = int(only) if only else int.from_bytes(os.urandom(4), "little")
     print(f"schedule seed = {base}")
     totals = dict.fromkeys(EVENTS, 0)
-    for i in range(NUM_SCHEDULES):
+    for i in range(1 if only else NUM_SCHEDULES):
         try:
             seen = run_schedule(model, alone, base + i)
         except BaseException:
@@ -349,7 +376,7 @@ def test_fault_injection_schedules(model, alone, one_thread, faulty_sampler):
             totals[k] += v
     print(totals)
     # the schedules exercised every kind of event many times
-    assert min(totals.values()) >= NUM_SCHEDULES // 10, totals
+    assert only or min(totals.values()) >= NUM_SCHEDULES // 10, totals
 
 
 # ---------------------------------------------------------------- the cases, one by one
