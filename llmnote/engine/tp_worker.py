@@ -296,6 +296,19 @@ def load_shard(source: tuple, rank: int, world_size: int, comm: Comm, device: to
     return shard_for_engine(model, rank, world_size, comm), full, tok, eos, None
 
 
+# ---------------------------------------------------------------- the worker process
+def _error_record(rank: int, e: BaseException) -> dict:
+    rec = {"rank": rank, "time": time.time(), "type": type(e).__name__, "message": str(e),
+           "traceback": "".join(traceback.format_exception(type(e), e, e.__traceback__))}
+    try:  # the exception itself, when it survives pickling
+        blob = pickle.dumps(e)
+        pickle.loads(blob)
+        rec["exception"] = blob
+    except Exception:  # noqa: BLE001 - reported as text
+        rec["exception"] = None
+    return rec
+
+
 def rank_main(rank: int, world_size: int, port: int, backend: str, conn, source: tuple,
             config: EngineConfig, dtype, ops: LlamaOps | None) -> None:
     """One rank: load, shard, build a runner, then run the batches the driver sends."""
