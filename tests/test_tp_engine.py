@@ -453,3 +453,28 @@ def test_bad_checkpoint_is_the_ranks_clear_error(tiny_llama, tmp_path, defect):
     assert time.monotonic() - t0 < 30
     assert isinstance(info.value.__cause__, RankTraceback)
     assert _children() == []
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
+def test_tp2_nccl_loading_peak_is_the_shard(tmp_path):
+    """On two GPUs in bf16: while loading, each rank's GPU memory peaks at its shard, plus
+    the allocator's rounding (512 B a tensor) and the NaN check of one tensor (two bool
+    masks), and for random weights one fp32 group (a layer, or the embedding): less than
+    the whole model, from a checkpoint and from random weights."""
+    cfg = get_preset("llama-tiny").replace(num_hidden_layers=8)
+    model = random_model(cfg, "cpu", torch.bfloat16, seed=0)
+    whole = sum(p.numel() * 2 for p in model.parameters())
+    folder = save_pretrained(model, tmp_path / "ckpt")
+    state = model.state_dict()
+    slack = 512 * (len(state) + 4) + 2 * max(t.numel() for t in state.values())
+    group_fp32 = 4 * max(sum(p.numel() for p in model.model.layers[0].parameters()),
+                         model.model.embed_tokens.weight.numel())
+    for source, extra in ((folder, 0), (cfg, group_fp32)):
+        with LLM(source, dtype=torch.bfloat16, tensor_parallel_size=2, num_blocks=16) as llm:
+            stats = llm.runner.load_stats
+        for rank, s in enumerate(stats):
+            assert s["weight_bytes"] == _shard_bytes(cfg, 2, 2), (source, rank)
+            assert s["weight_bytes"] <= s["peak_gpu_bytes"] <= s["weight_bytes"] + extra + slack, \
+                (source, rank, s)
+            assert s["peak_gpu_bytes"] < whole, (source, rank, s)

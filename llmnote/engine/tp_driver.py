@@ -136,11 +136,15 @@ class TPRunner:
                 raise TypeError("with tensor_parallel_size > 1, model must be a Llama, a "
                                 "LlamaConfig, a checkpoint folder or a preset name, got "
                                 f"{type(model).__name__}")
-            name = str(model)
-            if name != "shakespeare" and Path(name).is_dir() and \
-                    (Path(name) / "config.json").is_file():
-                from llmnote.models.loader import read_config
+            from llmnote.models.loader import read_config
 
+            name = str(model)
+            if name == "shakespeare":  # its files checked once, here; the ranks read slices
+                from llmnote.models.shakespeare import checkpoint_dir, verify_checksums
+
+                verify_checksums(checkpoint_dir())
+                check_tp_shapes(read_config(checkpoint_dir()), n)
+            elif Path(name).is_dir() and (Path(name) / "config.json").is_file():
                 check_tp_shapes(read_config(name), n)
             elif name in PRESETS or name in MOE_PRESETS:
                 check_tp_shapes({**PRESETS, **MOE_PRESETS}[name], n)

@@ -194,6 +194,7 @@ class RandomWeights:
                                "tensors in state-dict order")
         while self.group < g:  # groups skipped (a tied head) are drawn all the same
             self.group += 1
+            self.tensors = {}  # one group at a time
             self.tensors = self._make(self.group)
         t = self.tensors[name]
         if spec is not None:
@@ -262,9 +263,9 @@ def load_shard(source: tuple, rank: int, world_size: int, comm: Comm, device: to
     """This rank's shard of the model ``source`` names: ``(Llama, whole config, tokenizer or
     None, eos ids, bytes read from files or None)``. ``source``: ``("config", cfg)`` random
     weights of that shape; ``("weights", {...})`` the safetensors file the driver wrote of a
-    Llama it was given (its config, ops and dtype beside it); ``("name", str)`` a checkpoint
-    folder, a preset (random weights) or ``"shakespeare"`` (a few MB: loaded whole, then
-    cut). Checkpoints are read slice by slice; random weights made layer by layer."""
+    Llama it was given (its config, ops and dtype beside it); ``("name", str)``
+    ``"shakespeare"``, a checkpoint folder or a preset (random weights). Checkpoints are
+    read slice by slice, random weights made layer by layer."""
     from llmnote.device import placement
     from llmnote.engine.llm import _load
     from llmnote.models.loader import read_config
@@ -277,7 +278,20 @@ def load_shard(source: tuple, rank: int, world_size: int, comm: Comm, device: to
                                           world_size, comm, dev, dt,
                                           ops if ops is not None else what["ops"], False)
         return model, what["config"], None, [], nbytes
-    if kind == "name" and what != "shakespeare" and Path(what).is_dir():  # a checkpoint folder
+    if kind == "name" and what == "shakespeare":  # the book's model (its files checked by
+        from llmnote.models.shakespeare import (  # the driver): fp32 on the CPU by default
+            EOS_TOKEN, check_vocab, checkpoint_dir, load_tokenizer,
+        )
+
+        folder = checkpoint_dir()
+        cfg = read_config(folder)
+        tok = load_tokenizer(folder)
+        check_vocab(tok, cfg.vocab_size)
+        dev, dt = placement(device, dtype, cpu_dtype=torch.float32)
+        model, nbytes = _checkpoint_shard(folder, cfg, rank, world_size, comm, dev, dt, ops,
+                                          False)
+        return model, cfg, tok, [tok.token_to_id(EOS_TOKEN)], nbytes
+    if kind == "name" and Path(what).is_dir():  # a checkpoint folder
         folder = Path(what)
         cfg = read_config(folder)
         check_tp_shapes(cfg, world_size)
@@ -291,9 +305,8 @@ def load_shard(source: tuple, rank: int, world_size: int, comm: Comm, device: to
         dev, dt = placement(device, dtype, cpu_dtype=torch.float32)
         return (build_shard(cfg, rank, world_size, comm, RandomWeights(cfg, dev, dt, seed).read,
                             ops), cfg, None, [], None)
-    model, tok, eos = _load(what, dtype, device, ops, seed)  # "shakespeare"
-    full = model.config
-    return shard_for_engine(model, rank, world_size, comm), full, tok, eos, None
+    _load(what, dtype, device, ops, seed)  # not a model: its error
+    raise ValueError(f"model {what!r} cannot be served with tensor parallelism")
 
 
 # ---------------------------------------------------------------- the worker process
