@@ -455,6 +455,16 @@ def test_bad_checkpoint_is_the_ranks_clear_error(tiny_llama, tmp_path, defect):
     assert _children() == []
 
 
+def test_models_tensor_parallelism_does_not_serve_are_refused_before_any_rank_starts():
+    """A mixture of experts (by preset name or as a config) is refused at construction,
+    naming it; no rank was started."""
+    with pytest.raises(ValueError, match="serves dense models; .*num_experts=8"):
+        LLM("qwen3-moe-tiny", device="cpu", tensor_parallel_size=2)
+    with pytest.raises(ValueError, match="serves dense models"):
+        LLM(get_preset("mixtral-tiny"), device="cpu", tensor_parallel_size=2)
+    assert _children() == []
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
 def test_tp2_nccl_loading_peak_is_the_shard(tmp_path):

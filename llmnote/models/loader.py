@@ -14,7 +14,8 @@ weight file must lie inside the folder once links are resolved, so an index
 cannot make the loader read ``../../elsewhere.safetensors``. The one exception
 is the Hugging Face hub cache, whose ``snapshots/<revision>/`` folders hold
 links into the repository's ``blobs/``. ``check_finite=True`` refuses weights
-holding NaN or inf (the engine turns it on).
+holding NaN or inf (the engine turns it on). :class:`SliceReader` reads one even
+slice of a tensor without the rest (a tensor-parallel rank's share).
 """
 
 from __future__ import annotations

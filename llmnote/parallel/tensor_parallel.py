@@ -22,7 +22,8 @@ second, and anything elementwise in between (SwiGLU) or independent per head
 
 One all-reduce of the (tokens, hidden) activations per attention block and one
 per MLP block: ``2 * num_layers`` per forward pass. Norms, embeddings and the
-output head stay replicated here (every rank holds them whole).
+output head stay replicated here (every rank holds them whole). :func:`shard_spec`
+states these rules tensor by tensor.
 
 Shards must be even: ``out`` (heads, intermediate size) divisible by ``p``;
 key/value heads divisible by ``p``, or, when ``p`` is a multiple of them, each
