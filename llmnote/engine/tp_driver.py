@@ -130,14 +130,13 @@ class TPRunner:
                                   "ops": _portable(model.ops),
                                   "dtype": next(model.parameters()).dtype})
         else:
+            from llmnote.models.loader import read_config
             from llmnote.models.presets import MOE_PRESETS, PRESETS
 
             if not isinstance(model, (str, Path)):
                 raise TypeError("with tensor_parallel_size > 1, model must be a Llama, a "
                                 "LlamaConfig, a checkpoint folder or a preset name, got "
                                 f"{type(model).__name__}")
-            from llmnote.models.loader import read_config
-
             name = str(model)
             if name == "shakespeare":  # its files checked once, here; the ranks read slices
                 from llmnote.models.shakespeare import checkpoint_dir, verify_checksums

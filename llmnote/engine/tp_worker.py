@@ -46,7 +46,7 @@ from llmnote.parallel.tensor_parallel import (
 # ---------------------------------------------------------------- sharding
 # read(name, spec) -> the tensor ``name`` of the whole model, cut as ``spec`` says (see
 # llmnote.parallel.shard_spec; None: whole), on the rank's device in its dtype
-Reader = Callable[[str, "tuple[int, int, int] | None"], torch.Tensor]
+Reader = Callable[[str, tuple[int, int, int] | None], torch.Tensor]
 
 
 def _check_dense(cfg: object, what: str) -> None:
