@@ -8,7 +8,8 @@ kv heads). The shard is made on the meta device and filled tensor by tensor: fro
 checkpoint folder (or the safetensors file the driver writes of a model it was given)
 the rank reads only its slices; random weights (a preset, a config) are drawn one layer
 at a time and cut, so they equal the one-process model's. Start-up memory is the shard
-plus one layer, not the whole model. On it the rank builds an ordinary
+plus one tensor's slice (a checkpoint) or one fp32 layer or embedding-sized matrix
+(random weights), never the whole model. On it the rank builds an ordinary
 :class:`~llmnote.engine.model_runner.ModelRunner`, CUDA graphs and multi-step
 decoding included. Then it runs what the driver (:mod:`llmnote.engine.tp_driver`)
 sends: a step, a multi-step run to queue, a run's tokens to read. The wire format
@@ -132,7 +133,8 @@ class RandomWeights:
     one group at a time in the order ``Llama`` draws them: the embedding, each decoder
     layer, the final norm, the output head. :meth:`read` is a :data:`Reader`: slicing a
     shard out of whole random tensors (a seeded stream cannot be entered midway), it
-    holds at most one fp32 layer beside the shard. Read in state-dict order."""
+    holds one fp32 group at most beside the shard: a layer, or a vocabulary-by-hidden
+    matrix (the embedding, the output head). Read in state-dict order."""
 
     def __init__(self, cfg: LlamaConfig, device: torch.device, dtype: torch.dtype,
                  seed: int) -> None:
@@ -208,10 +210,10 @@ def random_model(cfg: LlamaConfig, device=None, dtype: torch.dtype | None = None
     """A Llama of shape ``cfg`` with the random weights ``Llama(cfg)`` makes after
     ``torch.manual_seed(seed)`` (normal, std 0.02; norms 1), in ``dtype`` on ``device``
     (defaults: the fast path), made one layer at a time (:class:`RandomWeights`), so the
-    peak memory is the model's own plus one fp32 layer, not the fp32 model a plain
-    ``Llama(cfg)`` would make first: a 32-layer Llama-3-70B shape is 59 GB in bf16,
-    118 GB in fp32. Same ``seed``, same weights on every device of a kind (each rank of a
-    benchmark builds the same model)."""
+    peak memory is the model's own plus one fp32 layer (or the fp32 output head), not the
+    fp32 model a plain ``Llama(cfg)`` would make first: a 32-layer Llama-3-70B shape is
+    59 GB in bf16, 118 GB in fp32. Same ``seed``, same weights on every device of a kind
+    (each rank of a benchmark builds the same model)."""
     from llmnote.device import placement
 
     dev, dt = placement(device, dtype, cpu_dtype=torch.float32)
