@@ -3,7 +3,10 @@ greedy tokens equal the single-process engine's in fp32 on gloo (prefix caching,
 chunked prefill, preemption, multi-step decoding with runs queued ahead); a rank
 that raises, hangs or is killed stops the engine with that rank's error (a hang: a
 timeout) and leaves no child process, nor does close(); bad sizes are refused at
-construction. Each engine spawns fresh interpreters (seconds), so engines are few."""
+construction. Each rank builds only its shard: from a checkpoint (several files and an
+index), a preset or a given model, it reads exactly its share (bytes counted against the
+config), and a bad checkpoint is the ranks' clear error. Each engine spawns fresh
+interpreters (seconds), so engines are few."""
 
 from __future__ import annotations
 
@@ -455,7 +458,7 @@ def test_bad_checkpoint_is_the_ranks_clear_error(tiny_llama, tmp_path, defect):
     assert _children() == []
 
 
-def test_models_tensor_parallelism_does_not_serve_are_refused_before_any_rank_starts():
+def test_mixture_of_experts_refused_before_any_rank_starts():
     """A mixture of experts (by preset name or as a config) is refused at construction,
     naming it; no rank was started."""
     with pytest.raises(ValueError, match="serves dense models; .*num_experts=8"):
