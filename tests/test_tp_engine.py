@@ -424,15 +424,35 @@ def test_checkpoint_slices_equal_the_loaded_models_shards(tmp_path):
                 assert nbytes == _shard_bytes(cfg, world, dtype.itemsize)
 
 
+def test_each_rank_checks_its_own_slices(tiny_llama, tmp_path):
+    """In one process: a NaN in rank 1's half of a q_proj is rank 1's CheckpointError
+    (naming the tensor) while rank 0 loads; a tensor of integers is refused by both."""
+    from llmnote.engine.tp_worker import _checkpoint_shard
+    from llmnote.models.loader import CheckpointError
+
+    cfg = tiny_llama.config
+    name = "model.layers.0.self_attn.q_proj.weight"
+    folder = save_pretrained(tiny_llama, tmp_path / "nan")
+    _rewrite(folder, lambda s: s[name].__setitem__((cfg.hidden_size - 1, 3), float("nan")))
+    args = (cfg, 0, 2, Comm(), torch.device("cpu"), None, reference_ops(), True)
+    _checkpoint_shard(folder, *args)  # rank 0: rows 0 .. 31 of 64, all finite
+    with pytest.raises(CheckpointError, match=f"tensor {name} holds 1 NaN or inf of 2048"):
+        _checkpoint_shard(folder, cfg, 1, *args[2:])
+    folder = save_pretrained(tiny_llama, tmp_path / "ints")
+    _rewrite(folder, lambda s: s.__setitem__(name, s[name].to(torch.int32)))
+    for rank in range(2):
+        with pytest.raises(CheckpointError, match=f"{name} has dtype I32; expected floating"):
+            _checkpoint_shard(folder, cfg, rank, *args[2:])
+
+
 def _rewrite(folder, change) -> None:
-    """Apply ``change`` to the tensors of the file that holds layer 1's up_proj."""
+    """Apply ``change`` to the tensors of a one-file checkpoint."""
     from safetensors.torch import load_file, save_file
 
-    for f in folder.glob("*.safetensors"):
-        state = load_file(f)
-        if "model.layers.1.mlp.up_proj.weight" in state:
-            change(state)
-            save_file(state, f, metadata={"format": "pt"})
+    f = folder / "model.safetensors"
+    state = load_file(f)
+    change(state)
+    save_file(state, f, metadata={"format": "pt"})
 
 
 @pytest.mark.parametrize("defect", ["missing", "mis-shaped"])
