@@ -449,6 +449,27 @@ def test_each_rank_checks_its_own_slices(tiny_llama, tmp_path):
             _checkpoint_shard(folder, cfg, rank, *args[2:])
 
 
+def test_tied_checkpoint_with_a_head_copy(tmp_path):
+    """Tied embeddings whose checkpoint keeps a copy of the head (as some do): a rank
+    loads it when the copy equals the embedding, and refuses it when it differs."""
+    from llmnote.engine.tp_worker import _checkpoint_shard
+    from llmnote.models.loader import CheckpointError
+
+    cfg = get_preset("qwen2-tiny")
+    assert cfg.tie_word_embeddings
+    emb = "model.embed_tokens.weight"
+    args = (cfg, 1, 2, Comm(), torch.device("cpu"), None, reference_ops(), True)
+    for copy, ok in ((lambda w: w.clone(), True), (lambda w: w + 1, False)):
+        folder = save_pretrained(random_model(cfg, "cpu", seed=1), tmp_path / str(ok))
+        _rewrite(folder, lambda s: s.__setitem__("lm_head.weight", copy(s[emb])))
+        if ok:
+            m, _ = _checkpoint_shard(folder, *args)
+            assert m.lm_head.weight is m.model.embed_tokens.weight
+        else:
+            with pytest.raises(CheckpointError, match="lm_head.weight differs from"):
+                _checkpoint_shard(folder, *args)
+
+
 def _rewrite(folder, change) -> None:
     """Apply ``change`` to the tensors of a one-file checkpoint."""
     from safetensors.torch import load_file, save_file
