@@ -3,12 +3,16 @@ greedy tokens equal the single-process engine's in fp32 on gloo (prefix caching,
 chunked prefill, preemption, multi-step decoding with runs queued ahead); a rank
 that raises, hangs or is killed stops the engine with that rank's error (a hang: a
 timeout) and leaves no child process, nor does close(); bad sizes are refused at
-construction. Each engine spawns fresh interpreters (seconds), so engines are few."""
+construction. Each rank builds only its shard: from a checkpoint (several files and an
+index), a preset or a given model, it reads exactly its share (bytes counted against the
+config), and a bad checkpoint is the ranks' clear error. Each engine spawns fresh
+interpreters (seconds), so engines are few."""
 
 from __future__ import annotations
 
 import _thread
 import dataclasses
+import math
 import multiprocessing as mp
 import os
 import pickle
@@ -22,7 +26,7 @@ import torch.distributed as dist
 
 from llmnote.engine import LLM, SamplingParams
 from llmnote.engine.tp_driver import TPRunner, _portable
-from llmnote.engine.tp_worker import random_model, shard_for_engine
+from llmnote.engine.tp_worker import RandomWeights, build_shard, random_model, shard_for_engine
 from llmnote.models import Llama, get_preset, save_pretrained
 from llmnote.models.llama import reference_ops
 from llmnote.parallel import Comm
@@ -287,3 +291,248 @@ def test_dispatching_ops_travel_as_the_default():
     assert _portable(local) is None
     plain = reference_ops()
     assert _portable(plain) is plain and pickle.loads(pickle.dumps(plain)).name == plain.name
+
+
+# ---------------------------------------------------------------- each rank builds only its shard
+def _shard_bytes(cfg, world_size: int, element_size: int) -> int:
+    """The bytes of one rank's weights, from the config alone: the column-parallel q, k, v,
+    gate, up and the row-parallel o, down hold 1/world_size of their features (k and v
+    whole kv heads: split, or one replicated), the rest is whole on every rank."""
+    h, d, i = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
+    q = cfg.num_attention_heads * d // world_size
+    kv = max(cfg.num_key_value_heads // world_size, 1) * d
+    per_layer = (h * q + 2 * h * kv + q * h  # q, k, v, o
+                 + 3 * h * i // world_size  # gate, up, down
+                 + 2 * h)  # the two norms
+    per_layer += (q + 2 * kv) * cfg.qkv_bias + h * cfg.o_bias \
+        + (2 * i // world_size + h) * cfg.mlp_bias + 2 * d * cfg.qk_norm
+    whole = cfg.vocab_size * h * (1 if cfg.tie_word_embeddings else 2) + h
+    return (cfg.num_hidden_layers * per_layer + whole) * element_size
+
+
+def _file_tensor_bytes(folder) -> int:
+    """The bytes of every tensor in a checkpoint folder's safetensors files."""
+    from safetensors import safe_open
+
+    from llmnote.models.loader import SAFETENSORS_DTYPES
+
+    total = 0
+    for f in folder.glob("*.safetensors"):
+        with safe_open(f, "pt") as sf:
+            for n in sf.keys():
+                sl = sf.get_slice(n)
+                total += math.prod(sl.get_shape()) * SAFETENSORS_DTYPES[sl.get_dtype()].itemsize
+    return total
+
+
+def test_checkpoint_ranks_read_only_their_slices(tiny_llama, tmp_path):
+    """A checkpoint in several safetensors files with an index, 4 query heads and 2 kv
+    heads over 2 ranks (kv heads split): tokens equal the one-process engine's, and each
+    rank read exactly its shard's bytes (1/2 of the split weights, all of the others)."""
+    folder = save_pretrained(tiny_llama, tmp_path / "ckpt", max_shard_bytes=100_000)
+    assert (folder / "model.safetensors.index.json").is_file()
+    assert len(list(folder.glob("*.safetensors"))) >= 3
+    cfg = tiny_llama.config
+    assert cfg.num_key_value_heads == 2 < cfg.num_attention_heads
+    prompts, sp = _prompts()[2:], SamplingParams(temperature=0.0, max_tokens=12)
+    kw = {"device": "cpu", "ops": reference_ops()}
+    with LLM(folder, **kw) as one:
+        want = [o.token_ids for o in one.generate(prompts, sp, use_tqdm=False)]
+    with LLM(folder, tensor_parallel_size=2, **kw) as llm:
+        got = [o.token_ids for o in llm.generate(prompts, sp, use_tqdm=False)]
+        stats = llm.runner.load_stats
+    assert got == want
+    whole = _file_tensor_bytes(folder)
+    assert whole == _shard_bytes(cfg, 1, 4)
+    for rank, s in enumerate(stats):
+        assert s["weight_bytes"] == s["bytes_read"] == _shard_bytes(cfg, 2, 4), rank
+    # together the ranks read the checkpoint once, plus a second copy of what both keep
+    # whole: the embedding, the output head and the norms
+    h = cfg.hidden_size
+    replicated = (2 * cfg.vocab_size * h + h + 2 * h * cfg.num_hidden_layers) * 4
+    assert sum(s["bytes_read"] for s in stats) == whole + replicated
+
+
+@pytest.mark.parametrize("preset", ["qwen2-tiny", "qwen3-tiny"])
+def test_preset_and_given_model_ranks_build_only_their_shard(preset):
+    """A preset's random weights (qwen2-tiny: 1 kv head, replicated on both ranks; tied
+    embeddings; q/k/v biases) are drawn layer by layer on each rank and cut: tokens equal
+    the one-process engine's. A Llama object given to the engine (qwen3-tiny: q/k norms)
+    goes to the ranks as a safetensors file they read their slices of."""
+    cfg = get_preset(preset)
+    prompts, sp = _prompts()[2:4], SamplingParams(temperature=0.0, max_tokens=8)
+    if preset == "qwen2-tiny":
+        model = preset
+    else:
+        model = random_model(cfg, "cpu", seed=4)
+        with torch.no_grad():  # clear argmax margins
+            for p in model.parameters():
+                p.mul_(10.0 if p.ndim == 2 else 1.0)
+    kw = {"device": "cpu", "ops": reference_ops()}
+    with LLM(model, **kw) as one:
+        want = [o.token_ids for o in one.generate(prompts, sp, use_tqdm=False)]
+    with LLM(model, tensor_parallel_size=2, **kw) as llm:
+        got = [o.token_ids for o in llm.generate(prompts, sp, use_tqdm=False)]
+        stats = llm.runner.load_stats
+    assert got == want
+    for rank, s in enumerate(stats):
+        assert s["weight_bytes"] == _shard_bytes(cfg, 2, 4), rank
+        assert s["bytes_read"] == (None if model == preset else s["weight_bytes"])
+
+
+def test_random_weights_equal_the_seeded_model_and_its_shards():
+    """In one process, no ranks: the layer-by-layer random weights equal ``Llama(cfg)``'s
+    after the same seed, and each rank's shard (2 ranks: kv split or replicated; 4 ranks:
+    kv replicated) equals the shard cut out of that whole model."""
+    for name in ("llama-tiny", "qwen2-tiny", "qwen3-tiny"):
+        cfg = get_preset(name)
+        torch.manual_seed(11)
+        whole = Llama(cfg, ops=reference_ops())
+        made = random_model(cfg, "cpu", torch.float32, seed=11, ops=reference_ops())
+        _assert_same_tensors(made, whole, name)
+        for world in (2, 4):
+            for rank in range(world):
+                shard = build_shard(cfg, rank, world, Comm(),
+                                    RandomWeights(cfg, "cpu", torch.float32, 11).read)
+                cut = Llama(cfg, ops=reference_ops())
+                cut.load_state_dict(whole.state_dict())
+                _assert_same_tensors(shard, shard_for_engine(cut, rank, world, Comm()),
+                                     f"{name} rank {rank} of {world}")
+
+
+def _assert_same_tensors(a: torch.nn.Module, b: torch.nn.Module, what: str) -> None:
+    sa, sb = a.state_dict(), b.state_dict()
+    assert sa.keys() == sb.keys(), what
+    for k in sa:
+        assert sa[k].dtype == sb[k].dtype and torch.equal(sa[k], sb[k]), f"{what}: {k}"
+
+
+def test_checkpoint_slices_equal_the_loaded_models_shards(tmp_path):
+    """In one process: a rank's shard read from a checkpoint's slices equals the shard cut
+    out of the whole loaded model, for every rank of 2 and 4 (kv heads split, replicated),
+    with biases, tied embeddings and q/k norms; bf16 stays bf16 on the CPU."""
+    from llmnote.engine.tp_worker import _checkpoint_shard
+    from llmnote.models import load_pretrained
+
+    for name, dtype in (("qwen2-tiny", torch.float32), ("qwen3-tiny", torch.bfloat16)):
+        cfg = get_preset(name)
+        folder = save_pretrained(random_model(cfg, "cpu", dtype, seed=2), tmp_path / name,
+                                 max_shard_bytes=50_000)
+        for world in (2, 4):
+            for rank in range(world):
+                got, nbytes = _checkpoint_shard(folder, cfg, rank, world, Comm(),
+                                                torch.device("cpu"), None, reference_ops(), True)
+                want = shard_for_engine(load_pretrained(folder, device="cpu"), rank, world,
+                                        Comm())
+                _assert_same_tensors(got, want, f"{name} rank {rank} of {world}")
+                assert nbytes == _shard_bytes(cfg, world, dtype.itemsize)
+
+
+def test_each_rank_checks_its_own_slices(tiny_llama, tmp_path):
+    """In one process: a NaN in rank 1's half of a q_proj is rank 1's CheckpointError
+    (naming the tensor) while rank 0 loads; a tensor of integers is refused by both."""
+    from llmnote.engine.tp_worker import _checkpoint_shard
+    from llmnote.models.loader import CheckpointError
+
+    cfg = tiny_llama.config
+    name = "model.layers.0.self_attn.q_proj.weight"
+    folder = save_pretrained(tiny_llama, tmp_path / "nan")
+    _rewrite(folder, lambda s: s[name].__setitem__((cfg.hidden_size - 1, 3), float("nan")))
+    args = (cfg, 0, 2, Comm(), torch.device("cpu"), None, reference_ops(), True)
+    _checkpoint_shard(folder, *args)  # rank 0: rows 0 .. 31 of 64, all finite
+    with pytest.raises(CheckpointError, match=f"tensor {name} holds 1 NaN or inf of 2048"):
+        _checkpoint_shard(folder, cfg, 1, *args[2:])
+    folder = save_pretrained(tiny_llama, tmp_path / "ints")
+    _rewrite(folder, lambda s: s.__setitem__(name, s[name].to(torch.int32)))
+    for rank in range(2):
+        with pytest.raises(CheckpointError, match=f"{name} has dtype I32; expected floating"):
+            _checkpoint_shard(folder, cfg, rank, *args[2:])
+
+
+def test_tied_checkpoint_with_a_head_copy(tmp_path):
+    """Tied embeddings whose checkpoint keeps a copy of the head (as some do): a rank
+    loads it when the copy equals the embedding, and refuses it when it differs."""
+    from llmnote.engine.tp_worker import _checkpoint_shard
+    from llmnote.models.loader import CheckpointError
+
+    cfg = get_preset("qwen2-tiny")
+    assert cfg.tie_word_embeddings
+    emb = "model.embed_tokens.weight"
+    args = (cfg, 1, 2, Comm(), torch.device("cpu"), None, reference_ops(), True)
+    for copy, ok in ((lambda w: w.clone(), True), (lambda w: w + 1, False)):
+        folder = save_pretrained(random_model(cfg, "cpu", seed=1), tmp_path / str(ok))
+        _rewrite(folder, lambda s: s.__setitem__("lm_head.weight", copy(s[emb])))
+        if ok:
+            m, _ = _checkpoint_shard(folder, *args)
+            assert m.lm_head.weight is m.model.embed_tokens.weight
+        else:
+            with pytest.raises(CheckpointError, match="lm_head.weight differs from"):
+                _checkpoint_shard(folder, *args)
+
+
+def _rewrite(folder, change) -> None:
+    """Apply ``change`` to the tensors of a one-file checkpoint."""
+    from safetensors.torch import load_file, save_file
+
+    f = folder / "model.safetensors"
+    state = load_file(f)
+    change(state)
+    save_file(state, f, metadata={"format": "pt"})
+
+
+@pytest.mark.parametrize("defect", ["missing", "mis-shaped"])
+def test_bad_checkpoint_is_the_ranks_clear_error(tiny_llama, tmp_path, defect):
+    """A checkpoint (with no index: one file) missing a tensor, or holding one of the
+    wrong shape: the ranks' CheckpointError, naming it, raised by the driver at start-up;
+    no hang, no child process left."""
+    from llmnote.models.loader import CheckpointError
+
+    folder = save_pretrained(tiny_llama, tmp_path / "ckpt")
+    name = "model.layers.1.mlp.up_proj.weight"
+    if defect == "missing":
+        _rewrite(folder, lambda s: s.pop(name))
+        want = f"missing tensors \\(1\\): {name}"
+    else:
+        _rewrite(folder, lambda s: s.__setitem__(name, s[name][:, :-2].contiguous()))
+        want = f"mis-shaped tensors \\(1\\): {name} \\(160, 62\\) \\(expected \\(160, 64\\)\\)"
+    t0 = time.monotonic()
+    with pytest.raises(CheckpointError, match=want) as info:
+        LLM(folder, device="cpu", tensor_parallel_size=2, distributed_timeout_s=60)
+    assert time.monotonic() - t0 < 30
+    assert isinstance(info.value.__cause__, RankTraceback)
+    assert _children() == []
+
+
+def test_mixture_of_experts_refused_before_any_rank_starts():
+    """A mixture of experts (by preset name or as a config) is refused at construction,
+    naming it; no rank was started."""
+    with pytest.raises(ValueError, match="serves dense models; .*num_experts=8"):
+        LLM("qwen3-moe-tiny", device="cpu", tensor_parallel_size=2)
+    with pytest.raises(ValueError, match="serves dense models"):
+        LLM(get_preset("mixtral-tiny"), device="cpu", tensor_parallel_size=2)
+    assert _children() == []
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
+def test_tp2_nccl_loading_peak_is_the_shard(tmp_path):
+    """On two GPUs in bf16: while loading, each rank's GPU memory peaks at its shard, plus
+    the allocator's rounding (512 B a tensor) and the NaN check of one tensor (two bool
+    masks), and for random weights one fp32 group (a layer, or the embedding): less than
+    the whole model, from a checkpoint and from random weights."""
+    cfg = get_preset("llama-tiny").replace(num_hidden_layers=8)
+    model = random_model(cfg, "cpu", torch.bfloat16, seed=0)
+    whole = sum(p.numel() * 2 for p in model.parameters())
+    folder = save_pretrained(model, tmp_path / "ckpt")
+    state = model.state_dict()
+    slack = 512 * (len(state) + 4) + 2 * max(t.numel() for t in state.values())
+    group_fp32 = 4 * max(sum(p.numel() for p in model.model.layers[0].parameters()),
+                         model.model.embed_tokens.weight.numel())
+    for source, extra in ((folder, 0), (cfg, group_fp32)):
+        with LLM(source, dtype=torch.bfloat16, tensor_parallel_size=2, num_blocks=16) as llm:
+            stats = llm.runner.load_stats
+        for rank, s in enumerate(stats):
+            assert s["weight_bytes"] == _shard_bytes(cfg, 2, 2), (source, rank)
+            assert s["weight_bytes"] <= s["peak_gpu_bytes"] <= s["weight_bytes"] + extra + slack, \
+                (source, rank, s)
+            assert s["peak_gpu_bytes"] < whole, (source, rank, s)

@@ -96,7 +96,11 @@ class TPRunner:
     ``timeout_s``, the deadline of each step (``distributed_timeout_s``), may be
     changed. ``model``: what ``LLM`` takes, or a
     :class:`~llmnote.models.config.LlamaConfig` (random weights of that shape, seeded
-    as a preset's: shapes without a preset name, for benchmarks)."""
+    as a preset's: shapes without a preset name, for benchmarks); a ``Llama`` object is
+    written to a safetensors file the ranks read their slices from. ``load_stats``: per
+    rank, the bytes of its weights (``weight_bytes``), the bytes it read from weight files
+    (``bytes_read``; ``None`` for random weights) and on a GPU its peak memory while
+    loading (``peak_gpu_bytes``)."""
 
     def __init__(self, model: Llama | LlamaConfig | str | Path, config: EngineConfig,
                  dtype: torch.dtype | None = None, device: str | torch.device | None = None,
@@ -114,24 +118,36 @@ class TPRunner:
         if isinstance(model, LlamaConfig):  # random weights (a shape without a preset name)
             check_tp_shapes(model, n)
             source = ("config", model)
-        elif isinstance(model, Llama):
+        elif isinstance(model, Llama):  # written as safetensors: the ranks read their slices
+            from safetensors.torch import save_file
+
+            from llmnote.models.loader import weights_state
+
             check_tp_shapes(model.config, n)
-            path = Path(self._tmp.name) / "model.pt"
-            p = next(model.parameters())
-            torch.save({"config": model.config, "ops": _portable(model.ops), "dtype": p.dtype,
-                        "state": {k: v.detach().cpu() for k, v in model.state_dict().items()}},
-                       path)
-            source = ("state", str(path))
+            save_file(weights_state(model), Path(self._tmp.name) / "model.safetensors",
+                      metadata={"format": "pt"})
+            source = ("weights", {"folder": self._tmp.name, "config": model.config,
+                                  "ops": _portable(model.ops),
+                                  "dtype": next(model.parameters()).dtype})
         else:
-            from llmnote.models.presets import PRESETS
+            from llmnote.models.loader import read_config
+            from llmnote.models.presets import MOE_PRESETS, PRESETS
 
-            if str(model) in PRESETS:
-                check_tp_shapes(PRESETS[str(model)], n)
-            elif Path(model).is_dir() and (Path(model) / "config.json").is_file():
-                from llmnote.models.presets import from_hf_config
+            if not isinstance(model, (str, Path)):
+                raise TypeError("with tensor_parallel_size > 1, model must be a Llama, a "
+                                "LlamaConfig, a checkpoint folder or a preset name, got "
+                                f"{type(model).__name__}")
+            name = str(model)
+            if name == "shakespeare":  # its files checked once, here; the ranks read slices
+                from llmnote.models.shakespeare import checkpoint_dir, verify_checksums
 
-                check_tp_shapes(from_hf_config(Path(model) / "config.json"), n)
-            source = ("name", str(model) if isinstance(model, Path) else model)
+                verify_checksums(checkpoint_dir())
+                check_tp_shapes(read_config(checkpoint_dir()), n)
+            elif Path(name).is_dir() and (Path(name) / "config.json").is_file():
+                check_tp_shapes(read_config(name), n)
+            elif name in PRESETS or name in MOE_PRESETS:
+                check_tp_shapes({**PRESETS, **MOE_PRESETS}[name], n)
+            source = ("name", name if isinstance(model, Path) else model)
         ctx = mp.get_context("spawn")
         port = free_port()
         for rank in range(n):
@@ -159,14 +175,14 @@ class TPRunner:
 
     # ------------------------------------------------------------ waiting on the ranks
     def _wait_all_ready(self) -> dict:
-        pending, info = set(range(self.world_size)), None
+        pending, infos = set(range(self.world_size)), {}
         deadline = time.monotonic() + self.timeout_s
         while pending:
             for r, msg in self._receive(deadline, "starting", pending):
                 pending.discard(r)
-                if r == 0:
-                    info = msg[1]
-        return info
+                infos[r] = msg[1]
+        self.load_stats = [infos[r]["load"] for r in range(self.world_size)]
+        return infos[0]
 
     def _receive(self, deadline: float, what: str, want: set[int]) -> list[tuple[int, tuple]]:
         """Messages from the ranks in ``want``; raises if a rank failed, died or the deadline

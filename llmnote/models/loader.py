@@ -14,7 +14,8 @@ weight file must lie inside the folder once links are resolved, so an index
 cannot make the loader read ``../../elsewhere.safetensors``. The one exception
 is the Hugging Face hub cache, whose ``snapshots/<revision>/`` folders hold
 links into the repository's ``blobs/``. ``check_finite=True`` refuses weights
-holding NaN or inf (the engine turns it on).
+holding NaN or inf (the engine turns it on). :class:`SliceReader` reads one even
+slice of a tensor without the rest (a tensor-parallel rank's share).
 """
 
 from __future__ import annotations
@@ -211,6 +212,118 @@ def _check_names(model: Llama, stored: dict[str, tuple[int, ...]], folder: Path)
         )
 
 
+def stored_shapes(files: dict[str, Path]) -> dict[str, tuple[int, ...]]:
+    """Tensor name -> shape, from the safetensors headers (no tensor data is read)."""
+    stored: dict[str, tuple[int, ...]] = {}
+    for f in sorted(set(files.values())):
+        with _open(f) as sf:
+            for name in sf.keys():
+                if files.get(name) == f:
+                    stored[name] = tuple(sf.get_slice(name).get_shape())
+    return stored
+
+
+def check_checkpoint(config: LlamaConfig | MLAConfig, stored: dict[str, tuple[int, ...]],
+                     folder: str | Path, ops: LlamaOps | None = None) -> Llama | DeepseekV3:
+    """The model ``config`` describes, built on the meta device (shapes only), once the
+    checkpoint's tensors (``stored``: name -> shape) fit it; else :class:`CheckpointError`
+    listing the missing, unexpected and mis-shaped tensors."""
+    folder = Path(folder)
+    _check_layer_count(config.num_hidden_layers, stored, folder)
+    try:
+        with torch.device("meta"):  # shapes only: no memory, no random init
+            model = (DeepseekV3 if isinstance(config, MLAConfig) else Llama)(config, ops=ops)
+    except (RuntimeError, TypeError, ValueError, OverflowError) as e:  # sizes past int64, ...
+        first = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise CheckpointError(f"{folder / 'config.json'}: the model it describes cannot be "
+                              f"built ({first})") from e
+    _check_names(model, stored, folder)
+    return model
+
+
+# the floating dtypes of the safetensors format, as its headers spell them
+SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16,
+                      "BF16": torch.bfloat16}
+
+
+class SliceReader:
+    """Reads tensors of a checkpoint's safetensors files (``files``: name -> file, as
+    :func:`weight_files` gives) whole or one even slice along a dim. A slice comes from
+    safetensors' ``get_slice``: a view of the memory-mapped file, so copying it out reads
+    only the pages that hold it (a tensor-parallel rank reads its share of a weight).
+    ``bytes_read`` adds up the bytes of every tensor returned. Use it in a ``with`` block
+    (it keeps each file open until the block ends); copy what it returns before then."""
+
+    def __init__(self, files: dict[str, Path]) -> None:
+        self.files = files
+        self.bytes_read = 0
+        self._stack = contextlib.ExitStack()
+        self._handles: dict[Path, object] = {}
+
+    def __enter__(self) -> SliceReader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self._stack.close()
+        self._handles.clear()
+
+    def _handle(self, f: Path):
+        if f not in self._handles:
+            self._handles[f] = self._stack.enter_context(_open(f, device="cpu"))
+        return self._handles[f]
+
+    def _slice(self, name: str):
+        if name not in self.files:
+            raise CheckpointError(f"tensor {name} is in none of the checkpoint's files")
+        f = self.files[name]
+        try:
+            return f, self._handle(f).get_slice(name)
+        except SafetensorError as e:
+            raise CheckpointError(f"{f}: tensor {name} cannot be read: {e}") from None
+
+    def dtype(self, name: str) -> torch.dtype:
+        """The stored dtype of ``name`` (from the header); ``CheckpointError`` if not floating."""
+        f, sl = self._slice(name)
+        code = sl.get_dtype()
+        if code not in SAFETENSORS_DTYPES:
+            raise CheckpointError(f"{f}: tensor {name} has dtype {code}; expected floating point "
+                                  "weights (quantized checkpoints are not supported)")
+        return SAFETENSORS_DTYPES[code]
+
+    def first_dtype(self, names: set[str]) -> torch.dtype:
+        """The dtype of the first of ``names`` in file order: what :func:`load_pretrained`
+        keeps on the CPU when no dtype is asked for."""
+        for f in sorted(set(self.files.values())):
+            for name in self._handle(f).keys():
+                if self.files.get(name) == f and name in names:
+                    return self.dtype(name)
+        raise CheckpointError(f"none of the {len(names)} expected tensors is in the checkpoint")
+
+    def read(self, name: str, dim: int | None = None, index: int = 0,
+             parts: int = 1) -> torch.Tensor:
+        """Tensor ``name`` on the CPU in its stored dtype: whole (``dim=None``), or slice
+        ``index`` of ``parts`` equal slices along ``dim``."""
+        f, sl = self._slice(name)
+        self.dtype(name)  # floating point, or a CheckpointError
+        shape = sl.get_shape()
+        try:
+            if dim is None:
+                t = self._handle(f).get_tensor(name)
+            else:
+                if not (0 <= dim < len(shape)) or shape[dim] % parts:
+                    raise CheckpointError(f"{f}: tensor {name} of shape {tuple(shape)} cannot "
+                                          f"be cut into {parts} equal slices along dim {dim}")
+                n = shape[dim] // parts
+                t = sl[(slice(None),) * dim + (slice(index * n, (index + 1) * n),)]
+        except SafetensorError as e:
+            raise CheckpointError(f"{f}: tensor {name} cannot be read: {e}") from None
+        self.bytes_read += t.numel() * t.element_size()
+        return t
+
+
 def load_pretrained(
     path: str | Path,
     dtype: torch.dtype | None = None,
@@ -244,22 +357,7 @@ def load_pretrained(
     config = read_config(folder)
     device, dtype = placement(device, dtype)
     files = weight_files(folder)
-
-    stored: dict[str, tuple[int, ...]] = {}
-    for f in sorted(set(files.values())):
-        with _open(f) as sf:
-            for name in sf.keys():
-                if files.get(name) == f:
-                    stored[name] = tuple(sf.get_slice(name).get_shape())
-    _check_layer_count(config.num_hidden_layers, stored, folder)
-    try:
-        with torch.device("meta"):  # shapes only: no memory, no random init
-            model = (DeepseekV3 if isinstance(config, MLAConfig) else Llama)(config, ops=ops)
-    except (RuntimeError, TypeError, ValueError, OverflowError) as e:  # sizes past int64, ...
-        first = str(e).splitlines()[0] if str(e) else type(e).__name__
-        raise CheckpointError(f"{folder / 'config.json'}: the model it describes cannot be "
-                              f"built ({first})") from e
-    _check_names(model, stored, folder)
+    model = check_checkpoint(config, stored_shapes(files), folder, ops)
 
     state: dict[str, torch.Tensor] = {}
     expected = model.state_dict().keys()
@@ -298,6 +396,15 @@ def _check_finite(t: torch.Tensor, stored: torch.Tensor, f: Path, name: str) -> 
                               "(check_finite=True)")
 
 
+def weights_state(model: Llama) -> dict[str, torch.Tensor]:
+    """The tensors a checkpoint stores: the state dict, contiguous on the CPU, without
+    ``lm_head.weight`` when it is the embedding (tied)."""
+    state = {n: t.detach().contiguous().cpu() for n, t in model.state_dict().items()}
+    if model.config.tie_word_embeddings:
+        state.pop("lm_head.weight")
+    return state
+
+
 def save_pretrained(model: Llama, path: str | Path, max_shard_bytes: int | None = None) -> Path:
     """Write ``config.json`` and safetensors weights that :func:`load_pretrained` (and
     Hugging Face transformers) can read; with ``max_shard_bytes``, shards plus an index."""
@@ -309,9 +416,7 @@ def save_pretrained(model: Llama, path: str | Path, max_shard_bytes: int | None 
     folder.mkdir(parents=True, exist_ok=True)
     config = model.config.to_hf() if isinstance(model.config, MLAConfig) else \
         to_hf_config(model.config)
-    state = {n: t.detach().contiguous().cpu() for n, t in model.state_dict().items()}
-    if model.config.tie_word_embeddings:
-        state.pop("lm_head.weight")
+    state = weights_state(model)
     config["torch_dtype"] = str(next(iter(state.values())).dtype).removeprefix("torch.")
     (folder / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     shards: list[dict[str, torch.Tensor]] = [{}]

@@ -9,12 +9,12 @@ from llmnote.parallel.ring_attention import (
 )
 from llmnote.parallel.tensor_parallel import (
     ColumnParallelLinear, Comm, RowParallelLinear, allreduce_bytes_per_token, kv_shard,
-    local_config, shard, shard_decoder_layer, shard_llama,
+    local_config, shard, shard_decoder_layer, shard_llama, shard_spec,
 )
 
 __all__ = [
     "ColumnParallelLinear", "Comm", "RowParallelLinear", "allreduce_bytes_per_token",
     "chunk_sizes", "free_port", "kv_shard", "launch", "local_config", "merge_partials",
     "ring_attention", "ring_attention_ref", "shard", "shard_decoder_layer",
-    "shard_llama",
+    "shard_llama", "shard_spec",
 ]

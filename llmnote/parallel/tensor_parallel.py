@@ -22,7 +22,8 @@ second, and anything elementwise in between (SwiGLU) or independent per head
 
 One all-reduce of the (tokens, hidden) activations per attention block and one
 per MLP block: ``2 * num_layers`` per forward pass. Norms, embeddings and the
-output head stay replicated here (every rank holds them whole).
+output head stay replicated here (every rank holds them whole). :func:`shard_spec`
+states these rules tensor by tensor.
 
 Shards must be even: ``out`` (heads, intermediate size) divisible by ``p``;
 key/value heads divisible by ``p``, or, when ``p`` is a multiple of them, each
@@ -169,6 +170,30 @@ def local_config(cfg: LlamaConfig, world_size: int) -> LlamaConfig:
                        intermediate_size=cfg.intermediate_size // world_size)
 
 
+COLUMN_PARALLEL = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")  # split by output rows
+ROW_PARALLEL = ("o_proj", "down_proj")  # split by input columns; their bias stays whole
+
+
+def shard_spec(name: str, cfg: LlamaConfig, rank: int,
+               world_size: int) -> tuple[int, int, int] | None:
+    """How rank ``rank`` holds the Llama tensor ``name`` (a state-dict name such as
+    ``model.layers.3.self_attn.k_proj.weight``): ``(dim, index, parts)`` when it keeps
+    slice ``index`` of ``parts`` equal slices along ``dim``, ``None`` when it keeps the
+    tensor whole. The one statement of the sharding rules: the layers below and the
+    engine's ranks, which read their slices straight from a checkpoint, both use it."""
+    _check_rank(rank, world_size)
+    module, _, kind = name.rpartition(".")
+    module = module.rpartition(".")[2]
+    if module in ("k_proj", "v_proj"):  # whole kv heads, split or replicated
+        index, parts = kv_shard(cfg.num_key_value_heads, rank, world_size)
+        return 0, index, parts
+    if module in COLUMN_PARALLEL:
+        return 0, rank, world_size
+    if module in ROW_PARALLEL and kind == "weight":
+        return 1, rank, world_size
+    return None
+
+
 def shard_decoder_layer(layer: DecoderLayer, cfg: LlamaConfig, rank: int, world_size: int,
                         comm: Comm) -> DecoderLayer:
     """Rank ``rank``'s part of one decoder block: a :class:`DecoderLayer` of the local
@@ -178,20 +203,23 @@ def shard_decoder_layer(layer: DecoderLayer, cfg: LlamaConfig, rank: int, world_
     ref_attn = layer.self_attn
     loc = local_config(cfg, world_size)
     out = DecoderLayer(loc, ref_attn.layer_idx, ref_attn.ops)
-    kv_index, kv_parts = kv_shard(cfg.num_key_value_heads, rank, world_size)
-    a = out.self_attn
-    a.q_proj = ColumnParallelLinear.from_linear(ref_attn.q_proj, rank, world_size, "q_proj")
-    a.k_proj = ColumnParallelLinear.from_linear(ref_attn.k_proj, kv_index, kv_parts, "k_proj")
-    a.v_proj = ColumnParallelLinear.from_linear(ref_attn.v_proj, kv_index, kv_parts, "v_proj")
-    a.o_proj = RowParallelLinear.from_linear(ref_attn.o_proj, rank, world_size, comm, "o_proj")
+
+    def col(parent: nn.Module, name: str) -> ColumnParallelLinear:
+        _, index, parts = shard_spec(f"{name}.weight", cfg, rank, world_size)
+        return ColumnParallelLinear.from_linear(getattr(parent, name), index, parts, name)
+
+    def row(parent: nn.Module, name: str) -> RowParallelLinear:
+        _, index, parts = shard_spec(f"{name}.weight", cfg, rank, world_size)
+        return RowParallelLinear.from_linear(getattr(parent, name), index, parts, comm, name)
+
+    a, m, ref_mlp = out.self_attn, out.mlp, layer.mlp
+    a.q_proj, a.k_proj, a.v_proj = (col(ref_attn, n) for n in ("q_proj", "k_proj", "v_proj"))
+    a.o_proj = row(ref_attn, "o_proj")
     if cfg.qk_norm:  # one weight over head_dim, shared by every head: replicated
         a.q_norm.load_state_dict(ref_attn.q_norm.state_dict())
         a.k_norm.load_state_dict(ref_attn.k_norm.state_dict())
-    m, ref_mlp = out.mlp, layer.mlp
-    m.gate_proj = ColumnParallelLinear.from_linear(ref_mlp.gate_proj, rank, world_size, "gate_proj")
-    m.up_proj = ColumnParallelLinear.from_linear(ref_mlp.up_proj, rank, world_size, "up_proj")
-    m.down_proj = RowParallelLinear.from_linear(ref_mlp.down_proj, rank, world_size, comm,
-                                                "down_proj")
+    m.gate_proj, m.up_proj = col(ref_mlp, "gate_proj"), col(ref_mlp, "up_proj")
+    m.down_proj = row(ref_mlp, "down_proj")
     out.input_layernorm.load_state_dict(layer.input_layernorm.state_dict())
     out.post_attention_layernorm.load_state_dict(layer.post_attention_layernorm.state_dict())
     return out.to(layer.input_layernorm.weight.dtype)
