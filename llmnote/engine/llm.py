@@ -40,9 +40,7 @@ it could not keep exact.
 from __future__ import annotations
 
 import gc
-import json
 import time
-import warnings
 import weakref
 from collections.abc import Iterator, Sequence as Seq
 from dataclasses import dataclass
@@ -51,19 +49,16 @@ from pathlib import Path
 import torch
 
 from llmnote.engine.config import EngineConfig
+from llmnote.engine.loading import MODEL_CLASSES, draft_runner, load_model, share_cache
+from llmnote.engine.mla_runner import MLAModelRunner
 from llmnote.engine.model_runner import DecodeRun, ModelRunner
 from llmnote.engine.sampling_params import SamplingParams
 from llmnote.engine.scheduler import ScheduledBatch, Scheduler
 from llmnote.engine.sequence import Sequence
-from llmnote.engine.mla_runner import MLAModelRunner
-from llmnote.models.deepseek import DeepseekV3
 from llmnote.engine.speculative import SpeculativeConfig, Speculator, check_params, load_draft
+from llmnote.models.deepseek import DeepseekV3
 from llmnote.models.llama import Llama, LlamaOps
-from llmnote.models.presets import MOE_PRESETS, PRESETS, get_preset
 from llmnote.nvtx import annotate
-
-
-MODEL_CLASSES = (Llama, DeepseekV3)  # the models an engine serves as they are given
 
 
 @dataclass(frozen=True)
@@ -90,58 +85,6 @@ class StreamEvent:
     finish_reason: str | None
 
 
-def _load(model: object, dtype: torch.dtype | None, device: str | torch.device | None,
-          ops: LlamaOps | None, seed: int):
-    """(Llama, tokenizer or None, end-of-text ids), on the fast path unless told otherwise:
-    on a CUDA GPU the model goes to the GPU in bf16 (fp16 without bf16) with llmnote's
-    kernels; on the CPU checkpoints keep their dtype, the rest is fp32."""
-    from llmnote.device import placement
-
-    if isinstance(model, MODEL_CLASSES):
-        p = next(model.parameters())
-        default_dev, default_dt = placement()
-        if device is None and p.device.type == "cpu" and default_dev.type == "cuda":
-            dev, dt = placement(default_dev, dtype or default_dt)  # the fast path: move it
-            warnings.warn(f"LLM: moving the model to {dev} in {str(dt).removeprefix('torch.')} "
-                          "(in place); pass device='cpu' to keep it where it is", stacklevel=3)
-        else:  # where its owner put it, or where the caller says
-            dev, dt = placement(p.device if device is None else device, dtype or p.dtype)
-        if dev != p.device or dt != p.dtype:
-            model.to(device=dev, dtype=dt)
-        if ops is not None:
-            model.use_ops(ops)
-        return model.eval(), None, []
-    if not isinstance(model, (str, Path)):
-        raise TypeError(f"model must be a Llama, a checkpoint folder or a preset name, "
-                        f"got {type(model).__name__}")
-    if str(model) == "shakespeare":
-        from llmnote.models.shakespeare import EOS_TOKEN, load_shakespeare
-
-        m, tok = load_shakespeare(dtype=dtype, device=device, ops=ops)
-        return m, tok, [tok.token_to_id(EOS_TOKEN)]
-    if Path(model).is_dir():
-        from llmnote.models.loader import load_pretrained
-
-        # a checkpoint's weights are checked for NaN and inf on the way in
-        m = load_pretrained(model, dtype=dtype, device=device, ops=ops, check_finite=True)
-        tok = None
-        if (Path(model) / "tokenizer.json").is_file():
-            import tokenizers
-
-            tok = tokenizers.Tokenizer.from_file(str(Path(model) / "tokenizer.json"))
-        eos = json.loads((Path(model) / "config.json").read_text()).get("eos_token_id")
-        eos = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
-        return m, tok, eos
-    if str(model) in PRESETS or str(model) in MOE_PRESETS:
-        dev, dt = placement(device, dtype, cpu_dtype=torch.float32)
-        torch.manual_seed(seed)
-        with torch.device(dev):  # random weights made where they will live
-            m = Llama(get_preset(str(model)), ops=ops)
-        return m.to(dtype=dt).eval(), None, []
-    raise ValueError(f"model {str(model)!r} is neither a checkpoint folder, 'shakespeare' nor a "
-                     f"preset (presets: {sorted(PRESETS) + sorted(MOE_PRESETS)})")
-
-
 _LIVE: weakref.WeakSet = weakref.WeakSet()  # the engines of this process not yet closed
 
 
@@ -156,34 +99,6 @@ def _others_hint(dev: torch.device) -> str:
     return (f"; {len(held)} other engine(s) of this process still hold "
             f"{sum(held) / 2**30:.2f} GiB of KV cache on {dev}: call close() on them, "
             f"or `del` them, before building another (`with LLM(...) as llm:` does it)")
-
-
-def _share_cache(model: Llama, draft: Llama | None, config: EngineConfig) -> EngineConfig:
-    """The model's engine settings when a draft model shares its block tables: on a GPU
-    with the cache sized from memory, the blocks that fit are split between the two
-    caches in proportion to their bytes per block."""
-    p = next(model.parameters())
-    if draft is None or config.num_blocks is not None or p.device.type != "cuda":
-        return config
-    from llmnote.engine.kv_cache import choose_num_blocks, kv_bytes_per_block
-
-    max_len = min(config.max_model_len or 10**12, model.config.max_position_embeddings)
-    n = choose_num_blocks(model, config, p.dtype, p.device, max_len)
-    kt = kv_bytes_per_block(model, config.block_size, p.dtype)
-    kd = kv_bytes_per_block(draft, config.block_size, p.dtype)
-    return config.replace(num_blocks=max(1, n * kt // (kt + kd)))
-
-
-def _draft_runner(draft: Llama, runner: ModelRunner, config: EngineConfig) -> ModelRunner:
-    """The draft's runner: its own cache of as many blocks as the model's, indexed by the
-    same block tables."""
-    out = ModelRunner(draft, config.replace(num_blocks=runner.num_blocks,
-                                            max_model_len=runner.max_model_len))
-    if out.max_model_len < runner.max_model_len:
-        raise ValueError(f"the draft's context ({out.max_model_len} tokens) is shorter than the "
-                         f"engine's max_model_len ({runner.max_model_len}); pass a smaller "
-                         "max_model_len")
-    return out
 
 
 class LLM:
@@ -219,7 +134,7 @@ class LLM:
                 self.model = model if isinstance(model, Llama) else r.model
                 tok, eos = r.tokenizer, r.eos
             else:
-                self.model, tok, eos = _load(model, dtype, device, ops, config.seed)
+                self.model, tok, eos = load_model(model, dtype, device, ops, config.seed)
             # loaded here: close() drops it
             self._owns_model = not isinstance(model, MODEL_CLASSES)
             self.tokenizer = tokenizer if tokenizer is not None else tok
@@ -237,7 +152,7 @@ class LLM:
                                      "this model is a DeepseekV3 (latent attention)")
                 self.runner = MLAModelRunner(self.model, config)
             else:
-                self.runner = ModelRunner(self.model, _share_cache(self.model, draft, config))
+                self.runner = ModelRunner(self.model, share_cache(self.model, draft, config))
         except (torch.OutOfMemoryError, ValueError) as e:
             hint = _others_hint(torch.device("cuda", torch.cuda.current_device())) \
                 if torch.cuda.is_available() else ""
@@ -249,7 +164,7 @@ class LLM:
         self.speculator: Speculator | None = None
         if speculative is not None:
             self.speculator = Speculator(speculative, self.runner, None if draft is None else
-                                         _draft_runner(draft, self.runner, config))
+                                         draft_runner(draft, self.runner, config))
         self.scheduler = Scheduler(config, self.runner.num_blocks, self.max_model_len)
         self._next_id = 0
         self.requests: dict[int, Sequence] = {}  # every submitted request, by id

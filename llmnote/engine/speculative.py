@@ -210,7 +210,7 @@ class SpeculationStats:
 def load_draft(config: SpeculativeConfig, target, target_tokenizer, seed: int):
     """The draft model, on the target's device and dtype, checked against the target:
     same vocabulary (and tokenizer, when both have one), fewer parameters."""
-    from llmnote.engine.llm import _load
+    from llmnote.engine.loading import load_model
     from llmnote.models.shakespeare import DRAFT_DIR
 
     p = next(target.parameters())
@@ -222,7 +222,7 @@ def load_draft(config: SpeculativeConfig, target, target_tokenizer, seed: int):
 
         model, tok = load_shakespeare(DRAFT_DIR, dtype=p.dtype, device=p.device)
     else:
-        model, tok, _ = _load(draft, p.dtype, p.device, None, seed)
+        model, tok, _ = load_model(draft, p.dtype, p.device, None, seed)
     if model is target:
         raise ValueError("draft= is the model itself; pass a smaller model with its vocabulary")
     v, vd = target.config.vocab_size, model.config.vocab_size

@@ -269,7 +269,7 @@ def load_shard(source: tuple, rank: int, world_size: int, comm: Comm, device: to
     ``"shakespeare"``, a checkpoint folder or a preset (random weights). Checkpoints are
     read slice by slice, random weights made layer by layer."""
     from llmnote.device import placement
-    from llmnote.engine.llm import _load
+    from llmnote.engine.loading import load_model
     from llmnote.models.loader import read_config
     from llmnote.models.presets import PRESETS
 
@@ -307,7 +307,7 @@ def load_shard(source: tuple, rank: int, world_size: int, comm: Comm, device: to
         dev, dt = placement(device, dtype, cpu_dtype=torch.float32)
         return (build_shard(cfg, rank, world_size, comm, RandomWeights(cfg, dev, dt, seed).read,
                             ops), cfg, None, [], None)
-    _load(what, dtype, device, ops, seed)  # not a model: its error
+    load_model(what, dtype, device, ops, seed)  # not a model: its error
     raise ValueError(f"model {what!r} cannot be served with tensor parallelism")
 
 

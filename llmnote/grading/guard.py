@@ -142,7 +142,8 @@ def _forbidden(mod: str, func: str, rules: frozenset[str]) -> bool:
             or f"{mod}.{func}" in rules)
 
 
-_MACHINERY = ("grading.guard", "grading.sandbox")  # the graded call's own code
+# the graded call's own code
+_MACHINERY = ("grading.guard", "grading.sandbox", "grading.student_server")
 
 
 class _Watch:

@@ -1,6 +1,6 @@
 """The student's code in a process of its own, called from the grader's.
 
-:class:`StudentProcess` starts ``python -m llmnote.grading.sandbox`` in a new
+:class:`StudentProcess` starts ``python -m llmnote.grading.student_server`` in a new
 session (its own process group), in an empty working folder, with its output
 going to a size-limited file, and runs the submission's cells there. The
 checks run in the grader's process: each call of a student function is a
@@ -34,7 +34,7 @@ from typing import Any
 
 import torch
 
-_TENSOR, _REMOTE = "__llmnote_tensor__", "__llmnote_remote__"
+TENSOR, REMOTE = "__llmnote_tensor__", "__llmnote_remote__"
 _HEADER = struct.Struct("<Q")
 MAX_MESSAGE = 1 << 30
 
@@ -59,7 +59,7 @@ class _PlainUnpickler(pickle.Unpickler):
         raise pickle.UnpicklingError(f"refused to load {module}.{name}")
 
 
-def _write(fd: int, payload: bytes) -> None:
+def write_message(fd: int, payload: bytes) -> None:
     data = _HEADER.pack(len(payload)) + payload
     view = memoryview(data)
     while view:
@@ -82,7 +82,7 @@ def _read_exact(fd: int, n: int, deadline: float | None) -> bytes:
     return b"".join(chunks)
 
 
-def _read(fd: int, deadline: float | None) -> bytes:
+def read_message(fd: int, deadline: float | None) -> bytes:
     (n,) = _HEADER.unpack(_read_exact(fd, _HEADER.size, deadline))
     if n > MAX_MESSAGE:
         raise StudentDied(f"a message of {n} bytes from the student process")
@@ -173,7 +173,7 @@ class StudentProcess:
                    PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
         try:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "llmnote.grading.sandbox", str(to_child_r),
+                [sys.executable, "-m", "llmnote.grading.student_server", str(to_child_r),
                  str(from_child_w), str(self.output_limit_bytes)],
                 stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
                 cwd=self.workdir, env=env, start_new_session=True,
@@ -230,13 +230,13 @@ class StudentProcess:
 
     def _send(self, msg: Any) -> None:
         try:
-            _write(self._fds[1], pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL))
+            write_message(self._fds[1], pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL))
         except (BrokenPipeError, OSError, TypeError) as e:
             raise StudentDied(self._why_dead()) from e
 
     def _reply(self, deadline: float | None) -> Any:
         try:
-            raw = _read(self._fds[0], deadline)
+            raw = read_message(self._fds[0], deadline)
         except TimeoutError:
             self.kill()
             raise StudentTimeout("time limit") from None
@@ -254,9 +254,9 @@ class StudentProcess:
             raise StudentDied(f"the student process sent something unreadable ({e})") from e
 
     def _decode(self, obj: Any) -> Any:
-        if isinstance(obj, tuple) and len(obj) == 6 and obj[0] == _TENSOR:
+        if isinstance(obj, tuple) and len(obj) == 6 and obj[0] == TENSOR:
             return _decode_tensor(obj)
-        if isinstance(obj, tuple) and len(obj) == 3 and obj[0] == _REMOTE:
+        if isinstance(obj, tuple) and len(obj) == 3 and obj[0] == REMOTE:
             return Remote(self, int(obj[1]), str(obj[2]))
         if isinstance(obj, (list, tuple)):
             return type(obj)(self._decode(o) for o in obj)
@@ -304,7 +304,7 @@ class StudentProcess:
         if isinstance(obj, Remote):
             if obj._proc is not self:
                 raise ValueError("a handle of another student process")
-            return (_REMOTE, obj._oid, obj._kind)
+            return (REMOTE, obj._oid, obj._kind)
         if isinstance(obj, (list, tuple)) and not isinstance(obj, torch.Size):
             items = [self._encode(o) for o in obj]
             return items if isinstance(obj, list) else tuple(items)
@@ -411,179 +411,3 @@ def _rebuild(value: Any) -> BaseException:
         return StudentError(f"{name}: {message}")
     cls = base if name == base.__name__ else type(str(name), (base,), {})
     return cls(message)
-
-
-# ------------------------------------------------------------------ the student's side
-
-def _plain(obj: Any, depth: int = 0) -> bool:
-    if depth > 50:
-        return False
-    if obj is None or type(obj) in (bool, int, float, str, bytes):
-        return True
-    if type(obj) is torch.Tensor:
-        return not (obj.requires_grad and obj.grad_fn is not None)
-    if type(obj) in (list, tuple, set, frozenset):
-        return all(_plain(o, depth + 1) for o in obj)
-    if type(obj) is dict:
-        return all(type(k) in (int, str, float, bool, tuple) and _plain(k, depth + 1)
-                   and _plain(v, depth + 1) for k, v in obj.items())
-    return False
-
-
-def _to_wire(obj: Any) -> Any:
-    if type(obj) is torch.Tensor:
-        t = obj.detach()
-        data = t.cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes() \
-            if t.numel() else b""
-        return (_TENSOR, str(t.dtype), tuple(t.shape), str(t.device), data, obj.requires_grad)
-    if type(obj) in (list, tuple):
-        items = [_to_wire(o) for o in obj]
-        return items if type(obj) is list else tuple(items)
-    if type(obj) is dict:
-        return {k: _to_wire(v) for k, v in obj.items()}
-    return obj
-
-
-class _Server:
-    def __init__(self, fd_in: int, fd_out: int):
-        self.fd_in, self.fd_out = fd_in, fd_out
-        self.ns: dict[str, Any] = {"__name__": "__main__", "display": print}
-        self.objects: dict[int, Any] = {0: _Namespace(self.ns)}
-        self.rules = None
-
-    def handle(self, obj: Any) -> Any:
-        if isinstance(obj, (int, float)) and type(obj) not in (int, float, bool):
-            try:
-                obj = obj.item()  # numpy and torch scalars
-            except Exception:  # noqa: BLE001
-                pass
-        if _plain(obj):
-            return _to_wire(obj)
-        oid = len(self.objects)
-        self.objects[oid] = obj
-        return (_REMOTE, oid, type(obj).__name__)
-
-    def unwrap(self, obj: Any) -> Any:
-        if isinstance(obj, tuple) and len(obj) == 3 and obj[0] == _REMOTE:
-            return self.objects[obj[1]]
-        if isinstance(obj, (list, tuple)) and not isinstance(obj, torch.Size):
-            items = [self.unwrap(o) for o in obj]
-            return items if isinstance(obj, list) else tuple(items)
-        if isinstance(obj, dict):
-            return {k: self.unwrap(v) for k, v in obj.items()}
-        return obj
-
-    def send(self, msg: Any) -> None:
-        try:
-            payload = pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL)
-        except Exception as e:  # noqa: BLE001
-            payload = pickle.dumps(("error", ("TypeError", f"cannot send the result: {e}",
-                                              ["TypeError"]), None))
-        _write(self.fd_out, payload)
-
-    def call(self, oid: int, args: tuple, kwargs: dict) -> Any:
-        from llmnote.grading import guard
-
-        fn = self.objects[oid]
-        args, kwargs = self.unwrap(args), self.unwrap(kwargs)
-        name = getattr(fn, "__name__", "the function")
-        rules = self.rules or guard.NO_RULES
-        try:
-            inner = fn.fn if isinstance(fn, _Named) else fn
-            out = guard.graded_call(name, inner, args, kwargs, rules)
-        finally:
-            self.after = (self.handle(list(args)), self.handle(kwargs))
-        return out
-
-    def serve(self) -> None:
-        while True:
-            try:
-                raw = _read(self.fd_in, None)
-            except EOFError:
-                return
-            msg = pickle.loads(raw)  # noqa: S301  (from the grader, which started us)
-            op, args = msg[0], msg[1:]
-            self.after = None
-            try:
-                if op == "rules":
-                    self.rules = args[0]
-                    out = None
-                elif op == "cell":
-                    out = self.cell(*args)
-                elif op == "kinds":
-                    out = {n: ("missing" if n not in self.ns else
-                               "callable" if callable(self.ns[n]) else "value") for n in args[0]}
-                elif op == "getattr":
-                    obj = self.objects[args[0]]
-                    out = getattr(obj, args[1])
-                    if args[0] == 0 and callable(out) and not isinstance(out, type):
-                        out = _Named(args[1], out)
-                elif op == "setattr":
-                    setattr(self.objects[args[0]], args[1], self.unwrap(args[2]))
-                    out = None
-                elif op == "call":
-                    out = self.call(*args)
-                elif op == "len":
-                    out = len(self.objects[args[0]])
-                elif op == "list":
-                    out = list(self.objects[args[0]])
-                elif op == "float":
-                    out = float(self.objects[args[0]])
-                else:
-                    raise ValueError(f"unknown request {op!r}")
-                reply = ("ok", self.handle(out), self.after)
-            except BaseException as e:  # noqa: BLE001  (reported; the grader decides)
-                bases = [c.__name__ for c in type(e).__mro__]
-                reply = ("error", (type(e).__name__, str(e)[:2000], bases), self.after)
-            sys.stdout.flush()
-            self.send(reply)
-
-    def cell(self, i: int, src: str) -> None:
-        import linecache
-
-        filename = f"<student cell {i}>"
-        linecache.cache[filename] = (len(src), None, src.splitlines(keepends=True), filename)
-        exec(compile(src, filename, "exec"), self.ns)  # noqa: S102
-
-
-class _Namespace:
-    def __init__(self, ns: dict[str, Any]):
-        self._ns = ns
-
-    def __getattr__(self, name: str) -> Any:
-        try:
-            return self._ns[name]
-        except KeyError:
-            raise NameError(f"{name} is not defined") from None
-
-
-class _Named:
-    """A student function under the name the notebook gave it (for the rules)."""
-
-    def __init__(self, name: str, fn: Any):
-        self.__name__, self.fn = name, fn
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        return self.fn(*args, **kwargs)
-
-
-def _main(argv: list[str]) -> int:
-    import resource
-
-    fd_in, fd_out, limit = int(argv[0]), int(argv[1]), int(argv[2])
-    resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
-    import llmnote  # noqa: F401  (sets the backend before any kernel is defined)
-    from llmnote.grading import guard
-
-    guard.install()
-    server = _Server(fd_in, fd_out)
-    raw = _read(fd_in, None)
-    server.rules = pickle.loads(raw)[1]  # noqa: S301
-    server.send(("ok", None, None))
-    server.serve()
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(_main(sys.argv[1:]))
