@@ -1,0 +1,189 @@
+"""llmnote.ops.gluon: the Gluon copy and Hopper matmul.
+
+On every machine (no GPU needed): each kernel compiles for sm_90 with the installed
+Triton, and the compiled code holds what the book says it holds (128-bit loads in
+the copy; TMA copies, mbarrier waits and ``wgmma.mma_async`` in the matmul; the
+shared memory of the ring; no register spills); bad inputs and a missing Hopper GPU
+raise clear errors. On a Hopper GPU: results against the references on fresh random
+inputs, odd sizes, bf16 and fp16. The matmul refuses K or N that are not multiples
+of 8 (TMA's 16-byte rows); M is free.
+"""
+
+import importlib
+
+import pytest
+import torch
+
+from llmnote import device
+from llmnote.ops import gluon
+from llmnote.ops.gluon import compile_copy, compile_kernel, compile_matmul, copy, copy_ref, matmul, matmul_ref
+from llmnote.testing import assert_close_lowp
+
+gmm = importlib.import_module("llmnote.ops.gluon.matmul")  # the module (gluon.matmul is the function)
+gcopy = importlib.import_module("llmnote.ops.gluon.copy")
+
+DTYPES = [torch.bfloat16, torch.float16]
+cap = device.capability()
+on_hopper = device.on_gpu() and cap is not None and cap[0] == 9
+needs_hopper = pytest.mark.skipif(not on_hopper, reason="needs a Hopper GPU (compute capability 9.x)")
+needs_gpu = pytest.mark.skipif(not (device.on_gpu() and cap is not None and cap >= (8, 0)),
+                               reason="needs a CUDA GPU of compute capability 8.0 or newer")
+off_gpu = pytest.mark.skipif(device.on_gpu(), reason="checks the error raised without a GPU")
+
+
+# --------------------------------------------------------------- compiled for sm_90, any machine
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.int8], ids=str)
+def test_copy_compiles_to_128_bit_accesses(dtype):
+    size = torch.empty((), dtype=dtype).element_size()
+    c = compile_copy(dtype)
+    # 4 runs of 16 bytes per thread per program: four 128-bit loads and four stores, nothing narrower
+    assert c.count("ld.global.v4.b32") == 4 and c.count("st.global.v4.b32") == 4
+    assert c.count("ld.global") == 4 and c.count("st.global") == 4
+    assert c.shared == 0 and c.spilled == 0
+    # a length that is not a multiple of 16: the masks fall anywhere, one element per access
+    u = compile_copy(dtype, aligned=False)
+    assert u.count("ld.global.v") == 0
+    assert u.count("ld.global") == 4 * (16 // size)
+    assert u.lines("ld.global")[0].split()[1] == f"ld.global.b{8 * size}"
+
+
+@pytest.mark.parametrize("b_trans", [False, True], ids=["KN", "NK^T"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_matmul_compiles_to_tma_mbarriers_and_wgmma(dtype, b_trans):
+    cfg = gmm.DEFAULT_CONFIG
+    c = compile_matmul(dtype, b_trans=b_trans)
+    ptx = c.asm["ptx"]
+    t = "bf16" if dtype == torch.bfloat16 else "f16"
+    # two warpgroups, each 64 rows x BLOCK_N columns per instruction, 16 deep in K
+    wgmma = c.lines("wgmma.mma_async")
+    assert len(wgmma) == cfg["BLOCK_K"] // 16
+    assert all(w.startswith(f"wgmma.mma_async.sync.aligned.m64n{cfg['BLOCK_N']}k16.f32.{t}.{t}") for w in wgmma)
+    assert c.count("wgmma.wait_group.sync.aligned 1") >= 1 and c.count("wgmma.wait_group.sync.aligned 0") >= 1
+    # TMA: tile loads into shared memory that complete on an mbarrier, one tile store back
+    # (Triton 3.6 writes the destination state space as shared::cluster, later ones shared::cta)
+    loads = [x for x in c.lines("cp.async.bulk.tensor.2d.shared") if "mbarrier::complete_tx" in x]
+    assert len(loads) == 2 * (cfg["NUM_STAGES"] - 1) + 2  # A and B: in the prologue, then once in the loop
+    assert c.count("cp.async.bulk.tensor.2d.global.shared") == 1
+    assert "mbarrier.try_wait.parity" in ptx and "mbarrier.arrive.expect_tx" in ptx
+    assert "ld.global" not in ptx  # every byte of A and B comes through TMA
+    ring = cfg["NUM_STAGES"] * (cfg["BLOCK_M"] + cfg["BLOCK_N"]) * cfg["BLOCK_K"] * 2
+    assert ring <= c.shared <= ring + cfg["BLOCK_M"] * cfg["BLOCK_N"] * 2 + 1024
+    assert c.shared <= 227 * 1024  # an H100's shared memory per block
+    assert c.spilled == 0 and c.registers <= 255
+
+
+def test_matmul_config_changes_the_instruction():
+    c = compile_matmul(torch.bfloat16, BLOCK_N=128, num_warps=4, NUM_STAGES=4)
+    assert all(w.startswith("wgmma.mma_async.sync.aligned.m64n128k16") for w in c.lines("wgmma.mma_async"))
+    assert c.shared >= 4 * (128 + 128) * 64 * 2
+
+
+def test_compile_kernel_names_bad_arguments():
+    sig = {"src_ptr": "*fp32", "dst_ptr": "*fp32", "n": "i32", "BLOCK": "constexpr", "VEC": "constexpr"}
+    with pytest.raises(ValueError, match="missing"):
+        compile_kernel(gcopy._copy_kernel, {k: v for k, v in sig.items() if k != "n"}, {"BLOCK": 512, "VEC": 4})
+    with pytest.raises(ValueError, match="no argument"):
+        compile_kernel(gcopy._copy_kernel, sig, {"BLOCK": 512, "VEC": 4, "WIDTH": 2})
+    with pytest.raises(TypeError, match="dtype"):
+        compile_matmul(torch.float32)
+    with pytest.raises(TypeError, match="unknown config"):
+        compile_matmul(torch.bfloat16, BLOCK=64)
+
+
+# ------------------------------------------------------------------------------ errors
+def test_matmul_bad_inputs():
+    bf = torch.bfloat16
+    a = torch.zeros(16, 32, dtype=bf)
+    with pytest.raises(TypeError, match="a must have dtype"):
+        matmul(a.float(), torch.zeros(32, 16))
+    with pytest.raises(TypeError, match="dtype"):
+        matmul(a, torch.zeros(32, 16, dtype=torch.float16))
+    with pytest.raises(ValueError, match="inner dimensions"):
+        matmul(a, torch.zeros(24, 16, dtype=bf))
+    with pytest.raises(ValueError, match="multiples of 8"):
+        matmul(torch.zeros(16, 20, dtype=bf), torch.zeros(20, 16, dtype=bf))
+    with pytest.raises(ValueError, match="multiples of 8"):
+        matmul(a, torch.zeros(32, 12, dtype=bf))
+    with pytest.raises(ValueError, match="2-D"):
+        matmul(torch.zeros(2, 16, 32, dtype=bf), torch.zeros(32, 16, dtype=bf))
+    with pytest.raises(ValueError, match="stride 1"):
+        matmul(a, torch.zeros(32, 32, dtype=bf)[:, ::2])
+    with pytest.raises(ValueError, match="stride 1 in its last"):
+        matmul(torch.zeros(32, 16, dtype=bf).t(), torch.zeros(32, 16, dtype=bf))
+    with pytest.raises(ValueError, match="non-empty"):
+        matmul(torch.zeros(0, 32, dtype=bf), torch.zeros(32, 16, dtype=bf))
+    with pytest.raises(TypeError, match="unknown config"):
+        matmul(a, torch.zeros(32, 16, dtype=bf), BLOCK=64)
+
+
+def test_copy_bad_inputs():
+    with pytest.raises(TypeError, match="x must have dtype"):
+        copy(torch.zeros(8, dtype=torch.float64))
+    with pytest.raises(ValueError, match="contiguous"):
+        copy(torch.zeros(8, 8).t())
+    with pytest.raises(TypeError, match="torch.Tensor"):
+        copy([1.0, 2.0])
+
+
+@off_gpu
+def test_no_gpu_error_names_what_is_needed():
+    bf = torch.bfloat16
+    with pytest.raises(RuntimeError, match=r"compute capability 9\.0 \(Hopper\).*this machine") as e:
+        matmul(torch.zeros(16, 32, dtype=bf), torch.zeros(32, 16, dtype=bf))
+    assert "llmnote.ops.matmul" in str(e.value)  # and what to use instead
+    with pytest.raises(RuntimeError, match=r"compute capability 8\.0 or newer.*this machine"):
+        copy(torch.zeros(64))
+
+
+def test_references():
+    a, b = torch.randn(5, 8), torch.randn(8, 3)
+    assert torch.equal(matmul_ref(a, b), a @ b)
+    x = torch.randn(4, 6).t()
+    y = copy_ref(x)
+    assert torch.equal(y, x) and y.is_contiguous() and y.data_ptr() != x.data_ptr()
+    assert set(gluon.__all__) >= {"copy", "copy_ref", "matmul", "matmul_ref", "compile_kernel"}
+
+
+# ------------------------------------------------------------------------------ on the GPU
+@needs_gpu
+@pytest.mark.parametrize("n", [1, 15, 16, 4097, 1 << 20, 3 * (1 << 20) + 7])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32, torch.int8], ids=str)
+def test_copy_on_gpu(n, dtype, seed):
+    x = (torch.randn(n, device="cuda") * 50).to(dtype)
+    y = copy(x)
+    assert torch.equal(y, copy_ref(x)) and y.data_ptr() != x.data_ptr()
+    z = copy(x.reshape(1, n)[:, 1:].contiguous())  # another start address, odd length
+    assert torch.equal(z, x[1:].reshape(1, n - 1))
+
+
+# (M, N, K) with M odd, N and K multiples of 8 but not of the tiles: fewer K steps than
+# ring slots, more, a one-row product, and tiles past every edge.
+SHAPES = [(1, 8, 8), (17, 40, 24), (129, 264, 200), (300, 520, 1000), (1000, 1544, 4104)]
+CONFIGS = [{}, {"BLOCK_N": 128, "num_warps": 4, "NUM_STAGES": 4}, {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4}]
+
+
+@needs_hopper
+@pytest.mark.parametrize("config", CONFIGS, ids=["default", "128x128w4s4", "64x64w4"])
+@pytest.mark.parametrize("b_layout", ["KN", "NK^T"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+def test_matmul_on_hopper(shape, dtype, b_layout, config, seed):
+    m, n, k = shape
+    a = torch.randn(m, k, device="cuda").to(dtype)
+    b = torch.randn(n, k, device="cuda").to(dtype).t() if b_layout == "NK^T" else \
+        torch.randn(k, n, device="cuda").to(dtype)
+    out = matmul(a, b, **config)
+    assert out.shape == (m, n) and out.dtype == dtype and out.is_contiguous()
+    assert_close_lowp(out, matmul_ref(a.float(), b.float()), matmul_ref(a, b), name=f"gluon matmul {shape}")
+
+
+@needs_hopper
+def test_matmul_on_hopper_large_values_and_views(seed):
+    """Rows of a wider tensor (a row stride longer than K) and an all-zero row stay exact."""
+    big = torch.randn(96, 512, device="cuda", dtype=torch.bfloat16)
+    a = big[:, :256]  # stride 512, 16-byte aligned rows
+    a[5].zero_()
+    b = torch.randn(256, 136, device="cuda", dtype=torch.bfloat16)
+    out = matmul(a, b)
+    assert torch.all(out[5] == 0)
+    assert_close_lowp(out, matmul_ref(a.float(), b.float()), matmul_ref(a, b), name="strided a")
