@@ -152,8 +152,8 @@ def test_copy_on_gpu(n, dtype, seed):
     x = (torch.randn(n, device="cuda") * 50).to(dtype)
     y = copy(x)
     assert torch.equal(y, copy_ref(x)) and y.data_ptr() != x.data_ptr()
-    z = copy(x.reshape(1, n)[:, 1:].contiguous())  # another start address, odd length
-    assert torch.equal(z, x[1:].reshape(1, n - 1))
+    z = copy(x[1:])  # a start address that is not 16-byte aligned: the scalar path
+    assert torch.equal(z, x[1:])
 
 
 # (M, N, K) with M odd, N and K multiples of 8 but not of the tiles: fewer K steps than
