@@ -11,6 +11,7 @@ of 8 (TMA's 16-byte rows); M is free.
 
 import importlib
 
+import pandas as pd
 import pytest
 import torch
 
@@ -187,3 +188,37 @@ def test_matmul_on_hopper_large_values_and_views(seed):
     out = matmul(a, b)
     assert torch.all(out[5] == 0)
     assert_close_lowp(out, matmul_ref(a.float(), b.float()), matmul_ref(a, b), name="strided a")
+
+
+# ------------------------------------------------------------------------------ the benchmark
+def test_benchmark_suite_runs_tiny_and_summarises():
+    """The suite at tiny sizes (on the CPU: the Triton and PyTorch rows, wall clock; the
+    Gluon rows are skipped off Hopper), and its summary on a frame with known timings."""
+    from llmnote.bench.harness import Timing, rows_for
+    from llmnote.bench.suites import SUITES
+    from llmnote.bench.suites import gluon as S
+
+    assert SUITES["gluon"] is S.run
+    df = S.run(square=[32], layers={"o": (16, 24)}, tokens=[8], copy_bytes=[4096])
+    mm = df[df.bench == S.MATMUL_BENCH]
+    assert set(mm["shape"]) == {"square", "linear"} and set(mm["layer"]) == {"", "o"}
+    assert "llmnote" in set(mm.provider) and ("llmnote-gluon" in set(mm.provider)) == on_hopper
+    assert "torch" in set(df[df.bench == S.COPY_BENCH].provider)
+    assert {"copy", "matmul-bf16"} <= set(df[df.bench == "ceiling"].provider)
+
+    env = {"gpu_name": "test"}
+    shape = {"shape": "linear", "layer": "o", "M": 64, "N": 4096, "K": 4096}
+    rows = []
+    for provider, ms in [("llmnote-gluon", 0.5), ("llmnote", 1.0), ("cublas", 0.25)]:
+        rows += rows_for(S.MATMUL_BENCH, provider, "M", 64, Timing(ms, ms, ms),
+                         S._flops(lambda m: (m, 4096, 4096)), shape, env)
+    for provider, ms in [("llmnote-gluon", 2.0), ("torch", 1.0)]:
+        rows += rows_for(S.COPY_BENCH, provider, "bytes", 1 << 30, Timing(ms, ms, ms),
+                         {"bandwidth": ("GB/s", lambda b, t: 2 * b / (t * 1e-3) / 1e9)}, {}, env)
+    rows += rows_for("ceiling", "copy", "bytes", 1 << 30, Timing(1.0, 1.0, 1.0),
+                     {"bandwidth": ("GB/s", lambda b, t: b / (t * 1e-3) / 1e9)}, {}, env)
+    s = S.summary(pd.DataFrame(rows))
+    mm_row, copy_row = s.iloc[0], s.iloc[1]
+    assert mm_row.gluon == pytest.approx(2 * 64 * 4096 * 4096 / 0.5e-3 / 1e12)
+    assert (mm_row.vs_triton, mm_row.vs_peer) == (pytest.approx(2.0), pytest.approx(0.5))
+    assert (copy_row.vs_peer, copy_row.vs_ceiling) == (pytest.approx(0.5), pytest.approx(1.0))
