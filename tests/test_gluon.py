@@ -79,6 +79,20 @@ def test_matmul_config_changes_the_instruction():
     assert c.shared >= 4 * (128 + 128) * 64 * 2
 
 
+def test_triton_counterpart_compiles_too():
+    """A @triton.jit kernel of the package compiles the same way (in a child process while
+    kernels run in the interpreter): Triton's compiler picks the copy's layout itself."""
+    va = importlib.import_module("llmnote.ops.vector_add")
+    sig = {"x_ptr": "*fp32", "y_ptr": "*fp32", "out_ptr": "*fp32", "n_elements": "i32",
+           "BLOCK": "constexpr", "IS_FLOAT": "constexpr"}
+    c = compile_kernel(va._vector_add_kernel, sig, {"BLOCK": 4096, "IS_FLOAT": True},
+                       aligned=("x_ptr", "y_ptr", "out_ptr", "n_elements"), num_warps=8)
+    assert c.layouts() == ["#blocked = #ttg.blocked<{sizePerThread = [4], threadsPerWarp = [32], "
+                           "warpsPerCTA = [8], order = [0]}>"]
+    assert c.count("ld.global.v4.b32") == 2 * 4 and c.count("st.global.v4.b32") == 4
+    assert c.trace("st.global") == ["st.global.v4.b32"] * 4
+
+
 def test_compile_kernel_names_bad_arguments():
     sig = {"src_ptr": "*fp32", "dst_ptr": "*fp32", "n": "i32", "BLOCK": "constexpr", "VEC": "constexpr"}
     with pytest.raises(ValueError, match="missing"):

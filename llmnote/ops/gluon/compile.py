@@ -9,6 +9,11 @@ that from a signature and constexpr values, as a launch would, and returns a
 memory per program that ``ptxas`` allotted (read from the cubin with ``cuobjdump``,
 also shipped), and :meth:`Compiled.count` to count an instruction in the PTX.
 
+:func:`compile_kernel` takes a ``@triton.jit`` kernel of the package too (an
+autotuned one included), so that a Gluon kernel can be set beside its Triton
+counterpart: when the kernels run in Triton's interpreter (this machine without a
+GPU) the Triton kernel is compiled in a child process that imports it uninterpreted.
+
 Signature types are Triton's strings: ``"*bf16"`` for a pointer, ``"i32"`` for an
 integer, ``"constexpr"`` for a compile-time value, and :func:`tensordesc` for a TMA
 tensor descriptor. ``aligned`` names the arguments the launch would find divisible
@@ -18,8 +23,12 @@ that, and vector loads depend on it.
 
 from __future__ import annotations
 
+import importlib
+import json
+import os
 import re
 import subprocess
+import sys
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,6 +36,8 @@ from pathlib import Path
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.experimental.gluon._runtime import GluonASTSource
+
+_TEXT_STAGES = ("ttir", "ttgir", "llir", "ptx")
 
 HOPPER = 90  # compute capability x 10 of the H100
 
@@ -55,6 +66,24 @@ class Compiled:
         pattern = re.compile(r"^\s*(@!?%\w+\s+)?" + re.escape(instruction))
         return sum(1 for line in self.asm["ptx"].splitlines() if pattern.match(line))
 
+    def layouts(self) -> list[str]:
+        """The layouts the TTGIR declares (``#blocked``, ``#mma``, ``#shared``...), one per line."""
+        return [line for line in self.asm["ttgir"].splitlines()
+                if line.startswith("#") and not line.startswith("#loc")]
+
+    def trace(self, *prefixes: str) -> list[str]:
+        """The PTX opcodes starting with one of ``prefixes``, in program order, with the
+        basic-block labels (``$L__BB0_2:``, where a branch may land) between them: the
+        skeleton of the kernel."""
+        out = []
+        for line in self.asm["ptx"].splitlines():
+            text = re.sub(r"^@!?%\w+\s+", "", line.split("//")[0].strip())
+            if re.match(r"^\$L__BB\w+:$", text):
+                out.append(text)
+            elif text.startswith(prefixes):
+                out.append(text.split()[0].rstrip(";"))
+        return out
+
     def lines(self, instruction: str) -> list[str]:
         """The PTX lines that issue ``instruction``, stripped."""
         pattern = re.compile(r"^\s*(@!?%\w+\s+)?" + re.escape(instruction))
@@ -74,15 +103,41 @@ def _resource_usage(cubin: bytes) -> dict[str, int]:
     return {k: int(v) for k, v in found.items()}
 
 
+def _jit_function(kernel):
+    """The ``JITFunction`` under Triton's autotune / heuristics wrappers (None under the
+    interpreter, whose kernels are ``InterpretedFunction``s)."""
+    from triton.runtime.jit import JITFunction
+
+    while not isinstance(kernel, JITFunction):
+        inner = getattr(kernel, "fn", None)
+        if inner is None or inner is kernel or not hasattr(inner, "__module__"):
+            return None
+        kernel = inner
+    return kernel
+
+
 def compile_kernel(kernel, signature: dict[str, str], constexprs: dict[str, object] | None = None, *,
-                   aligned: tuple[str, ...] = (), num_warps: int = 4, arch: int = HOPPER) -> Compiled:
-    """Compile the Gluon ``kernel`` for ``sm_<arch>`` without a GPU.
+                   aligned: tuple[str, ...] = (), num_warps: int = 4, num_stages: int = 3,
+                   arch: int = HOPPER) -> Compiled:
+    """Compile ``kernel`` (``@gluon.jit``, or ``@triton.jit`` from an importable module)
+    for ``sm_<arch>`` without a GPU.
 
     ``signature``: every argument's type string, by name (constexprs as
     ``"constexpr"``); ``constexprs``: their values; ``aligned``: arguments to
-    specialise as divisible by 16; ``num_warps``: warps per program.
+    specialise as divisible by 16; ``num_warps``: warps per program;
+    ``num_stages``: the software-pipelining depth Triton's compiler gives its loops
+    (Gluon kernels pipeline by hand and ignore it).
     """
+    from triton.experimental.gluon._runtime import GluonJITFunction
+
     constexprs = dict(constexprs or {})
+    jit = kernel if isinstance(kernel, GluonJITFunction) else _jit_function(kernel)
+    if jit is None:  # a Triton kernel under the interpreter: compile it in a child process
+        return _compile_elsewhere(kernel, signature, constexprs, aligned, num_warps, num_stages, arch)
+    return _compile(jit, signature, constexprs, aligned, num_warps, num_stages, arch)
+
+
+def _compile(kernel, signature, constexprs, aligned, num_warps, num_stages, arch) -> Compiled:
     names = list(kernel.arg_names)
     unknown = [n for n in [*signature, *constexprs, *aligned] if n not in names]
     if unknown:
@@ -93,8 +148,58 @@ def compile_kernel(kernel, signature: dict[str, str], constexprs: dict[str, obje
                          f"missing {missing}")
     consts = {(names.index(n),): v for n, v in constexprs.items()}
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in aligned}
-    src = GluonASTSource(kernel, dict(signature), consts, attrs)
-    k = triton.compile(src, target=GPUTarget("cuda", arch, 32), options={"num_warps": num_warps})
+    from triton.compiler import ASTSource
+    from triton.experimental.gluon._runtime import GluonJITFunction
+
+    source = GluonASTSource if isinstance(kernel, GluonJITFunction) else ASTSource
+    src = source(kernel, dict(signature), consts, attrs)
+    k = triton.compile(src, target=GPUTarget("cuda", arch, 32),
+                       options={"num_warps": num_warps, "num_stages": num_stages})
     usage = _resource_usage(k.asm["cubin"])
     return Compiled(name=k.metadata.name, asm=dict(k.asm), registers=usage.get("REG", 0),
                     shared=int(k.metadata.shared), spilled=usage.get("LOCAL", 0), num_warps=num_warps)
+
+
+def _compile_elsewhere(kernel, signature, constexprs, aligned, num_warps, num_stages, arch) -> Compiled:
+    """Compile a Triton kernel in a child process where the interpreter is off."""
+    inner = kernel
+    while getattr(inner, "fn", None) is not None and not hasattr(inner, "__code__"):
+        inner = inner.fn
+    where = (inner.__module__, inner.__qualname__)
+    if where[0] in ("__main__", "__assignment__") or "<locals>" in where[1]:
+        raise ValueError(f"{where[1]} is not importable from a module; only a module's kernels can "
+                         "be compiled while kernels run in the interpreter")
+    job = dict(where=where, signature=signature, constexprs=constexprs, aligned=list(aligned),
+               num_warps=num_warps, num_stages=num_stages, arch=arch)
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["LLMNOTE_BACKEND"] = "reference"  # import llmnote without a GPU, uninterpreted
+    root = str(Path(__file__).resolve().parents[3])  # the folder holding this llmnote
+    env["PYTHONPATH"] = os.pathsep.join([root, env.get("PYTHONPATH", "")])
+    run = subprocess.run([sys.executable, "-m", "llmnote.ops.gluon.compile"], input=json.dumps(job),
+                         capture_output=True, text=True, env=env)
+    if run.returncode != 0:
+        raise RuntimeError(f"compiling {where[0]}.{where[1]} failed:\n{run.stderr[-3000:]}")
+    out = json.loads(run.stdout.strip().splitlines()[-1])
+    out["asm"]["cubin"] = bytes.fromhex(out["asm"]["cubin"])
+    return Compiled(**out)
+
+
+def _main() -> None:
+    """Child process of :func:`_compile_elsewhere`: a job as JSON on stdin, the result on
+    the last line of stdout."""
+    job = json.loads(sys.stdin.read())
+    module, qualname = job["where"]
+    kernel = importlib.import_module(module)
+    for part in qualname.split("."):
+        kernel = getattr(kernel, part)
+    jit = _jit_function(kernel)
+    c = _compile(jit, job["signature"], job["constexprs"], tuple(job["aligned"]), job["num_warps"],
+                 job["num_stages"], job["arch"])
+    asm = {k: v for k, v in c.asm.items() if k in _TEXT_STAGES}
+    asm["cubin"] = c.asm["cubin"].hex()
+    print(json.dumps(dict(name=c.name, asm=asm, registers=c.registers, shared=c.shared,
+                          spilled=c.spilled, num_warps=c.num_warps)))
+
+
+if __name__ == "__main__":
+    _main()
