@@ -236,3 +236,80 @@ def test_benchmark_suite_runs_tiny_and_summarises():
     assert mm_row.gluon == pytest.approx(2 * 64 * 4096 * 4096 / 0.5e-3 / 1e12)
     assert (mm_row.vs_triton, mm_row.vs_peer) == (pytest.approx(2.0), pytest.approx(0.5))
     assert (copy_row.vs_peer, copy_row.vs_ceiling) == (pytest.approx(0.5), pytest.approx(1.0))
+
+
+# ------------------------------------------------------------------------------ W4A16
+@pytest.mark.parametrize("block_m", [16, 64])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_w4a16_decodes_into_wgmma_registers(dtype, block_m):
+    """The int4 codes go from global memory to wgmma's register operand: one byte load per
+    channel pair, no shared memory but the x ring and its barriers (the dequantized tile is
+    never stored), wgmma with its left operand in registers. (The kernel's
+    convert_layout(..., assert_trivial=True) would not compile if the decoded layout were
+    not already the operand's.)"""
+    from llmnote.ops.gluon import w4a16 as W
+
+    c = gluon.compile_w4a16(dtype, block_m=block_m)
+    t = "bf16" if dtype == torch.bfloat16 else "f16"
+    wgmma = c.lines("wgmma.mma_async")
+    assert len(wgmma) == W.BLOCK_K // 16
+    assert all(w.startswith(f"wgmma.mma_async.sync.aligned.m64n{block_m}k16.f32.{t}.{t}") for w in wgmma)
+    assert all(w.count("{") == 2 for w in wgmma)  # accumulator and A in registers; B: a descriptor
+    assert c.count("st.shared") == 0 and c.count("ld.shared") == 0 and c.count("ldmatrix") == 0
+    assert c.shared == W.NUM_STAGES * block_m * W.BLOCK_K * 2 + 8 * W.NUM_STAGES
+    per_step = W.BLOCK_N * W.BLOCK_K // 2 // (32 * W.NUM_WARPS)  # bytes per thread per K step
+    assert c.count("ld.global.b8") == 2 * per_step  # the first step, then the prefetch in the loop
+    assert c.spilled == 0
+
+
+def _w4(n, k, g, dtype, dev):
+    from llmnote.quant.primitives import pack_int4, quantize
+
+    w = torch.randn(n, k)
+    qt = quantize(w, 4, symmetric=False, granularity="group", group_size=g)
+    qw = pack_int4(qt.q.t().contiguous()).to(dev)
+    return qw, qt.scale.t().contiguous().to(dev, dtype), qt.zero.t().contiguous().to(dev, dtype)
+
+
+def test_w4a16_bad_inputs():
+    qw, s, z = _w4(8, 128, 64, torch.bfloat16, "cpu")
+    x = torch.randn(2, 128).to(torch.bfloat16)
+    with pytest.raises(TypeError, match="float16 or bfloat16"):
+        gluon.w4a16_linear(x.float(), qw, s, z, 64)
+    with pytest.raises(ValueError, match="multiple of 64"):
+        qw2, s2, z2 = _w4(8, 128, 32, torch.bfloat16, "cpu")
+        gluon.w4a16_linear(x, qw2, s2, z2, 32)
+    with pytest.raises(ValueError, match="group_size must be a positive int dividing K"):
+        gluon.w4a16_linear(x, qw, s, z, 48)
+    with pytest.raises(ValueError, match="qweight must be contiguous"):
+        wide = torch.zeros(16, 16, dtype=torch.int32)[:, :8]
+        gluon.w4a16_linear(x, wide, s, z, 64)
+
+
+@off_gpu
+def test_w4a16_no_gpu_error():
+    qw, s, z = _w4(8, 128, 64, torch.bfloat16, "cpu")
+    with pytest.raises(RuntimeError, match=r"compute capability 9\.0 \(Hopper\).*w4a16_linear \(Triton\)"):
+        gluon.w4a16_linear(torch.randn(2, 128).to(torch.bfloat16), qw, s, z, 64)
+
+
+@needs_hopper
+@pytest.mark.parametrize("m,n,k,g", [(1, 1, 64, 64), (1, 40, 256, 128), (5, 33, 192, 64), (16, 200, 512, 128),
+                                     (33, 64, 128, 64), (64, 130, 384, 128), (100, 72, 256, 256)])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_w4a16_on_hopper(m, n, k, g, dtype, seed):
+    from llmnote.quant.kernels.w4a16_ref import dequantize_int4_weight
+    from llmnote.quant.primitives import unpack_int4
+
+    qw, s, z = _w4(n, k, g, dtype, "cuda")
+    x = torch.randn(m, k, device="cuda").to(dtype)
+    bias = torch.randn(n, device="cuda").to(dtype) if m % 2 else None
+    out = gluon.w4a16_linear(x, qw, s, z, g, bias)
+    b32 = None if bias is None else bias.float()
+    ref32 = gluon.w4a16_linear_ref(x.float(), qw, s.float(), z.float(), g, b32)
+    w = dequantize_int4_weight(unpack_int4(qw), s, z, g).to(dtype)  # PyTorch's own low precision
+    lowp = (x.float() @ w.float() + (0 if bias is None else bias.float())).to(dtype)
+    assert out.shape == (m, n) and out.dtype == dtype
+    assert_close_lowp(out, ref32, lowp, atol=1e-3, name=f"gluon w4a16 {(m, n, k, g)}")
+    x3 = x.reshape(1, m, k)  # leading dimensions
+    assert torch.equal(gluon.w4a16_linear(x3, qw, s, z, g, bias), out.reshape(1, m, n))

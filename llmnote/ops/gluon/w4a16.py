@@ -1,0 +1,193 @@
+"""W4A16 on Hopper in Gluon: int4 weights decoded in registers straight into wgmma's operand.
+
+``y = x @ W^T`` with ``x (M, K)`` bf16/fp16, M small (a decode batch), and ``W[n, k] =
+(q[k, n] - zeros[k // G, n]) * scales[k // G, n]``, the book's format
+(:mod:`llmnote.quant.kernels.w4a16_ref`: codes packed eight per int32 along K,
+``qweight (K // 8, N)``). The product is computed transposed, ``y^T = W^T x^T``, so
+that the weight's output channels fill the 64-row side of ``wgmma`` and the few
+tokens its narrow side (swap AB; ``BLOCK_M`` in 16, 32, 64).
+
+``wgmma`` takes its left operand from registers, in a fixed layout (a
+``DotOperandLayout`` of the accumulator's layout): each thread holds, per 16-wide K
+step, pairs of consecutive channels ``(2t, 2t + 1)`` and ``(2t + 8, 2t + 9)`` of two
+rows. A pair of codes is one byte of a packed word. The kernel reads the words as
+bytes, each thread exactly the bytes its operand registers need, in a layout derived
+from the operand's own (:func:`_pair_layout`: the operand's linear layout with every
+K coordinate halved); splitting each byte into its two codes (``gl.join``) gives the
+operand layout itself, which ``gl.convert_layout(..., assert_trivial=True)`` checks at
+compile time: no shuffle, no shared memory. Dequantization is one subtract and one
+multiply per weight in those registers, and the dequantized tile goes to ``wgmma``
+without ever being written to shared memory (Marlin's idea, which also repacks the
+weights offline so that each thread's codes are contiguous; with the book's packing
+each thread loads single bytes). The reference is the book's
+:func:`~llmnote.quant.kernels.w4a16_ref.w4a16_linear_ref` (same signature). ``x`` tiles arrive by TMA in a ring of
+``NUM_STAGES`` slots, as in :mod:`llmnote.ops.gluon.matmul`; the packed bytes of
+step ``k + 1`` are loaded while step ``k`` is decoded and multiplied.
+
+Supported: ``group_size`` a multiple of ``BLOCK_K`` (64), K a multiple of the group
+size, any N and M, an optional bias. Not built: split-K (a small N leaves SMs idle).
+
+Sources: Frantar et al. 2025 (Marlin); the PTX ISA (wgmma register operands).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier, warpgroup_mma, warpgroup_mma_wait
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+from llmnote.ops._validate import check_device
+from llmnote.ops.gluon._common import require_gpu, tma_load
+from llmnote.ops.gluon.compile import Compiled, compile_kernel, tensordesc
+from llmnote.quant.kernels.w4a16_ref import HALF_DTYPES, check_w4a16, w4a16_linear_ref  # noqa: F401
+
+BLOCK_N, BLOCK_K, NUM_STAGES, NUM_WARPS = 64, 64, 4, 4
+MAX_BLOCK_M = 64
+GL_DTYPES = {torch.float16: gl.float16, torch.bfloat16: gl.bfloat16}
+SIG_DTYPES = {torch.float16: "fp16", torch.bfloat16: "bf16"}
+
+
+@gluon.constexpr_function
+def _pair_layout(operand):
+    """From the operand's linear layout over (n, k): the layout over (n, k // 2) in which
+    each thread holds the channel pairs its operand registers hold (every basis's k
+    halved; the register basis that stepped k by 1, inside a pair, is dropped)."""
+    def halve(bases):
+        return [[n, k // 2] for n, k in bases]
+    regs = [b for b in operand.reg_bases if b != [0, 1]]
+    return gl.DistributedLinearLayout(reg_bases=halve(regs), lane_bases=halve(operand.lane_bases),
+                                      warp_bases=halve(operand.warp_bases),
+                                      block_bases=halve(operand.block_bases),
+                                      shape=[operand.shape[0], operand.shape[1] // 2])
+
+
+@gluon.jit
+def _load_pairs(qb_ptr, step, n, p, N, BLOCK_K: gl.constexpr):
+    """The bytes of step ``step`` (BLOCK_N, BLOCK_K // 2): byte p of column n holds the codes
+    of channels 2p, 2p + 1 of the step, i.e. byte p % 4 of packed word (step * BLOCK_K + 2p) // 8."""
+    row = step * (BLOCK_K // 8) + p // 4  # packed word row
+    ptrs = qb_ptr + row.to(gl.int64)[None, :] * (4 * N) + (4 * n)[:, None] + (p % 4)[None, :]
+    return gl.load(ptrs, mask=(n < N)[:, None], other=0)
+
+
+@gluon.jit
+def _w4a16_kernel(x_desc, qb_ptr, s_ptr, z_ptr, bias_ptr, y_ptr, M, N, K, stride_ym,
+                  GROUP: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
+                  HAS_BIAS: gl.constexpr):
+    """Tile (pid_n, pid_m) of y^T = W^T x^T: BLOCK_N output channels by BLOCK_M tokens."""
+    BLOCK_M: gl.constexpr = x_desc.block_type.shape[0]
+    BLOCK_K: gl.constexpr = x_desc.block_type.shape[1]
+    dtype: gl.constexpr = x_desc.dtype
+    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[gl.num_warps(), 1],
+                                                  instr_shape=[16, BLOCK_M, 16])
+    operand: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
+    pairs: gl.constexpr = _pair_layout(gl.to_linear_layout(operand, [BLOCK_N, BLOCK_K]))
+    off_n = gl.program_id(0) * BLOCK_N
+    off_m = gl.program_id(1) * BLOCK_M
+    n = off_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, pairs))  # the channels each thread holds
+    p = gl.arange(0, BLOCK_K // 2, layout=gl.SliceLayout(0, pairs))
+    n_op = off_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, operand))
+    k_tiles = K // BLOCK_K
+
+    x_ring = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_M, BLOCK_K], x_desc.layout)
+    ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    for s in gl.static_range(NUM_STAGES):
+        mbarrier.init(ready.index(s), count=1)
+    for s in gl.static_range(NUM_STAGES - 1):  # x tiles of the first NUM_STAGES - 1 steps
+        issue = s < k_tiles
+        mbarrier.expect(ready.index(s), x_desc.block_type.nbytes, pred=issue)
+        tma_load(x_desc, [off_m, s * BLOCK_K], ready.index(s), x_ring.index(s), pred=issue)
+
+    acc = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout=mma)
+    nxt_bytes = _load_pairs(qb_ptr, 0, n, p, N, BLOCK_K)  # read BLOCK_N x BLOCK_K / 2 bytes
+    for k in range(k_tiles):
+        b = nxt_bytes.to(gl.int32)
+        nxt_bytes = _load_pairs(qb_ptr, gl.minimum(k + 1, k_tiles - 1), n, p, N, BLOCK_K)  # prefetch
+        g = (k * BLOCK_K) // GROUP  # the step lies in one group
+        scale = gl.load(s_ptr + g * N + n_op, mask=n_op < N, other=0.0).to(gl.float32)
+        zero = gl.load(z_ptr + g * N + n_op, mask=n_op < N, other=0.0).to(gl.float32)
+        codes = gl.reshape(gl.join(b & 15, b >> 4), [BLOCK_N, BLOCK_K])  # low nibble: the even channel
+        codes = gl.convert_layout(codes, operand, assert_trivial=True)  # already where wgmma wants it
+        w = ((codes.to(gl.float32) - zero[:, None]) * scale[:, None]).to(dtype)  # W^T tile, in registers
+
+        slot = k % NUM_STAGES
+        mbarrier.wait(ready.index(slot), (k // NUM_STAGES) & 1)
+        acc = warpgroup_mma(w, x_ring.index(slot).permute((1, 0)), acc, is_async=True)
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))  # w's registers are free again
+        nxt = k + NUM_STAGES - 1  # refill the slot step k - 1 used
+        issue = nxt < k_tiles
+        mbarrier.expect(ready.index(nxt % NUM_STAGES), x_desc.block_type.nbytes, pred=issue)
+        tma_load(x_desc, [off_m, nxt * BLOCK_K], ready.index(nxt % NUM_STAGES), x_ring.index(nxt % NUM_STAGES),
+                 pred=issue)
+    for s in gl.static_range(NUM_STAGES):
+        mbarrier.invalidate(ready.index(s))
+
+    offs_n = off_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, mma))
+    offs_m = off_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, mma))
+    if HAS_BIAS:
+        acc += gl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0).to(gl.float32)[:, None]
+    ptrs = y_ptr + offs_m.to(gl.int64)[None, :] * stride_ym + offs_n[:, None]
+    gl.store(ptrs, acc.to(dtype), mask=(offs_n < N)[:, None] & (offs_m < M)[None, :])  # write y^T tile
+
+
+def block_m_for(m: int) -> int:
+    """The token tile: the next power of two of ``m``, at least 16 and at most 64."""
+    return min(MAX_BLOCK_M, max(16, triton.next_power_of_2(m)))
+
+
+def _x_layout(dtype, block_m: int):
+    return gl.NVMMASharedLayout.get_default_for([block_m, BLOCK_K], GL_DTYPES[dtype])
+
+
+def compile_w4a16(dtype: torch.dtype = torch.bfloat16, *, block_m: int = 16, group_size: int = 128,
+                  bias: bool = False) -> Compiled:
+    """The kernel as :func:`w4a16_linear` would launch it for ``block_m`` tokens, compiled for sm_90."""
+    if dtype not in HALF_DTYPES:
+        raise TypeError(f"dtype must be torch.float16 or torch.bfloat16, got {dtype}")
+    t = SIG_DTYPES[dtype]
+    sig = {"x_desc": tensordesc(t, [block_m, BLOCK_K], _x_layout(dtype, block_m)), "qb_ptr": "*u8",
+           "s_ptr": f"*{t}", "z_ptr": f"*{t}", "bias_ptr": f"*{t}", "y_ptr": f"*{t}", "M": "i32",
+           "N": "i32", "K": "i32", "stride_ym": "i32", "GROUP": "constexpr", "BLOCK_N": "constexpr",
+           "NUM_STAGES": "constexpr", "HAS_BIAS": "constexpr"}
+    const = {"GROUP": group_size, "BLOCK_N": BLOCK_N, "NUM_STAGES": NUM_STAGES, "HAS_BIAS": bias}
+    return compile_kernel(_w4a16_kernel, sig, const, num_warps=NUM_WARPS,
+                          aligned=("qb_ptr", "s_ptr", "z_ptr", "bias_ptr", "y_ptr", "N", "K", "stride_ym"))
+
+
+def w4a16_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
+                 group_size: int, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x @ W^T (+ bias)`` for the book's W4A16 format (see :func:`w4a16_linear_ref`), by
+    the Gluon kernel. ``x (..., K)`` bf16/fp16; ``qweight (K // 8, N)`` int32 contiguous;
+    ``scales``, ``zeros`` ``(K // G, N)`` contiguous; ``group_size`` a multiple of 64.
+    Needs a Hopper GPU (raises ``RuntimeError`` elsewhere)."""
+    check_w4a16(x, qweight, scales, zeros, group_size, bias)
+    if x.dtype not in HALF_DTYPES:
+        raise TypeError(f"x must be float16 or bfloat16, got {x.dtype}")
+    if group_size % BLOCK_K:
+        raise ValueError(f"group_size must be a multiple of {BLOCK_K} for the Gluon kernel, got {group_size}; "
+                         "use llmnote.quant.kernels.w4a16_linear")
+    for name, t in (("qweight", qweight), ("scales", scales), ("zeros", zeros), ("bias", bias)):
+        if t is not None and not t.is_contiguous():
+            raise ValueError(f"{name} must be contiguous, got strides {t.stride()} for shape {tuple(t.shape)}")
+    require_gpu("w4a16_linear", (9, 0), only_major=9, instead="llmnote.quant.kernels.w4a16_linear (Triton)")
+    for name, t in (("x", x), ("qweight", qweight), ("scales", scales), ("zeros", zeros)):
+        check_device(name, t)
+    lead, (k, n) = tuple(x.shape[:-1]), (x.shape[-1], qweight.shape[1])
+    x2 = x.reshape(math.prod(lead), k)
+    if x2.stride(1) != 1 or (x2.stride(0) * x2.element_size()) % 16 or x2.data_ptr() % 16:
+        x2 = x2.contiguous()
+    m = x2.shape[0]
+    y = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    if m and n:
+        bm = block_m_for(m)
+        x_desc = TensorDescriptor(x2, list(x2.shape), list(x2.stride()), [bm, BLOCK_K], _x_layout(x.dtype, bm))
+        grid = (triton.cdiv(n, BLOCK_N), triton.cdiv(m, bm))
+        _w4a16_kernel[grid](x_desc, qweight.view(torch.uint8), scales, zeros, y if bias is None else bias, y,
+                            m, n, k, y.stride(0), GROUP=group_size, BLOCK_N=BLOCK_N, NUM_STAGES=NUM_STAGES,
+                            HAS_BIAS=bias is not None, num_warps=NUM_WARPS)
+    return y.reshape(*lead, n)
