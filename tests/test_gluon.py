@@ -213,10 +213,17 @@ def test_benchmark_suite_runs_tiny_and_summarises():
     from llmnote.bench.suites import gluon as S
 
     assert SUITES["gluon"] is S.run
-    df = S.run(square=[32], layers={"o": (16, 24)}, tokens=[8], copy_bytes=[4096])
+    df = S.run(square=[32], layers={"o": (16, 128)}, tokens=[8], copy_bytes=[4096], w4_batches=[2],
+               w4_group=64)
     mm = df[df.bench == S.MATMUL_BENCH]
     assert set(mm["shape"]) == {"square", "linear"} and set(mm["layer"]) == {"", "o"}
     assert "llmnote" in set(mm.provider) and ("llmnote-gluon" in set(mm.provider)) == on_hopper
+    w4 = df[df.bench == S.W4_BENCH]
+    assert {"llmnote", "torch-linear"} <= set(w4.provider)
+    bw = w4[(w4.metric == "bandwidth") & (w4.provider == "llmnote")]
+    t = w4[(w4.metric == "time") & (w4.provider == "llmnote")]
+    packed = 128 * 16 // 2 + 2 * (128 // 64) * 16 * 2  # codes + bf16 scales and zeros
+    assert float(bw.p50.iloc[0]) == pytest.approx(packed / (float(t.p50.iloc[0]) * 1e-3) / 1e9)
     assert "torch" in set(df[df.bench == S.COPY_BENCH].provider)
     assert {"copy", "matmul-bf16"} <= set(df[df.bench == "ceiling"].provider)
 
@@ -226,15 +233,23 @@ def test_benchmark_suite_runs_tiny_and_summarises():
     for provider, ms in [("llmnote-gluon", 0.5), ("llmnote", 1.0), ("cublas", 0.25)]:
         rows += rows_for(S.MATMUL_BENCH, provider, "M", 64, Timing(ms, ms, ms),
                          S._flops(lambda m: (m, 4096, 4096)), shape, env)
+    for provider, ms in [("llmnote-gluon", 0.01), ("llmnote", 0.02), ("torch-linear", 0.04)]:
+        rows += rows_for(S.W4_BENCH, provider, "M", 1, Timing(ms, ms, ms),
+                         {"bandwidth": ("GB/s", lambda m, t: 1e7 / (t * 1e-3) / 1e9)},
+                         {"layer": "o", "N": 4096, "K": 4096}, env)
     for provider, ms in [("llmnote-gluon", 2.0), ("torch", 1.0)]:
         rows += rows_for(S.COPY_BENCH, provider, "bytes", 1 << 30, Timing(ms, ms, ms),
                          {"bandwidth": ("GB/s", lambda b, t: 2 * b / (t * 1e-3) / 1e9)}, {}, env)
     rows += rows_for("ceiling", "copy", "bytes", 1 << 30, Timing(1.0, 1.0, 1.0),
                      {"bandwidth": ("GB/s", lambda b, t: b / (t * 1e-3) / 1e9)}, {}, env)
     s = S.summary(pd.DataFrame(rows))
-    mm_row, copy_row = s.iloc[0], s.iloc[1]
+    assert list(s.check) == ["matmul layer=o M=64 N=4096 K=4096", "w4a16 layer=o M=1 N=4096 K=4096",
+                             f"copy bytes={1 << 30}"]
+    mm_row, w4_row, copy_row = s.iloc[0], s.iloc[1], s.iloc[2]
     assert mm_row.gluon == pytest.approx(2 * 64 * 4096 * 4096 / 0.5e-3 / 1e12)
     assert (mm_row.vs_triton, mm_row.vs_peer) == (pytest.approx(2.0), pytest.approx(0.5))
+    assert (w4_row.vs_triton, w4_row.vs_peer) == (pytest.approx(2.0), pytest.approx(4.0))
+    assert w4_row.vs_ceiling == pytest.approx(1e7 / 1e-5 / 1e9 / (2**30 / 1e-3 / 1e9))
     assert (copy_row.vs_peer, copy_row.vs_ceiling) == (pytest.approx(0.5), pytest.approx(1.0))
 
 

@@ -10,7 +10,12 @@ Matmul (``bench = "gluon-matmul"``), providers ``llmnote-gluon``
   linear layers of Llama-3-8B (qkv 6144x4096, o 4096x4096, gate_up 28672x4096,
   down 4096x14336) at M = 64 and 4096 tokens.
 
-Throughput = 2 M N K / time. Copy (``bench = "gluon-copy"``): ``llmnote-gluon``
+Throughput = 2 M N K / time. W4A16 (``bench = "gluon-w4a16"``): ``llmnote-gluon``
+(:func:`llmnote.ops.gluon.w4a16_linear`) vs ``llmnote`` (the Triton
+:func:`llmnote.quant.kernels.w4a16_linear`, tuned on its first call) vs ``torch-linear``
+(``F.linear`` on the bf16 weight), the same Llama-3-8B layers at batch 1 and 16, group
+128 (RTN); bandwidth = bytes of the weight as each provider reads it (packed codes,
+scales and zeros; 2 N K for bf16) / time. Copy (``bench = "gluon-copy"``): ``llmnote-gluon``
 (:func:`llmnote.ops.gluon.copy`) vs ``torch`` (``dst.copy_(src)``), 1 MiB to 1 GiB;
 bandwidth = bytes read + written per second. Ceiling rows (copy bandwidth, bf16
 matmul rate) come from the same run. Each result is checked at full size before it
@@ -32,11 +37,12 @@ from llmnote.ops.matmul import matmul as triton_matmul
 from llmnote.ops.matmul import matmul_ref
 from llmnote.testing import assert_close_lowp
 
-MATMUL_BENCH, COPY_BENCH = "gluon-matmul", "gluon-copy"
+MATMUL_BENCH, COPY_BENCH, W4_BENCH = "gluon-matmul", "gluon-copy", "gluon-w4a16"
 BENCH = "gluon"  # the CSV: llmnote/data/results/gluon.csv
 SQUARE = [1024, 2048, 4096, 8192]
 LLAMA_LAYERS = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
 TOKENS = [64, 4096]
+W4_BATCHES, W4_GROUP = [1, 16], 128
 COPY_BYTES = [1 << 20, 1 << 24, 1 << 28, 1 << 30]
 
 
@@ -105,9 +111,42 @@ def _copy_providers(dtype: torch.dtype) -> dict:
     return {"llmnote-gluon": ours, "torch": torch_copy}
 
 
+def _w4_providers(n: int, k: int, dtype: torch.dtype, group: int) -> dict:
+    import torch.nn.functional as F
+
+    from llmnote.quant.kernels import w4a16_linear as triton_w4a16
+    from llmnote.quant.kernels.w4a16_ref import dequantize_int4_weight, w4a16_linear_ref
+    from llmnote.quant.primitives import pack_int4, quantize, unpack_int4
+
+    dev = device.default_device()
+    w = torch.randn(n, k, device=dev) * 0.02
+    qt = quantize(w, 4, symmetric=False, granularity="group", group_size=group)
+    qw = pack_int4(qt.q.t().contiguous())
+    s, z = qt.scale.t().contiguous().to(dtype), qt.zero.t().contiguous().to(dtype)
+    w16 = dequantize_int4_weight(unpack_int4(qw), s, z, group).to(dtype).t().contiguous()  # (N, K)
+
+    def checked(fn, name):
+        def factory(m):
+            x = torch.randn(m, k, device=dev).to(dtype)
+            assert_close_lowp(fn(x, qw, s, z, group), w4a16_linear_ref(x.float(), qw, s.float(), z.float(), group),
+                              F.linear(x, w16), atol=1e-3, name=f"{name} M={m} N={n} K={k}")
+            return lambda: fn(x, qw, s, z, group)
+        return factory
+
+    def gluon_factory(m):
+        return checked(_require_hopper().w4a16_linear, "llmnote-gluon")(m)
+
+    def linear(m):
+        x = torch.randn(m, k, device=dev).to(dtype)
+        return lambda: F.linear(x, w16)
+
+    return {"llmnote-gluon": gluon_factory, "llmnote": checked(triton_w4a16, "llmnote"), "torch-linear": linear}
+
+
 def run(quick: bool = False, dtype: torch.dtype = torch.bfloat16, square: list[int] | None = None,
         layers: dict[str, tuple[int, int]] | None = None, tokens: list[int] | None = None,
-        copy_bytes: list[int] | None = None) -> pd.DataFrame:
+        copy_bytes: list[int] | None = None, w4_batches: list[int] | None = None,
+        w4_group: int = W4_GROUP) -> pd.DataFrame:
     """The Gluon benchmark (quick: two square sizes, the o layer at 4096 tokens, two copies);
     the keyword lists override the sizes (a CPU smoke test passes tiny ones)."""
     on_gpu = device.on_gpu()
@@ -115,6 +154,7 @@ def run(quick: bool = False, dtype: torch.dtype = torch.bfloat16, square: list[i
     layers = layers or ({"o": LLAMA_LAYERS["o"]} if quick else LLAMA_LAYERS)
     tokens = tokens or ([4096] if quick else TOKENS)
     copy_bytes = copy_bytes or ([1 << 24, 1 << 28] if quick else COPY_BYTES)
+    w4_batches = w4_batches or ([1] if quick else W4_BATCHES)
     frames = [copy_bandwidth(None if on_gpu else 1 << 20), matmul_rate(dtype, None if on_gpu else 64)]
 
     def sq(n):
@@ -131,35 +171,53 @@ def run(quick: bool = False, dtype: torch.dtype = torch.bfloat16, square: list[i
                             extra=lambda m, n=n, k=k, layer=layer: {
                                 "dtype": dtype_name(dtype), "M": m, "N": n, "K": k, "shape": "linear",
                                 "layer": layer}))
+    for layer, (n, k) in layers.items():
+        packed = k * n // 2 + 2 * (k // w4_group) * n * torch.empty((), dtype=dtype).element_size()
+        nbytes = {"llmnote-gluon": packed, "llmnote": packed, "torch-linear": 2 * n * k}
+        for name, factory in _w4_providers(n, k, dtype, w4_group).items():  # each its own bytes
+            frames.append(sweep(W4_BENCH, "M", w4_batches, {name: factory},
+                                {"bandwidth": ("GB/s", lambda m, ms, b=nbytes[name]: b / (ms * 1e-3) / 1e9)},
+                                extra={"dtype": dtype_name(dtype), "N": n, "K": k, "layer": layer,
+                                       "group_size": w4_group, "shape": "linear", "weight_bytes": nbytes[name]}))
     frames.append(sweep(COPY_BENCH, "bytes", copy_bytes, _copy_providers(dtype),
                         {"bandwidth": ("GB/s", lambda nbytes, ms: 2 * nbytes / (ms * 1e-3) / 1e9)},
                         extra={"dtype": dtype_name(dtype)}))
     return pd.concat(frames, ignore_index=True)
 
 
+def _text(v) -> str:
+    """A key for a label: whole floats (a column with gaps is read as float) as integers."""
+    return str(int(v)) if isinstance(v, float) and v.is_integer() else str(v)
+
+
 def summary(df: pd.DataFrame) -> pd.DataFrame:
-    """One row per size: the Gluon matmul's throughput over the Triton matmul's and over
-    cuBLAS's, and the Gluon copy's bandwidth over PyTorch's and over the copy ceiling."""
+    """One row per measured size: the Gluon kernel's rate (``gluon``, in ``unit``), its
+    speed-up (time ratio) over the Triton kernel (``vs_triton``) and over the peer
+    (``vs_peer``: cuBLAS, ``F.linear`` on the bf16 weight, PyTorch's copy), and for
+    bandwidths the fraction of the copy ceiling of the same run (``vs_ceiling``)."""
     from llmnote.bench.results import ceiling
 
-    out = []
-    mm = df[(df.bench == MATMUL_BENCH) & (df.metric == "throughput")]
-    for (shape, layer, m, n, k), g in mm.groupby(["shape", "layer", "M", "N", "K"], sort=False):
-        p = dict(zip(g.provider, g.p50))
-        if "llmnote-gluon" not in p:
-            continue
-        what = f"{shape} {layer + ' ' if layer else ''}M={m} N={n} K={k}"
-        out.append(dict(check=what, gluon=p["llmnote-gluon"], unit="TFLOP/s",
-                        vs_triton=p["llmnote-gluon"] / p["llmnote"] if "llmnote" in p else float("nan"),
-                        vs_peer=p["llmnote-gluon"] / p["cublas"] if "cublas" in p else float("nan")))
-    cp = df[(df.bench == COPY_BENCH) & (df.metric == "bandwidth")]
+    nan = float("nan")
     ceil = ceiling(df, "copy", "bandwidth")
-    for nbytes, g in cp.groupby("x_value", sort=True):
-        p = dict(zip(g.provider, g.p50))
-        if "llmnote-gluon" not in p:
+    specs = [(MATMUL_BENCH, "throughput", "cublas", ["shape", "layer", "M", "N", "K"]),
+             (W4_BENCH, "bandwidth", "torch-linear", ["layer", "x_value", "N", "K"]),
+             (COPY_BENCH, "bandwidth", "torch", ["x_value"])]
+    out = []
+    for bench, rate, peer, keys in specs:
+        part = df[df.bench == bench]
+        if part.empty:
             continue
-        out.append(dict(check=f"copy {nbytes} bytes", gluon=p["llmnote-gluon"], unit="GB/s",
-                        vs_triton=float("nan"),
-                        vs_peer=p["llmnote-gluon"] / p["torch"] if "torch" in p else float("nan"),
-                        vs_ceiling=p["llmnote-gluon"] / ceil if ceil else float("nan")))
+        for key, g in part.groupby(keys, sort=False):
+            times = g[g.metric == "time"]
+            t = dict(zip(times.provider, times.p50))
+            mine = g[(g.metric == rate) & (g.provider == "llmnote-gluon")]
+            if mine.empty:
+                continue
+            names = {"x_value": "M" if bench == W4_BENCH else "bytes"}
+            what = " ".join(f"{names.get(k, k)}={_text(v)}" for k, v in zip(keys, key) if k != "shape" and v != "")
+            value = float(mine.p50.iloc[0])
+            out.append(dict(check=f"{bench.removeprefix('gluon-')} {what}", gluon=value, unit=mine.unit.iloc[0],
+                            vs_triton=t.get("llmnote", nan) / t["llmnote-gluon"],
+                            vs_peer=t.get(peer, nan) / t["llmnote-gluon"],
+                            vs_ceiling=value / ceil if rate == "bandwidth" and ceil else nan))
     return pd.DataFrame(out, columns=["check", "gluon", "unit", "vs_triton", "vs_peer", "vs_ceiling"])
