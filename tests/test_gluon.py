@@ -73,10 +73,19 @@ def test_matmul_compiles_to_tma_mbarriers_and_wgmma(dtype, b_trans):
     assert c.spilled == 0 and c.registers <= 255
 
 
-def test_matmul_config_changes_the_instruction():
-    c = compile_matmul(torch.bfloat16, BLOCK_N=128, num_warps=4, NUM_STAGES=4)
-    assert all(w.startswith("wgmma.mma_async.sync.aligned.m64n128k16") for w in c.lines("wgmma.mma_async"))
-    assert c.shared >= 4 * (128 + 128) * 64 * 2
+# configurations the GPU tests launch (each compiled here first)
+CONFIGS = [{}, {"BLOCK_N": 128, "num_warps": 4, "NUM_STAGES": 4}, {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4}]
+
+
+@pytest.mark.parametrize("b_trans", [False, True], ids=["KN", "NK^T"])
+@pytest.mark.parametrize("config", CONFIGS[1:], ids=["128x128w4s4", "64x64w4"])
+def test_matmul_config_changes_the_instruction(config, b_trans):
+    cfg = {**gmm.DEFAULT_CONFIG, **config}
+    c = compile_matmul(torch.float16, b_trans=b_trans, **config)
+    assert all(w.startswith(f"wgmma.mma_async.sync.aligned.m64n{cfg['BLOCK_N']}k16")
+               for w in c.lines("wgmma.mma_async"))
+    assert c.shared >= cfg["NUM_STAGES"] * (cfg["BLOCK_M"] + cfg["BLOCK_N"]) * cfg["BLOCK_K"] * 2
+    assert c.spilled == 0
 
 
 def test_triton_counterpart_compiles_too():
@@ -174,7 +183,6 @@ def test_copy_on_gpu(n, dtype, seed):
 # (M, N, K) with M odd, N and K multiples of 8 but not of the tiles: fewer K steps than
 # ring slots, more, a one-row product, and tiles past every edge.
 SHAPES = [(1, 8, 8), (17, 40, 24), (129, 264, 200), (300, 520, 1000), (1000, 1544, 4104)]
-CONFIGS = [{}, {"BLOCK_N": 128, "num_warps": 4, "NUM_STAGES": 4}, {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4}]
 
 
 @needs_hopper
@@ -254,7 +262,7 @@ def test_benchmark_suite_runs_tiny_and_summarises():
 
 
 # ------------------------------------------------------------------------------ W4A16
-@pytest.mark.parametrize("block_m", [16, 64])
+@pytest.mark.parametrize("block_m", [16, 32, 64])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_w4a16_decodes_into_wgmma_registers(dtype, block_m):
     """The int4 codes go from global memory to wgmma's register operand: one byte load per
@@ -264,7 +272,7 @@ def test_w4a16_decodes_into_wgmma_registers(dtype, block_m):
     not already the operand's.)"""
     from llmnote.ops.gluon import w4a16 as W
 
-    c = gluon.compile_w4a16(dtype, block_m=block_m)
+    c = gluon.compile_w4a16(dtype, block_m=block_m, bias=block_m == 32)
     t = "bf16" if dtype == torch.bfloat16 else "f16"
     wgmma = c.lines("wgmma.mma_async")
     assert len(wgmma) == W.BLOCK_K // 16
