@@ -23,6 +23,7 @@ that, and vector loads depend on it.
 
 from __future__ import annotations
 
+import atexit
 import importlib
 import json
 import os
@@ -118,7 +119,7 @@ def _jit_function(kernel):
 
 def compile_kernel(kernel, signature: dict[str, str], constexprs: dict[str, object] | None = None, *,
                    aligned: tuple[str, ...] = (), num_warps: int = 4, num_stages: int = 3,
-                   arch: int = HOPPER) -> Compiled:
+                   arch: int = HOPPER, child: bool = False) -> Compiled:
     """Compile ``kernel`` (``@gluon.jit``, or ``@triton.jit`` from an importable module)
     for ``sm_<arch>`` without a GPU.
 
@@ -126,13 +127,15 @@ def compile_kernel(kernel, signature: dict[str, str], constexprs: dict[str, obje
     ``"constexpr"``); ``constexprs``: their values; ``aligned``: arguments to
     specialise as divisible by 16; ``num_warps``: warps per program;
     ``num_stages``: the software-pipelining depth Triton's compiler gives its loops
-    (Gluon kernels pipeline by hand and ignore it).
+    (Gluon kernels pipeline by hand and ignore it); ``child``: compile in the child process
+    even when this one could (Triton 3.9's Gluon bindings leave IR objects of ``gl.join``,
+    ``gl.reshape`` and ``permute`` alive at exit, and nanobind then prints a leak report).
     """
     from triton.experimental.gluon._runtime import GluonJITFunction
 
     constexprs = dict(constexprs or {})
     jit = kernel if isinstance(kernel, GluonJITFunction) else _jit_function(kernel)
-    if jit is None:  # a Triton kernel under the interpreter: compile it in a child process
+    if jit is None or child:  # e.g. a Triton kernel under the interpreter: in a child process
         return _compile_elsewhere(kernel, signature, constexprs, aligned, num_warps, num_stages, arch)
     return _compile(jit, signature, constexprs, aligned, num_warps, num_stages, arch)
 
@@ -160,45 +163,71 @@ def _compile(kernel, signature, constexprs, aligned, num_warps, num_stages, arch
                     shared=int(k.metadata.shared), spilled=usage.get("LOCAL", 0), num_warps=num_warps)
 
 
+_RESULT = "@@compiled "  # the prefix of the child's answer lines on its stdout
+_CHILD: list[subprocess.Popen] = []  # one child process, started on first use, kept for later jobs
+
+
+def _child() -> subprocess.Popen:
+    if _CHILD and _CHILD[0].poll() is None:
+        return _CHILD[0]
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["LLMNOTE_BACKEND"] = "reference"  # import llmnote without a GPU, uninterpreted
+    root = str(Path(__file__).resolve().parents[3])  # the folder holding this llmnote
+    env["PYTHONPATH"] = os.pathsep.join([root, env.get("PYTHONPATH", "")])
+    proc = subprocess.Popen([sys.executable, "-m", "llmnote.ops.gluon.compile"], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env)
+    _CHILD[:] = [proc]
+    atexit.register(proc.stdin.close)  # the child ends when its input does
+    return proc
+
+
 def _compile_elsewhere(kernel, signature, constexprs, aligned, num_warps, num_stages, arch) -> Compiled:
-    """Compile a Triton kernel in a child process where the interpreter is off."""
+    """Compile a kernel in the child process, where the interpreter is off."""
     inner = kernel
     while getattr(inner, "fn", None) is not None and not hasattr(inner, "__code__"):
         inner = inner.fn
     where = (inner.__module__, inner.__qualname__)
     if where[0] in ("__main__", "__assignment__") or "<locals>" in where[1]:
         raise ValueError(f"{where[1]} is not importable from a module; only a module's kernels can "
-                         "be compiled while kernels run in the interpreter")
+                         "be compiled in a child process")
     job = dict(where=where, signature=signature, constexprs=constexprs, aligned=list(aligned),
                num_warps=num_warps, num_stages=num_stages, arch=arch)
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["LLMNOTE_BACKEND"] = "reference"  # import llmnote without a GPU, uninterpreted
-    root = str(Path(__file__).resolve().parents[3])  # the folder holding this llmnote
-    env["PYTHONPATH"] = os.pathsep.join([root, env.get("PYTHONPATH", "")])
-    run = subprocess.run([sys.executable, "-m", "llmnote.ops.gluon.compile"], input=json.dumps(job),
-                         capture_output=True, text=True, env=env)
-    if run.returncode != 0:
-        raise RuntimeError(f"compiling {where[0]}.{where[1]} failed:\n{run.stderr[-3000:]}")
-    out = json.loads(run.stdout.strip().splitlines()[-1])
+    proc = _child()
+    proc.stdin.write(json.dumps(job) + "\n")
+    proc.stdin.flush()
+    for line in proc.stdout:
+        if line.startswith(_RESULT):
+            out = json.loads(line[len(_RESULT):])
+            break
+    else:
+        raise RuntimeError(f"the compiling child process ended while compiling {where[0]}.{where[1]}")
+    if "error" in out:
+        raise RuntimeError(f"compiling {where[0]}.{where[1]} failed:\n{out['error']}")
     out["asm"]["cubin"] = bytes.fromhex(out["asm"]["cubin"])
     return Compiled(**out)
 
 
 def _main() -> None:
-    """Child process of :func:`_compile_elsewhere`: a job as JSON on stdin, the result on
-    the last line of stdout."""
-    job = json.loads(sys.stdin.read())
-    module, qualname = job["where"]
-    kernel = importlib.import_module(module)
-    for part in qualname.split("."):
-        kernel = getattr(kernel, part)
-    jit = _jit_function(kernel)
-    c = _compile(jit, job["signature"], job["constexprs"], tuple(job["aligned"]), job["num_warps"],
-                 job["num_stages"], job["arch"])
-    asm = {k: v for k, v in c.asm.items() if k in _TEXT_STAGES}
-    asm["cubin"] = c.asm["cubin"].hex()
-    print(json.dumps(dict(name=c.name, asm=asm, registers=c.registers, shared=c.shared,
-                          spilled=c.spilled, num_warps=c.num_warps)))
+    """The child process of :func:`_compile_elsewhere`: one job as JSON per line of stdin,
+    one answer line (``_RESULT`` + JSON: the result, or the error) per job on stdout."""
+    for line in sys.stdin:
+        try:
+            job = json.loads(line)
+            module, qualname = job["where"]
+            kernel = importlib.import_module(module)
+            for part in qualname.split("."):
+                kernel = getattr(kernel, part)
+            c = _compile(_jit_function(kernel), job["signature"], job["constexprs"], tuple(job["aligned"]),
+                         job["num_warps"], job["num_stages"], job["arch"])
+            asm = {k: v for k, v in c.asm.items() if k in _TEXT_STAGES}
+            asm["cubin"] = c.asm["cubin"].hex()
+            out = dict(name=c.name, asm=asm, registers=c.registers, shared=c.shared, spilled=c.spilled,
+                       num_warps=c.num_warps)
+        except Exception:  # the parent raises it, with the child's traceback
+            import traceback
+
+            out = {"error": traceback.format_exc()[-3000:]}
+        print(_RESULT + json.dumps(out), flush=True)
 
 
 if __name__ == "__main__":

@@ -171,8 +171,9 @@ def compile_matmul(dtype: torch.dtype = torch.bfloat16, *, b_trans: bool = False
     sig = {"a_desc": tensordesc(t, a_block, a_l), "b_desc": tensordesc(t, b_block, b_l),
            "c_desc": tensordesc(t, c_block, c_l),
            "GROUP_M": "constexpr", "NUM_STAGES": "constexpr", "B_TRANS": "constexpr"}
-    return compile_kernel(_matmul_kernel, sig, {"GROUP_M": cfg["GROUP_M"], "NUM_STAGES": cfg["NUM_STAGES"],
-                                                "B_TRANS": b_trans}, num_warps=cfg["num_warps"])
+    const = {"GROUP_M": cfg["GROUP_M"], "NUM_STAGES": cfg["NUM_STAGES"], "B_TRANS": b_trans}
+    # in a child process: see compile_kernel's `child` (the B tile's permute)
+    return compile_kernel(_matmul_kernel, sig, const, num_warps=cfg["num_warps"], child=True)
 
 
 def _config(config: dict) -> dict:

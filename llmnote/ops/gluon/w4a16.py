@@ -12,8 +12,8 @@ tokens its narrow side (swap AB; ``BLOCK_M`` in 16, 32, 64).
 step, pairs of consecutive channels ``(2t, 2t + 1)`` and ``(2t + 8, 2t + 9)`` of two
 rows. A pair of codes is one byte of a packed word. The kernel reads the words as
 bytes, each thread exactly the bytes its operand registers need, in a layout derived
-from the operand's own (:func:`_pair_layout`: the operand's linear layout with every
-K coordinate halved); splitting each byte into its two codes (``gl.join``) gives the
+from the operand's own (:func:`_operand_layout` writes the operand layout out as a
+linear layout; :func:`_pair_layout` halves its every K coordinate); splitting each byte into its two codes (``gl.join``) gives the
 operand layout itself, which ``gl.convert_layout(..., assert_trivial=True)`` checks at
 compile time: no shuffle, no shared memory. Dequantization is one subtract and one
 multiply per weight in those registers, and the dequantized tile goes to ``wgmma``
@@ -53,6 +53,18 @@ SIG_DTYPES = {torch.float16: "fp16", torch.bfloat16: "bf16"}
 
 
 @gluon.constexpr_function
+def _operand_layout(block_n, block_k, num_warps):
+    """wgmma's left-operand layout over (n, k) for 16-bit types, written out as a linear
+    layout: which coordinate each bit of the register, lane and warp index moves. A lane
+    ``4 g + t`` holds rows ``g`` and ``g + 8`` and channels ``2t, 2t + 1, 2t + 8, 2t + 9``
+    of each 16-wide K step; warp ``w`` takes rows ``16 w`` to ``16 w + 15``."""
+    regs = [[0, 1], [8, 0], [0, 8]] + [[0, 16 << i] for i in range(max(0, (block_k // 16).bit_length() - 1))]
+    warps = [[16 << i, 0] for i in range(num_warps.bit_length() - 1)]
+    return gl.DistributedLinearLayout(reg_bases=regs, lane_bases=[[0, 2], [0, 4], [1, 0], [2, 0], [4, 0]],
+                                      warp_bases=warps, block_bases=[], shape=[block_n, block_k])
+
+
+@gluon.constexpr_function
 def _pair_layout(operand):
     """From the operand's linear layout over (n, k): the layout over (n, k // 2) in which
     each thread holds the channel pairs its operand registers hold (every basis's k
@@ -86,7 +98,8 @@ def _w4a16_kernel(x_desc, qb_ptr, s_ptr, z_ptr, bias_ptr, y_ptr, M, N, K, stride
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[gl.num_warps(), 1],
                                                   instr_shape=[16, BLOCK_M, 16])
     operand: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
-    pairs: gl.constexpr = _pair_layout(gl.to_linear_layout(operand, [BLOCK_N, BLOCK_K]))
+    gl.static_assert(BLOCK_N == 16 * gl.num_warps(), "one 16-row block of the operand per warp")
+    pairs: gl.constexpr = _pair_layout(_operand_layout(BLOCK_N, BLOCK_K, gl.num_warps()))
     off_n = gl.program_id(0) * BLOCK_N
     off_m = gl.program_id(1) * BLOCK_M
     n = off_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, pairs))  # the channels each thread holds
@@ -155,7 +168,7 @@ def compile_w4a16(dtype: torch.dtype = torch.bfloat16, *, block_m: int = 16, gro
            "N": "i32", "K": "i32", "stride_ym": "i32", "GROUP": "constexpr", "BLOCK_N": "constexpr",
            "NUM_STAGES": "constexpr", "HAS_BIAS": "constexpr"}
     const = {"GROUP": group_size, "BLOCK_N": BLOCK_N, "NUM_STAGES": NUM_STAGES, "HAS_BIAS": bias}
-    return compile_kernel(_w4a16_kernel, sig, const, num_warps=NUM_WARPS,
+    return compile_kernel(_w4a16_kernel, sig, const, num_warps=NUM_WARPS, child=True,  # gl.join: see child
                           aligned=("qb_ptr", "s_ptr", "z_ptr", "bias_ptr", "y_ptr", "N", "K", "stride_ym"))
 
 
