@@ -147,14 +147,15 @@ def run(quick: bool = False, dtype: torch.dtype = torch.bfloat16, square: list[i
         layers: dict[str, tuple[int, int]] | None = None, tokens: list[int] | None = None,
         copy_bytes: list[int] | None = None, w4_batches: list[int] | None = None,
         w4_group: int = W4_GROUP) -> pd.DataFrame:
-    """The Gluon benchmark (quick: two square sizes, the o layer at 4096 tokens, two copies);
-    the keyword lists override the sizes (a CPU smoke test passes tiny ones)."""
+    """The Gluon benchmark (quick: two square sizes, the o layer at 4096 tokens and batch 1,
+    two copies); the keyword lists override the sizes (a CPU smoke test passes tiny ones; an
+    empty list leaves that sweep out)."""
     on_gpu = device.on_gpu()
-    square = square or ([2048, 4096] if quick else SQUARE)
-    layers = layers or ({"o": LLAMA_LAYERS["o"]} if quick else LLAMA_LAYERS)
-    tokens = tokens or ([4096] if quick else TOKENS)
-    copy_bytes = copy_bytes or ([1 << 24, 1 << 28] if quick else COPY_BYTES)
-    w4_batches = w4_batches or ([1] if quick else W4_BATCHES)
+    square = ([2048, 4096] if quick else SQUARE) if square is None else square
+    layers = ({"o": LLAMA_LAYERS["o"]} if quick else LLAMA_LAYERS) if layers is None else layers
+    tokens = ([4096] if quick else TOKENS) if tokens is None else tokens
+    copy_bytes = ([1 << 24, 1 << 28] if quick else COPY_BYTES) if copy_bytes is None else copy_bytes
+    w4_batches = ([1] if quick else W4_BATCHES) if w4_batches is None else w4_batches
     frames = [copy_bandwidth(None if on_gpu else 1 << 20), matmul_rate(dtype, None if on_gpu else 64)]
 
     def sq(n):
