@@ -223,6 +223,7 @@ def matmul(a: torch.Tensor, b: torch.Tensor, **config) -> torch.Tensor:
     cfg = _config(config)
     require_gpu("matmul", (9, 0), only_major=9, instead="llmnote.ops.matmul (Triton)")
     check_device("a", a)
+    check_device("b", b)
     (m, k), n = a.shape, b.shape[1]
     b_trans = _b_trans(b)
     c = torch.empty((m, n), dtype=a.dtype, device=a.device)

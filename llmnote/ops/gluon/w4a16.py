@@ -188,8 +188,9 @@ def w4a16_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, z
         if t is not None and not t.is_contiguous():
             raise ValueError(f"{name} must be contiguous, got strides {t.stride()} for shape {tuple(t.shape)}")
     require_gpu("w4a16_linear", (9, 0), only_major=9, instead="llmnote.quant.kernels.w4a16_linear (Triton)")
-    for name, t in (("x", x), ("qweight", qweight), ("scales", scales), ("zeros", zeros)):
-        check_device(name, t)
+    for name, t in (("x", x), ("qweight", qweight), ("scales", scales), ("zeros", zeros), ("bias", bias)):
+        if t is not None:
+            check_device(name, t)
     lead, (k, n) = tuple(x.shape[:-1]), (x.shape[-1], qweight.shape[1])
     x2 = x.reshape(math.prod(lead), k)
     if x2.stride(1) != 1 or (x2.stride(0) * x2.element_size()) % 16 or x2.data_ptr() % 16:
