@@ -7,11 +7,13 @@ kernels on the CPU does not execute Gluon. :func:`require_gpu` raises a
 Triton 3.6 names the TMA copies ``tma.async_copy_global_to_shared`` /
 ``async_copy_shared_to_global``; later releases ``tma.async_load`` / ``async_store``
 (the old names raise). ``tma_load`` and ``tma_store`` are whichever this Triton has;
-both take ``(descriptor, coordinates, ...)`` in the same order.
+both take ``(descriptor, coordinates, ...)`` in the same order. ``cta_barrier`` is
+``gl.thread_barrier`` (3.6) or ``gl.barrier`` (later).
 """
 
 from __future__ import annotations
 
+from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import tma
 
 from llmnote import device
@@ -20,6 +22,7 @@ if hasattr(tma, "async_load"):
     tma_load, tma_store = tma.async_load, tma.async_store
 else:  # Triton 3.6
     tma_load, tma_store = tma.async_copy_global_to_shared, tma.async_copy_shared_to_global
+cta_barrier = gl.barrier if hasattr(gl, "barrier") else gl.thread_barrier  # bar.sync of the program
 
 
 def require_gpu(op: str, min_capability: tuple[int, int], *, only_major: int | None = None,

@@ -86,9 +86,10 @@ class Compiled:
         return out
 
     def lines(self, instruction: str) -> list[str]:
-        """The PTX lines that issue ``instruction``, stripped."""
+        """The PTX lines that issue ``instruction``, without their guard predicate (``@%p1``)."""
         pattern = re.compile(r"^\s*(@!?%\w+\s+)?" + re.escape(instruction))
-        return [line.strip() for line in self.asm["ptx"].splitlines() if pattern.match(line)]
+        return [re.sub(r"^@!?%\w+\s+", "", line.strip()) for line in self.asm["ptx"].splitlines()
+                if pattern.match(line)]
 
 
 def _resource_usage(cubin: bytes) -> dict[str, int]:
