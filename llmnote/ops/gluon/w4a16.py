@@ -1,33 +1,29 @@
 """W4A16 on Hopper in Gluon: int4 weights decoded in registers straight into wgmma's operand.
 
-``y = x @ W^T`` with ``x (M, K)`` bf16/fp16, M small (a decode batch), and ``W[n, k] =
-(q[k, n] - zeros[k // G, n]) * scales[k // G, n]``, the book's format
-(:mod:`llmnote.quant.kernels.w4a16_ref`: codes packed eight per int32 along K,
-``qweight (K // 8, N)``). The product is computed transposed, ``y^T = W^T x^T``, so
-that the weight's output channels fill the 64-row side of ``wgmma`` and the few
-tokens its narrow side (swap AB; ``BLOCK_M`` in 16, 32, 64).
+``y = x @ W^T (+ bias)``, ``x (M, K)`` bf16/fp16 with M small (a decode batch), ``W`` in the
+book's format: ``W[n, k] = (q[k, n] - zeros[k // G, n]) * scales[k // G, n]``, codes packed
+eight per int32 along K (``qweight (K // 8, N)``); the reference is
+:func:`~llmnote.quant.kernels.w4a16_ref.w4a16_linear_ref` (same signature). Swap AB: the
+kernel computes ``y^T = W^T x^T``, so that output channels fill the 64-row side of
+``wgmma`` and the tokens its narrow side (``BLOCK_M`` 16, 32 or 64).
 
-``wgmma`` takes its left operand from registers, in a fixed layout (a
-``DotOperandLayout`` of the accumulator's layout): each thread holds, per 16-wide K
-step, pairs of consecutive channels ``(2t, 2t + 1)`` and ``(2t + 8, 2t + 9)`` of two
-rows. A pair of codes is one byte of a packed word. The kernel reads the words as
-bytes, each thread exactly the bytes its operand registers need, in a layout derived
-from the operand's own (:func:`_operand_layout` writes the operand layout out as a
-linear layout; :func:`_pair_layout` halves its every K coordinate); splitting each byte into its two codes (``gl.join``) gives the
-operand layout itself, which ``gl.convert_layout(..., assert_trivial=True)`` checks at
-compile time: no shuffle, no shared memory. Dequantization is one subtract and one
-multiply per weight in those registers, and the dequantized tile goes to ``wgmma``
-without ever being written to shared memory (Marlin's idea, which also repacks the
-weights offline so that each thread's codes are contiguous; with the book's packing
-each thread loads single bytes). The reference is the book's
-:func:`~llmnote.quant.kernels.w4a16_ref.w4a16_linear_ref` (same signature). ``x`` tiles arrive by TMA in a ring of
-``NUM_STAGES`` slots, as in :mod:`llmnote.ops.gluon.matmul`; the packed bytes of
-step ``k + 1`` are loaded while step ``k`` is decoded and multiplied.
+``wgmma`` reads its left operand from registers in a fixed layout: per 16-wide K step a
+thread holds channel pairs ``(2t, 2t + 1)`` and ``(2t + 8, 2t + 9)`` of two rows. A pair of
+codes is one byte of a packed word, so the kernel loads bytes, each thread those its
+operand registers need, in a layout derived from the operand's (:func:`_operand_layout`
+writes it as a linear layout, :func:`_pair_layout` halves its K coordinates); splitting
+each byte into its two codes (``gl.join``) gives the operand layout itself, which
+``gl.convert_layout(..., assert_trivial=True)`` checks at compile time. Dequantizing is a
+subtract and a multiply per weight in those registers; the tile goes to ``wgmma`` without
+touching shared memory (Marlin's idea; Marlin also repacks the weights so that a thread's
+codes are contiguous, where the book's packing gives single-byte loads). ``x`` tiles come
+by TMA in a ring of ``NUM_STAGES`` slots (as in :mod:`llmnote.ops.gluon.matmul`); the
+bytes of step ``k + 1`` are loaded while step ``k`` is decoded and multiplied.
 
-Supported: ``group_size`` a multiple of ``BLOCK_K`` (64), K a multiple of the group
-size, any N and M, an optional bias. Split-K (:func:`split_for`): the slices' fp32 partial sums go
-to a workspace and the last program of a tile to finish adds them in order (the scheme
-of :mod:`llmnote.quant.kernels.w4a16_tiles`), so the result does not depend on timing.
+Supported: ``group_size`` a multiple of ``BLOCK_K`` (64), any N and M. Split-K
+(:func:`split_for`): fp32 partial sums go to a workspace and the last program of a tile
+adds them in order (the scheme of :mod:`llmnote.quant.kernels.w4a16_tiles`): the result
+does not depend on timing.
 
 Sources: Frantar et al. 2025 (Marlin); the PTX ISA (wgmma register operands).
 """
