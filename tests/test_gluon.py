@@ -88,6 +88,25 @@ def test_matmul_config_changes_the_instruction(config, b_trans):
     assert c.spilled == 0
 
 
+def test_compiled_signature_is_the_launched_one():
+    """The descriptors matmul and w4a16_linear build on the host have the signature types the
+    compile helpers use (Triton 3.9 spells them out; 3.6 specialises in C++)."""
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    from llmnote.ops.gluon import w4a16 as W
+
+    if not hasattr(TensorDescriptor, "__mangle__"):
+        pytest.skip("this Triton does not spell out a descriptor's signature type")
+    a = torch.zeros(256, 512, dtype=torch.bfloat16)
+    for b_trans in (False, True):
+        for (block, layout) in gmm._layouts(torch.bfloat16, gmm.DEFAULT_CONFIG, b_trans):
+            d = TensorDescriptor(a, list(a.shape), list(a.stride()), block, layout)
+            assert d.__mangle__() == gluon.tensordesc("bf16", block, layout)
+    x = torch.zeros(5, 128, dtype=torch.float16)
+    d = TensorDescriptor(x, list(x.shape), list(x.stride()), [16, W.BLOCK_K], W._x_layout(torch.float16, 16))
+    assert d.__mangle__() == gluon.tensordesc("fp16", [16, W.BLOCK_K], W._x_layout(torch.float16, 16))
+
+
 def test_triton_counterpart_compiles_too():
     """A @triton.jit kernel of the package compiles the same way (in a child process while
     kernels run in the interpreter): Triton's compiler picks the copy's layout itself."""

@@ -46,7 +46,7 @@ HOPPER = 90  # compute capability x 10 of the H100
 def tensordesc(dtype: str, block_shape: list[int], layout) -> str:
     """The signature type of a Gluon TMA descriptor argument: element type (``"bf16"``),
     the block it copies, and the shared-memory layout of that block."""
-    return f"tensordesc<{dtype}[{', '.join(str(int(s)) for s in block_shape)}],{layout!r}>"
+    return f"tensordesc<{dtype}[{','.join(str(int(s)) for s in block_shape)}],{layout!r}>"
 
 
 @dataclass
