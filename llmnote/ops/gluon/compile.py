@@ -175,8 +175,10 @@ def _child() -> subprocess.Popen:
     env["LLMNOTE_BACKEND"] = "reference"  # import llmnote without a GPU, uninterpreted
     root = str(Path(__file__).resolve().parents[3])  # the folder holding this llmnote
     env["PYTHONPATH"] = os.pathsep.join([root, env.get("PYTHONPATH", "")])
+    log = tempfile.TemporaryFile("w+")  # the child's stderr: shown if it dies
     proc = subprocess.Popen([sys.executable, "-m", "llmnote.ops.gluon.compile"], stdin=subprocess.PIPE,
-                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env)
+                            stdout=subprocess.PIPE, stderr=log, text=True, env=env)
+    proc.log = log
     _CHILD[:] = [proc]
     atexit.register(proc.stdin.close)  # the child ends when its input does
     return proc
@@ -201,7 +203,9 @@ def _compile_elsewhere(kernel, signature, constexprs, aligned, num_warps, num_st
             out = json.loads(line[len(_RESULT):])
             break
     else:
-        raise RuntimeError(f"the compiling child process ended while compiling {where[0]}.{where[1]}")
+        proc.log.seek(0)
+        raise RuntimeError(f"the compiling child process ended while compiling {where[0]}.{where[1]}; "
+                           f"its last words:\n{proc.log.read()[-3000:]}")
     if "error" in out:
         raise RuntimeError(f"compiling {where[0]}.{where[1]} failed:\n{out['error']}")
     out["asm"]["cubin"] = bytes.fromhex(out["asm"]["cubin"])
