@@ -62,7 +62,9 @@ def _matmul_providers(shape_of, dtype: torch.dtype, weight: bool) -> dict:
     def inputs(x):
         m, n, k = shape_of(x)
         a = torch.randn(m, k, device=dev, dtype=dtype)
-        b = torch.randn(n, k, device=dev, dtype=dtype).t() if weight else torch.randn(k, n, device=dev, dtype=dtype)
+        if weight:  # x @ W.T with W a row-major (N, K) weight
+            return a, torch.randn(n, k, device=dev, dtype=dtype).t()
+        b = torch.randn(k, n, device=dev, dtype=dtype)
         return a, b
 
     def checked(fn, name):
@@ -128,8 +130,9 @@ def _w4_providers(n: int, k: int, dtype: torch.dtype, group: int) -> dict:
     def checked(fn, name):
         def factory(m):
             x = torch.randn(m, k, device=dev).to(dtype)
-            assert_close_lowp(fn(x, qw, s, z, group), w4a16_linear_ref(x.float(), qw, s.float(), z.float(), group),
-                              F.linear(x, w16), atol=1e-3, name=f"{name} M={m} N={n} K={k}")
+            ref32 = w4a16_linear_ref(x.float(), qw, s.float(), z.float(), group)
+            assert_close_lowp(fn(x, qw, s, z, group), ref32, F.linear(x, w16), atol=1e-3,
+                              name=f"{name} M={m} N={n} K={k}")
             return lambda: fn(x, qw, s, z, group)
         return factory
 
@@ -140,7 +143,8 @@ def _w4_providers(n: int, k: int, dtype: torch.dtype, group: int) -> dict:
         x = torch.randn(m, k, device=dev).to(dtype)
         return lambda: F.linear(x, w16)
 
-    return {"llmnote-gluon": gluon_factory, "llmnote": checked(triton_w4a16, "llmnote"), "torch-linear": linear}
+    return {"llmnote-gluon": gluon_factory, "llmnote": checked(triton_w4a16, "llmnote"),
+            "torch-linear": linear}
 
 
 def run(quick: bool = False, dtype: torch.dtype = torch.bfloat16, square: list[int] | None = None,
@@ -179,7 +183,8 @@ def run(quick: bool = False, dtype: torch.dtype = torch.bfloat16, square: list[i
             frames.append(sweep(W4_BENCH, "M", w4_batches, {name: factory},
                                 {"bandwidth": ("GB/s", lambda m, ms, b=nbytes[name]: b / (ms * 1e-3) / 1e9)},
                                 extra={"dtype": dtype_name(dtype), "N": n, "K": k, "layer": layer,
-                                       "group_size": w4_group, "shape": "linear", "weight_bytes": nbytes[name]}))
+                                       "group_size": w4_group, "shape": "linear",
+                                       "weight_bytes": nbytes[name]}))
     frames.append(sweep(COPY_BENCH, "bytes", copy_bytes, _copy_providers(dtype),
                         {"bandwidth": ("GB/s", lambda nbytes, ms: 2 * nbytes / (ms * 1e-3) / 1e9)},
                         extra={"dtype": dtype_name(dtype)}))
@@ -215,9 +220,11 @@ def summary(df: pd.DataFrame) -> pd.DataFrame:
             if mine.empty:
                 continue
             names = {"x_value": "M" if bench == W4_BENCH else "bytes"}
-            what = " ".join(f"{names.get(k, k)}={_text(v)}" for k, v in zip(keys, key) if k != "shape" and v != "")
+            what = " ".join(f"{names.get(k, k)}={_text(v)}" for k, v in zip(keys, key)
+                            if k != "shape" and v != "")
             value = float(mine.p50.iloc[0])
-            out.append(dict(check=f"{bench.removeprefix('gluon-')} {what}", gluon=value, unit=mine.unit.iloc[0],
+            out.append(dict(check=f"{bench.removeprefix('gluon-')} {what}", gluon=value,
+                            unit=mine.unit.iloc[0],
                             vs_triton=t.get("llmnote", nan) / t["llmnote-gluon"],
                             vs_peer=t.get(peer, nan) / t["llmnote-gluon"],
                             vs_ceiling=value / ceil if rate == "bandwidth" and ceil else nan))

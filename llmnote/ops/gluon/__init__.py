@@ -14,5 +14,5 @@ from llmnote.ops.gluon.copy import compile_copy, copy, copy_ref
 from llmnote.ops.gluon.matmul import compile_matmul, matmul, matmul_ref
 from llmnote.ops.gluon.w4a16 import compile_w4a16, w4a16_linear, w4a16_linear_ref
 
-__all__ = ["Compiled", "compile_copy", "compile_kernel", "compile_matmul", "compile_w4a16", "copy", "copy_ref",
-           "matmul", "matmul_ref", "tensordesc", "w4a16_linear", "w4a16_linear_ref"]
+__all__ = ["Compiled", "compile_copy", "compile_kernel", "compile_matmul", "compile_w4a16", "copy",
+           "copy_ref", "matmul", "matmul_ref", "tensordesc", "w4a16_linear", "w4a16_linear_ref"]

@@ -179,7 +179,8 @@ def compile_matmul(dtype: torch.dtype = torch.bfloat16, *, b_trans: bool = False
 def _config(config: dict) -> dict:
     unknown = set(config) - set(DEFAULT_CONFIG)
     if unknown:
-        raise TypeError(f"unknown config key(s) {sorted(unknown)}; expected some of {sorted(DEFAULT_CONFIG)}")
+        raise TypeError(f"unknown config key(s) {sorted(unknown)}; expected some of "
+                        f"{sorted(DEFAULT_CONFIG)}")
     return {**DEFAULT_CONFIG, **config}
 
 
@@ -199,7 +200,8 @@ def _validate(a, b) -> None:
     check_same(("a", "b"), a, b, what=("dtype", "device"))
     (m, k), (kb, n) = a.shape, b.shape
     if k != kb:
-        raise ValueError(f"inner dimensions must match: a is (M, K) with K = {k}, b is (K, N) with K = {kb}")
+        raise ValueError(f"inner dimensions must match: a is (M, K) with K = {k}, "
+                         f"b is (K, N) with K = {kb}")
     if k % 8 or n % 8:
         raise ValueError(f"K and N must be multiples of 8 (TMA needs 16-byte aligned rows of 2-byte "
                          f"elements), got K = {k}, N = {n}; use llmnote.ops.matmul for other sizes")

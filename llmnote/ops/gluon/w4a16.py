@@ -58,7 +58,8 @@ def _operand_layout(block_n, block_k, num_warps):
     layout: which coordinate each bit of the register, lane and warp index moves. A lane
     ``4 g + t`` holds rows ``g`` and ``g + 8`` and channels ``2t, 2t + 1, 2t + 8, 2t + 9``
     of each 16-wide K step; warp ``w`` takes rows ``16 w`` to ``16 w + 15``."""
-    regs = [[0, 1], [8, 0], [0, 8]] + [[0, 16 << i] for i in range(max(0, (block_k // 16).bit_length() - 1))]
+    k_reps = max(0, (block_k // 16).bit_length() - 1)  # 16-wide K steps: 2**k_reps of them
+    regs = [[0, 1], [8, 0], [0, 8]] + [[0, 16 << i] for i in range(k_reps)]
     warps = [[16 << i, 0] for i in range(num_warps.bit_length() - 1)]
     return gl.DistributedLinearLayout(reg_bases=regs, lane_bases=[[0, 2], [0, 4], [1, 0], [2, 0], [4, 0]],
                                       warp_bases=warps, block_bases=[], shape=[block_n, block_k])
@@ -124,7 +125,7 @@ def _w4a16_kernel(x_desc, qb_ptr, s_ptr, z_ptr, bias_ptr, y_ptr, ws_ptr, cnt_ptr
 
     acc = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout=mma)
     last = gl.maximum(hi, 1) - 1  # a valid step to read ahead from, in every slice
-    nxt_bytes = _load_pairs(qb_ptr, gl.minimum(lo, last), n, p, N, BLOCK_K)  # read BLOCK_N x BLOCK_K / 2 bytes
+    nxt_bytes = _load_pairs(qb_ptr, gl.minimum(lo, last), n, p, N, BLOCK_K)  # BLOCK_N x BLOCK_K / 2 bytes
     for j in range(0, steps):  # step k = lo + j of K, j-th use of the ring
         k = lo + j
         b = nxt_bytes.to(gl.int32)
@@ -200,7 +201,8 @@ def compile_w4a16(dtype: torch.dtype = torch.bfloat16, *, block_m: int = 16, gro
     sig = {"x_desc": tensordesc(t, [block_m, BLOCK_K], _x_layout(dtype, block_m)), "qb_ptr": "*u8",
            "s_ptr": f"*{t}", "z_ptr": f"*{t}", "bias_ptr": f"*{t}", "y_ptr": f"*{t}", "ws_ptr": "*fp32",
            "cnt_ptr": "*i32", "M": "i32", "N": "i32", "K": "i32", "stride_ym": "i32", "GROUP": "constexpr",
-           "BLOCK_N": "constexpr", "NUM_STAGES": "constexpr", "HAS_BIAS": "constexpr", "SPLIT_K": "constexpr"}
+           "BLOCK_N": "constexpr", "NUM_STAGES": "constexpr", "HAS_BIAS": "constexpr",
+           "SPLIT_K": "constexpr"}
     const = {"GROUP": group_size, "BLOCK_N": BLOCK_N, "NUM_STAGES": NUM_STAGES, "HAS_BIAS": bias,
              "SPLIT_K": split_k}
     return compile_kernel(_w4a16_kernel, sig, const, num_warps=NUM_WARPS, child=True,  # gl.join: see child
@@ -208,7 +210,8 @@ def compile_w4a16(dtype: torch.dtype = torch.bfloat16, *, block_m: int = 16, gro
 
 
 def w4a16_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
-                 group_size: int, bias: torch.Tensor | None = None, *, split_k: int | None = None) -> torch.Tensor:
+                 group_size: int, bias: torch.Tensor | None = None, *,
+                 split_k: int | None = None) -> torch.Tensor:
     """``x @ W^T (+ bias)`` for the book's W4A16 format (see :func:`w4a16_linear_ref`), by
     the Gluon kernel. ``x (..., K)`` bf16/fp16; ``qweight (K // 8, N)`` int32 contiguous;
     ``scales``, ``zeros`` ``(K // G, N)`` contiguous; ``group_size`` a multiple of 64;
@@ -220,11 +223,12 @@ def w4a16_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, z
     if x.dtype not in HALF_DTYPES:
         raise TypeError(f"x must be float16 or bfloat16, got {x.dtype}")
     if group_size % BLOCK_K:
-        raise ValueError(f"group_size must be a multiple of {BLOCK_K} for the Gluon kernel, got {group_size}; "
-                         "use llmnote.quant.kernels.w4a16_linear")
+        raise ValueError(f"group_size must be a multiple of {BLOCK_K} for the Gluon kernel, got "
+                         f"{group_size}; use llmnote.quant.kernels.w4a16_linear")
     for name, t in (("qweight", qweight), ("scales", scales), ("zeros", zeros), ("bias", bias)):
         if t is not None and not t.is_contiguous():
-            raise ValueError(f"{name} must be contiguous, got strides {t.stride()} for shape {tuple(t.shape)}")
+            raise ValueError(f"{name} must be contiguous, got strides {t.stride()} for shape "
+                             f"{tuple(t.shape)}")
     require_gpu("w4a16_linear", (9, 0), only_major=9, instead="llmnote.quant.kernels.w4a16_linear (Triton)")
     for name, t in (("x", x), ("qweight", qweight), ("scales", scales), ("zeros", zeros), ("bias", bias)):
         if t is not None:
@@ -238,10 +242,12 @@ def w4a16_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, z
     if m and n:
         bm = block_m_for(m)
         split = split_k or split_for(m, n, k, _num_sms(x.device))
-        ws, cnt = _workspace(x.device, split * m * n, m * triton.cdiv(n, 16) + 1)  # shared with Triton's W4A16
-        x_desc = TensorDescriptor(x2, list(x2.shape), list(x2.stride()), [bm, BLOCK_K], _x_layout(x.dtype, bm))
+        ws, cnt = _workspace(x.device, split * m * n, m * triton.cdiv(n, 16) + 1)  # Triton's W4A16's
+        x_desc = TensorDescriptor(x2, list(x2.shape), list(x2.stride()), [bm, BLOCK_K],
+                                  _x_layout(x.dtype, bm))
         grid = (triton.cdiv(n, BLOCK_N), triton.cdiv(m, bm), split)
-        _w4a16_kernel[grid](x_desc, qweight.view(torch.uint8), scales, zeros, y if bias is None else bias, y,
-                            ws, cnt, m, n, k, y.stride(0), GROUP=group_size, BLOCK_N=BLOCK_N,
-                            NUM_STAGES=NUM_STAGES, HAS_BIAS=bias is not None, SPLIT_K=split, num_warps=NUM_WARPS)
+        _w4a16_kernel[grid](x_desc, qweight.view(torch.uint8), scales, zeros,
+                            y if bias is None else bias, y, ws, cnt, m, n, k, y.stride(0),
+                            GROUP=group_size, BLOCK_N=BLOCK_N, NUM_STAGES=NUM_STAGES,
+                            HAS_BIAS=bias is not None, SPLIT_K=split, num_warps=NUM_WARPS)
     return y.reshape(*lead, n)
