@@ -1,0 +1,231 @@
+"""Gluon kernels vs their Triton counterparts and cuBLAS / PyTorch, bf16, one run.
+
+Matmul (``bench = "gluon-matmul"``), providers ``llmnote-gluon``
+(:func:`llmnote.ops.gluon.matmul`, its default config), ``llmnote`` (the Triton
+:func:`llmnote.ops.matmul`, autotuned on the first call) and ``cublas``
+(``torch.matmul``):
+
+* ``x_name = "M=N=K"``: square ``A @ B``, both row-major, 1024 to 8192;
+* ``x_name = "M"``: ``x @ W.T`` with ``W`` a row-major ``(N, K)`` weight, the
+  linear layers of Llama-3-8B (qkv 6144x4096, o 4096x4096, gate_up 28672x4096,
+  down 4096x14336) at M = 64 and 4096 tokens.
+
+Throughput = 2 M N K / time. W4A16 (``bench = "gluon-w4a16"``): ``llmnote-gluon``
+(:func:`llmnote.ops.gluon.w4a16_linear`) vs ``llmnote`` (the Triton
+:func:`llmnote.quant.kernels.w4a16_linear`, tuned on its first call) vs ``torch-linear``
+(``F.linear`` on the bf16 weight), the same Llama-3-8B layers at batch 1 and 16, group
+128 (RTN); bandwidth = bytes of the weight as each provider reads it (packed codes,
+scales and zeros; 2 N K for bf16) / time. Copy (``bench = "gluon-copy"``): ``llmnote-gluon``
+(:func:`llmnote.ops.gluon.copy`) vs ``torch`` (``dst.copy_(src)``), 1 MiB to 1 GiB;
+bandwidth = bytes read + written per second. Ceiling rows (copy bandwidth, bf16
+matmul rate) come from the same run. Each result is checked at full size before it
+is timed: matmuls against the fp32 reference with the low-precision rule of
+:mod:`llmnote.testing`, copies bit for bit. The Gluon providers need a Hopper GPU
+and are skipped elsewhere (the CPU: the Triton and PyTorch rows, wall clock).
+"""
+
+from __future__ import annotations
+
+import pandas as pd
+import torch
+
+from llmnote import device
+from llmnote.bench.ceilings import copy_bandwidth, matmul_rate
+from llmnote.bench.harness import Skip, sweep
+from llmnote.bench.suites.common import dtype_name
+from llmnote.ops.matmul import matmul as triton_matmul
+from llmnote.ops.matmul import matmul_ref
+from llmnote.testing import assert_close_lowp
+
+MATMUL_BENCH, COPY_BENCH, W4_BENCH = "gluon-matmul", "gluon-copy", "gluon-w4a16"
+BENCH = "gluon"  # the CSV: llmnote/data/results/gluon.csv
+SQUARE = [1024, 2048, 4096, 8192]
+LLAMA_LAYERS = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
+TOKENS = [64, 4096]
+W4_BATCHES, W4_GROUP = [1, 16], 128
+COPY_BYTES = [1 << 20, 1 << 24, 1 << 28, 1 << 30]
+
+
+def _require_hopper():
+    """llmnote.ops.gluon, or :class:`Skip` off a Hopper GPU (imported here, not at the top:
+    a Triton without Gluon must not break the other suites)."""
+    cap = device.capability()
+    if not (device.on_gpu() and cap is not None and cap[0] == 9):
+        raise Skip(f"the Gluon kernels need a Hopper GPU; this machine: {device.describe()}")
+    from llmnote.ops import gluon
+    return gluon
+
+
+def _matmul_providers(shape_of, dtype: torch.dtype, weight: bool) -> dict:
+    dev = device.default_device()
+
+    def inputs(x):
+        m, n, k = shape_of(x)
+        a = torch.randn(m, k, device=dev, dtype=dtype)
+        if weight:  # x @ W.T with W a row-major (N, K) weight
+            return a, torch.randn(n, k, device=dev, dtype=dtype).t()
+        b = torch.randn(k, n, device=dev, dtype=dtype)
+        return a, b
+
+    def checked(fn, name):
+        def factory(x):
+            a, b = inputs(x)
+            assert_close_lowp(fn(a, b), matmul_ref(a.float(), b.float()), torch.matmul(a, b),
+                              name=f"{name} {shape_of(x)}")
+            return lambda: fn(a, b)
+        return factory
+
+    def gluon_factory(x):
+        return checked(_require_hopper().matmul, "llmnote-gluon")(x)
+
+    def cublas(x):
+        if not device.on_gpu():
+            raise Skip("cuBLAS is only compared on a GPU")
+        a, b = inputs(x)
+        return lambda: torch.matmul(a, b)
+
+    return {"llmnote-gluon": gluon_factory, "llmnote": checked(triton_matmul, "llmnote"), "cublas": cublas}
+
+
+def _flops(shape_of) -> dict:
+    def tflops(x, ms):
+        m, n, k = shape_of(x)
+        return 2 * m * n * k / (ms * 1e-3) / 1e12
+    return {"throughput": ("TFLOP/s", tflops)}
+
+
+def _copy_providers(dtype: torch.dtype) -> dict:
+    dev = device.default_device()
+    es = torch.empty((), dtype=dtype).element_size()
+
+    def ours(nbytes):
+        gluon = _require_hopper()
+        x = torch.randn(nbytes // es, device=dev).to(dtype)
+        if not torch.equal(gluon.copy(x), x):
+            raise AssertionError(f"gluon copy of {nbytes} bytes differs from its input")
+        return lambda: gluon.copy(x)
+
+    def torch_copy(nbytes):
+        x = torch.randn(nbytes // es, device=dev).to(dtype)
+        out = torch.empty_like(x)
+        return lambda: out.copy_(x)
+
+    return {"llmnote-gluon": ours, "torch": torch_copy}
+
+
+def _w4_providers(n: int, k: int, dtype: torch.dtype, group: int) -> dict:
+    import torch.nn.functional as F
+
+    from llmnote.quant.kernels import w4a16_linear as triton_w4a16
+    from llmnote.quant.kernels.w4a16_ref import dequantize_int4_weight, w4a16_linear_ref
+    from llmnote.quant.primitives import pack_int4, quantize, unpack_int4
+
+    dev = device.default_device()
+    w = torch.randn(n, k, device=dev) * 0.02
+    qt = quantize(w, 4, symmetric=False, granularity="group", group_size=group)
+    qw = pack_int4(qt.q.t().contiguous())
+    s, z = qt.scale.t().contiguous().to(dtype), qt.zero.t().contiguous().to(dtype)
+    w16 = dequantize_int4_weight(unpack_int4(qw), s, z, group).to(dtype).t().contiguous()  # (N, K)
+
+    def checked(fn, name):
+        def factory(m):
+            x = torch.randn(m, k, device=dev).to(dtype)
+            ref32 = w4a16_linear_ref(x.float(), qw, s.float(), z.float(), group)
+            assert_close_lowp(fn(x, qw, s, z, group), ref32, F.linear(x, w16), atol=1e-3,
+                              name=f"{name} M={m} N={n} K={k}")
+            return lambda: fn(x, qw, s, z, group)
+        return factory
+
+    def gluon_factory(m):
+        return checked(_require_hopper().w4a16_linear, "llmnote-gluon")(m)
+
+    def linear(m):
+        x = torch.randn(m, k, device=dev).to(dtype)
+        return lambda: F.linear(x, w16)
+
+    return {"llmnote-gluon": gluon_factory, "llmnote": checked(triton_w4a16, "llmnote"),
+            "torch-linear": linear}
+
+
+def run(quick: bool = False, dtype: torch.dtype = torch.bfloat16, square: list[int] | None = None,
+        layers: dict[str, tuple[int, int]] | None = None, tokens: list[int] | None = None,
+        copy_bytes: list[int] | None = None, w4_batches: list[int] | None = None,
+        w4_group: int = W4_GROUP) -> pd.DataFrame:
+    """The Gluon benchmark (quick: two square sizes, the o layer at 4096 tokens and batch 1,
+    two copies); the keyword lists override the sizes (a CPU smoke test passes tiny ones; an
+    empty list leaves that sweep out)."""
+    on_gpu = device.on_gpu()
+    square = ([2048, 4096] if quick else SQUARE) if square is None else square
+    layers = ({"o": LLAMA_LAYERS["o"]} if quick else LLAMA_LAYERS) if layers is None else layers
+    tokens = ([4096] if quick else TOKENS) if tokens is None else tokens
+    copy_bytes = ([1 << 24, 1 << 28] if quick else COPY_BYTES) if copy_bytes is None else copy_bytes
+    w4_batches = ([1] if quick else W4_BATCHES) if w4_batches is None else w4_batches
+    frames = [copy_bandwidth(None if on_gpu else 1 << 20), matmul_rate(dtype, None if on_gpu else 64)]
+
+    def sq(n):
+        return (n, n, n)
+
+    frames.append(sweep(MATMUL_BENCH, "M=N=K", square, _matmul_providers(sq, dtype, False), _flops(sq),
+                        extra=lambda n: {"dtype": dtype_name(dtype), "M": n, "N": n, "K": n,
+                                         "shape": "square", "layer": ""}))
+    for layer, (n, k) in layers.items():
+        def lin(m, n=n, k=k):
+            return (m, n, k)
+
+        frames.append(sweep(MATMUL_BENCH, "M", tokens, _matmul_providers(lin, dtype, True), _flops(lin),
+                            extra=lambda m, n=n, k=k, layer=layer: {
+                                "dtype": dtype_name(dtype), "M": m, "N": n, "K": k, "shape": "linear",
+                                "layer": layer}))
+    for layer, (n, k) in layers.items():
+        packed = k * n // 2 + 2 * (k // w4_group) * n * torch.empty((), dtype=dtype).element_size()
+        nbytes = {"llmnote-gluon": packed, "llmnote": packed, "torch-linear": 2 * n * k}
+        for name, factory in _w4_providers(n, k, dtype, w4_group).items():  # each its own bytes
+            frames.append(sweep(W4_BENCH, "M", w4_batches, {name: factory},
+                                {"bandwidth": ("GB/s", lambda m, ms, b=nbytes[name]: b / (ms * 1e-3) / 1e9)},
+                                extra={"dtype": dtype_name(dtype), "N": n, "K": k, "layer": layer,
+                                       "group_size": w4_group, "shape": "linear",
+                                       "weight_bytes": nbytes[name]}))
+    frames.append(sweep(COPY_BENCH, "bytes", copy_bytes, _copy_providers(dtype),
+                        {"bandwidth": ("GB/s", lambda nbytes, ms: 2 * nbytes / (ms * 1e-3) / 1e9)},
+                        extra={"dtype": dtype_name(dtype)}))
+    return pd.concat(frames, ignore_index=True)
+
+
+def _text(v) -> str:
+    """A key for a label: whole floats (a column with gaps is read as float) as integers."""
+    return str(int(v)) if isinstance(v, float) and v.is_integer() else str(v)
+
+
+def summary(df: pd.DataFrame) -> pd.DataFrame:
+    """One row per measured size: the Gluon kernel's rate (``gluon``, in ``unit``), its
+    speed-up (time ratio) over the Triton kernel (``vs_triton``) and over the peer
+    (``vs_peer``: cuBLAS, ``F.linear`` on the bf16 weight, PyTorch's copy), and for
+    bandwidths the fraction of the copy ceiling of the same run (``vs_ceiling``)."""
+    from llmnote.bench.results import ceiling
+
+    nan = float("nan")
+    ceil = ceiling(df, "copy", "bandwidth")
+    specs = [(MATMUL_BENCH, "throughput", "cublas", ["shape", "layer", "M", "N", "K"]),
+             (W4_BENCH, "bandwidth", "torch-linear", ["layer", "x_value", "N", "K"]),
+             (COPY_BENCH, "bandwidth", "torch", ["x_value"])]
+    out = []
+    for bench, rate, peer, keys in specs:
+        part = df[df.bench == bench]
+        if part.empty:
+            continue
+        for key, g in part.groupby(keys, sort=False):
+            times = g[g.metric == "time"]
+            t = dict(zip(times.provider, times.p50))
+            mine = g[(g.metric == rate) & (g.provider == "llmnote-gluon")]
+            if mine.empty:
+                continue
+            names = {"x_value": "M" if bench == W4_BENCH else "bytes"}
+            what = " ".join(f"{names.get(k, k)}={_text(v)}" for k, v in zip(keys, key)
+                            if k != "shape" and v != "")
+            value = float(mine.p50.iloc[0])
+            out.append(dict(check=f"{bench.removeprefix('gluon-')} {what}", gluon=value,
+                            unit=mine.unit.iloc[0],
+                            vs_triton=t.get("llmnote", nan) / t["llmnote-gluon"],
+                            vs_peer=t.get(peer, nan) / t["llmnote-gluon"],
+                            vs_ceiling=value / ceil if rate == "bandwidth" and ceil else nan))
+    return pd.DataFrame(out, columns=["check", "gluon", "unit", "vs_triton", "vs_peer", "vs_ceiling"])

@@ -1,0 +1,253 @@
+"""W4A16 on Hopper in Gluon: int4 weights decoded in registers straight into wgmma's operand.
+
+``y = x @ W^T (+ bias)``, ``x (M, K)`` bf16/fp16 with M small (a decode batch), ``W`` in the
+book's format: ``W[n, k] = (q[k, n] - zeros[k // G, n]) * scales[k // G, n]``, codes packed
+eight per int32 along K (``qweight (K // 8, N)``); the reference is
+:func:`~llmnote.quant.kernels.w4a16_ref.w4a16_linear_ref` (same signature). Swap AB: the
+kernel computes ``y^T = W^T x^T``, so that output channels fill the 64-row side of
+``wgmma`` and the tokens its narrow side (``BLOCK_M`` 16, 32 or 64).
+
+``wgmma`` reads its left operand from registers in a fixed layout: per 16-wide K step a
+thread holds channel pairs ``(2t, 2t + 1)`` and ``(2t + 8, 2t + 9)`` of two rows. A pair of
+codes is one byte of a packed word, so the kernel loads bytes, each thread those its
+operand registers need, in a layout derived from the operand's (:func:`_operand_layout`
+writes it as a linear layout, :func:`_pair_layout` halves its K coordinates); splitting
+each byte into its two codes (``gl.join``) gives the operand layout itself, which
+``gl.convert_layout(..., assert_trivial=True)`` checks at compile time. Dequantizing is a
+subtract and a multiply per weight in those registers; the tile goes to ``wgmma`` without
+touching shared memory (Marlin's idea; Marlin also repacks the weights so that a thread's
+codes are contiguous, where the book's packing gives single-byte loads). ``x`` tiles come
+by TMA in a ring of ``NUM_STAGES`` slots (as in :mod:`llmnote.ops.gluon.matmul`); the
+bytes of step ``k + 1`` are loaded while step ``k`` is decoded and multiplied.
+
+Supported: ``group_size`` a multiple of ``BLOCK_K`` (64), any N and M. Split-K
+(:func:`split_for`): fp32 partial sums go to a workspace and the last program of a tile
+adds them in order (the scheme of :mod:`llmnote.quant.kernels.w4a16_tiles`): the result
+does not depend on timing.
+
+Sources: Frantar et al. 2025 (Marlin); the PTX ISA (wgmma register operands).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier, warpgroup_mma, warpgroup_mma_wait
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+from llmnote.ops._validate import check_device
+from llmnote.ops.gluon._common import cta_barrier, require_gpu, tma_load
+from llmnote.ops.gluon.compile import Compiled, compile_kernel, tensordesc
+from llmnote.ops.matmul_configs import _num_sms
+from llmnote.quant.kernels.w4a16 import _workspace
+from llmnote.quant.kernels.w4a16_ref import HALF_DTYPES, check_w4a16, w4a16_linear_ref  # noqa: F401
+
+BLOCK_N, BLOCK_K, NUM_STAGES, NUM_WARPS = 64, 64, 4, 4
+MAX_BLOCK_M = 64
+GL_DTYPES = {torch.float16: gl.float16, torch.bfloat16: gl.bfloat16}
+SIG_DTYPES = {torch.float16: "fp16", torch.bfloat16: "bf16"}
+
+
+@gluon.constexpr_function
+def _operand_layout(block_n, block_k, num_warps):
+    """wgmma's left-operand layout over (n, k) for 16-bit types, written out as a linear
+    layout: which coordinate each bit of the register, lane and warp index moves. A lane
+    ``4 g + t`` holds rows ``g`` and ``g + 8`` and channels ``2t, 2t + 1, 2t + 8, 2t + 9``
+    of each 16-wide K step; warp ``w`` takes rows ``16 w`` to ``16 w + 15``."""
+    k_reps = max(0, (block_k // 16).bit_length() - 1)  # 16-wide K steps: 2**k_reps of them
+    regs = [[0, 1], [8, 0], [0, 8]] + [[0, 16 << i] for i in range(k_reps)]
+    warps = [[16 << i, 0] for i in range(num_warps.bit_length() - 1)]
+    return gl.DistributedLinearLayout(reg_bases=regs, lane_bases=[[0, 2], [0, 4], [1, 0], [2, 0], [4, 0]],
+                                      warp_bases=warps, block_bases=[], shape=[block_n, block_k])
+
+
+@gluon.constexpr_function
+def _pair_layout(operand):
+    """From the operand's linear layout over (n, k): the layout over (n, k // 2) in which
+    each thread holds the channel pairs its operand registers hold (every basis's k
+    halved; the register basis that stepped k by 1, inside a pair, is dropped)."""
+    def halve(bases):
+        return [[n, k // 2] for n, k in bases]
+    regs = [b for b in operand.reg_bases if b != [0, 1]]
+    return gl.DistributedLinearLayout(reg_bases=halve(regs), lane_bases=halve(operand.lane_bases),
+                                      warp_bases=halve(operand.warp_bases),
+                                      block_bases=halve(operand.block_bases),
+                                      shape=[operand.shape[0], operand.shape[1] // 2])
+
+
+@gluon.jit
+def _load_pairs(qb_ptr, step, n, p, N, BLOCK_K: gl.constexpr):
+    """The bytes of step ``step`` (BLOCK_N, BLOCK_K // 2): byte p of column n holds the codes
+    of channels 2p, 2p + 1 of the step, i.e. byte p % 4 of packed word (step * BLOCK_K + 2p) // 8."""
+    row = step * (BLOCK_K // 8) + p // 4  # packed word row
+    ptrs = qb_ptr + row.to(gl.int64)[None, :] * (4 * N) + (4 * n)[:, None] + (p % 4)[None, :]
+    return gl.load(ptrs, mask=(n < N)[:, None], other=0)
+
+
+@gluon.jit
+def _w4a16_kernel(x_desc, qb_ptr, s_ptr, z_ptr, bias_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, K, stride_ym,
+                  GROUP: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
+                  HAS_BIAS: gl.constexpr, SPLIT_K: gl.constexpr):
+    """Tile (pid_n, pid_m) of y^T = W^T x^T, BLOCK_N output channels by BLOCK_M tokens, over
+    the pid_k-th of SPLIT_K slices of K."""
+    BLOCK_M: gl.constexpr = x_desc.block_type.shape[0]
+    BLOCK_K: gl.constexpr = x_desc.block_type.shape[1]
+    dtype: gl.constexpr = x_desc.dtype
+    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[gl.num_warps(), 1],
+                                                  instr_shape=[16, BLOCK_M, 16])
+    operand: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
+    gl.static_assert(BLOCK_N == 16 * gl.num_warps(), "one 16-row block of the operand per warp")
+    pairs: gl.constexpr = _pair_layout(_operand_layout(BLOCK_N, BLOCK_K, gl.num_warps()))
+    off_n = gl.program_id(0) * BLOCK_N
+    off_m = gl.program_id(1) * BLOCK_M
+    pid_k = gl.program_id(2)
+    n = off_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, pairs))  # the channels each thread holds
+    p = gl.arange(0, BLOCK_K // 2, layout=gl.SliceLayout(0, pairs))
+    n_op = off_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, operand))
+    k_tiles = K // BLOCK_K
+    per = gl.cdiv(k_tiles, SPLIT_K)
+    lo = pid_k * per  # this program's K steps: [lo, hi)
+    hi = gl.minimum(lo + per, k_tiles)
+    steps = hi - lo  # may be <= 0 for the last slices: they add zeros
+
+    x_ring = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_M, BLOCK_K], x_desc.layout)
+    ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    for s in gl.static_range(NUM_STAGES):
+        mbarrier.init(ready.index(s), count=1)
+    for s in gl.static_range(NUM_STAGES - 1):  # x tiles of the first NUM_STAGES - 1 steps
+        issue = s < steps
+        mbarrier.expect(ready.index(s), x_desc.block_type.nbytes, pred=issue)
+        tma_load(x_desc, [off_m, (lo + s) * BLOCK_K], ready.index(s), x_ring.index(s), pred=issue)
+
+    acc = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout=mma)
+    last = gl.maximum(hi, 1) - 1  # a valid step to read ahead from, in every slice
+    nxt_bytes = _load_pairs(qb_ptr, gl.minimum(lo, last), n, p, N, BLOCK_K)  # BLOCK_N x BLOCK_K / 2 bytes
+    for j in range(0, steps):  # step k = lo + j of K, j-th use of the ring
+        k = lo + j
+        b = nxt_bytes.to(gl.int32)
+        nxt_bytes = _load_pairs(qb_ptr, gl.minimum(k + 1, last), n, p, N, BLOCK_K)  # prefetch
+        g = (k * BLOCK_K) // GROUP  # the step lies in one group
+        scale = gl.load(s_ptr + g * N + n_op, mask=n_op < N, other=0.0).to(gl.float32)
+        zero = gl.load(z_ptr + g * N + n_op, mask=n_op < N, other=0.0).to(gl.float32)
+        codes = gl.reshape(gl.join(b & 15, b >> 4), [BLOCK_N, BLOCK_K])  # low nibble: the even channel
+        codes = gl.convert_layout(codes, operand, assert_trivial=True)  # already where wgmma wants it
+        w = ((codes.to(gl.float32) - zero[:, None]) * scale[:, None]).to(dtype)  # W^T tile, in registers
+
+        slot = j % NUM_STAGES
+        mbarrier.wait(ready.index(slot), (j // NUM_STAGES) & 1)
+        acc = warpgroup_mma(w, x_ring.index(slot).permute((1, 0)), acc, is_async=True)
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))  # w's registers are free again
+        nxt = j + NUM_STAGES - 1  # refill the slot the previous step used
+        issue = nxt < steps
+        mbarrier.expect(ready.index(nxt % NUM_STAGES), x_desc.block_type.nbytes, pred=issue)
+        tma_load(x_desc, [off_m, (lo + nxt) * BLOCK_K], ready.index(nxt % NUM_STAGES),
+                 x_ring.index(nxt % NUM_STAGES), pred=issue)
+    for s in gl.static_range(NUM_STAGES):
+        mbarrier.invalidate(ready.index(s))
+
+    offs_n = off_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, mma))
+    offs_m = off_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, mma))
+    mask = (offs_n < N)[:, None] & (offs_m < M)[None, :]
+    ptrs = y_ptr + offs_m.to(gl.int64)[None, :] * stride_ym + offs_n[:, None]
+    if SPLIT_K == 1:
+        if HAS_BIAS:
+            acc += gl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0).to(gl.float32)[:, None]
+        gl.store(ptrs, acc.to(dtype), mask=mask)  # write y^T tile
+    else:  # partial sums to the workspace; the last program of the tile adds them in order
+        tile = gl.program_id(1) * gl.num_programs(0) + gl.program_id(0)
+        part = ws_ptr + offs_m.to(gl.int64)[None, :] * N + offs_n[:, None]  # slice 0 of (SPLIT_K, M, N)
+        gl.store(part + pid_k.to(gl.int64) * M * N, acc, mask=mask)
+        cta_barrier()  # every thread's partial is written before the (release) count
+        arrived = gl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel")
+        if arrived == SPLIT_K - 1:
+            tot = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout=mma)
+            for sk in range(SPLIT_K):
+                tot += gl.load(part + sk * M * N, mask=mask, other=0.0, cache_modifier=".cg")
+            if HAS_BIAS:
+                tot += gl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0).to(gl.float32)[:, None]
+            gl.store(ptrs, tot.to(dtype), mask=mask)
+            gl.atomic_xchg(cnt_ptr + tile, 0)  # zero again for the next launch
+
+
+def block_m_for(m: int) -> int:
+    """The token tile: the next power of two of ``m``, at least 16 and at most 64."""
+    return min(MAX_BLOCK_M, max(16, triton.next_power_of_2(m)))
+
+
+def split_for(m: int, n: int, k: int, sms: int) -> int:
+    """Slices of K: enough programs for about four per SM (a 4096-channel layer has only
+    64 tiles of 64 channels), each slice at least four K steps long."""
+    tiles = triton.cdiv(n, BLOCK_N) * triton.cdiv(m, block_m_for(m))
+    steps = k // BLOCK_K
+    split = max(1, min(triton.cdiv(4 * sms, tiles), steps // 4))
+    return triton.cdiv(steps, triton.cdiv(steps, split))  # no empty slice
+
+
+def _x_layout(dtype, block_m: int):
+    return gl.NVMMASharedLayout.get_default_for([block_m, BLOCK_K], GL_DTYPES[dtype])
+
+
+def compile_w4a16(dtype: torch.dtype = torch.bfloat16, *, block_m: int = 16, group_size: int = 128,
+                  bias: bool = False, split_k: int = 1) -> Compiled:
+    """The kernel as :func:`w4a16_linear` would launch it for ``block_m`` tokens and ``split_k``
+    slices of K, compiled for sm_90."""
+    if dtype not in HALF_DTYPES:
+        raise TypeError(f"dtype must be torch.float16 or torch.bfloat16, got {dtype}")
+    t = SIG_DTYPES[dtype]
+    sig = {"x_desc": tensordesc(t, [block_m, BLOCK_K], _x_layout(dtype, block_m)), "qb_ptr": "*u8",
+           "s_ptr": f"*{t}", "z_ptr": f"*{t}", "bias_ptr": f"*{t}", "y_ptr": f"*{t}", "ws_ptr": "*fp32",
+           "cnt_ptr": "*i32", "M": "i32", "N": "i32", "K": "i32", "stride_ym": "i32", "GROUP": "constexpr",
+           "BLOCK_N": "constexpr", "NUM_STAGES": "constexpr", "HAS_BIAS": "constexpr",
+           "SPLIT_K": "constexpr"}
+    const = {"GROUP": group_size, "BLOCK_N": BLOCK_N, "NUM_STAGES": NUM_STAGES, "HAS_BIAS": bias,
+             "SPLIT_K": split_k}
+    return compile_kernel(_w4a16_kernel, sig, const, num_warps=NUM_WARPS, child=True,  # gl.join: see child
+                          aligned=("qb_ptr", "s_ptr", "z_ptr", "bias_ptr", "y_ptr", "N", "K", "stride_ym"))
+
+
+def w4a16_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
+                 group_size: int, bias: torch.Tensor | None = None, *,
+                 split_k: int | None = None) -> torch.Tensor:
+    """``x @ W^T (+ bias)`` for the book's W4A16 format (see :func:`w4a16_linear_ref`), by
+    the Gluon kernel. ``x (..., K)`` bf16/fp16; ``qweight (K // 8, N)`` int32 contiguous;
+    ``scales``, ``zeros`` ``(K // G, N)`` contiguous; ``group_size`` a multiple of 64;
+    ``split_k``: slices of K (None: :func:`split_for`). Needs a Hopper GPU (raises
+    ``RuntimeError`` elsewhere)."""
+    check_w4a16(x, qweight, scales, zeros, group_size, bias)
+    if split_k is not None and (isinstance(split_k, bool) or not isinstance(split_k, int) or split_k < 1):
+        raise ValueError(f"split_k must be None or a positive int, got {split_k!r}")
+    if x.dtype not in HALF_DTYPES:
+        raise TypeError(f"x must be float16 or bfloat16, got {x.dtype}")
+    if group_size % BLOCK_K:
+        raise ValueError(f"group_size must be a multiple of {BLOCK_K} for the Gluon kernel, got "
+                         f"{group_size}; use llmnote.quant.kernels.w4a16_linear")
+    for name, t in (("qweight", qweight), ("scales", scales), ("zeros", zeros), ("bias", bias)):
+        if t is not None and not t.is_contiguous():
+            raise ValueError(f"{name} must be contiguous, got strides {t.stride()} for shape "
+                             f"{tuple(t.shape)}")
+    require_gpu("w4a16_linear", (9, 0), only_major=9, instead="llmnote.quant.kernels.w4a16_linear (Triton)")
+    for name, t in (("x", x), ("qweight", qweight), ("scales", scales), ("zeros", zeros), ("bias", bias)):
+        if t is not None:
+            check_device(name, t)
+    lead, (k, n) = tuple(x.shape[:-1]), (x.shape[-1], qweight.shape[1])
+    x2 = x.reshape(math.prod(lead), k)
+    if x2.stride(1) != 1 or (x2.stride(0) * x2.element_size()) % 16 or x2.data_ptr() % 16:
+        x2 = x2.contiguous()
+    m = x2.shape[0]
+    y = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    if m and n:
+        bm = block_m_for(m)
+        split = split_k or split_for(m, n, k, _num_sms(x.device))
+        ws, cnt = _workspace(x.device, split * m * n, m * triton.cdiv(n, 16) + 1)  # Triton's W4A16's
+        x_desc = TensorDescriptor(x2, list(x2.shape), list(x2.stride()), [bm, BLOCK_K],
+                                  _x_layout(x.dtype, bm))
+        grid = (triton.cdiv(n, BLOCK_N), triton.cdiv(m, bm), split)
+        _w4a16_kernel[grid](x_desc, qweight.view(torch.uint8), scales, zeros,
+                            y if bias is None else bias, y, ws, cnt, m, n, k, y.stride(0),
+                            GROUP=group_size, BLOCK_N=BLOCK_N, NUM_STAGES=NUM_STAGES,
+                            HAS_BIAS=bias is not None, SPLIT_K=split, num_warps=NUM_WARPS)
+    return y.reshape(*lead, n)
