@@ -84,6 +84,21 @@ def _tile_coords(tile_id, num_pid_m, num_pid_n, GROUP_M: gl.constexpr):
 
 
 @gluon.jit
+def _load_k_step(a_desc, b_desc, ready, a_ring, b_ring, k, slot, off_m, off_n, issue,
+                 B_TRANS: gl.constexpr):
+    """Start the TMA loads of K step ``k`` (A's and B's tiles) into ring slot ``slot``,
+    whose mbarrier completes when both have landed; nothing when ``issue`` is false."""
+    BLOCK_K: gl.constexpr = a_desc.block_type.shape[1]
+    tile_bytes: gl.constexpr = a_desc.block_type.nbytes + b_desc.block_type.nbytes
+    mbarrier.expect(ready.index(slot), tile_bytes, pred=issue)
+    tma_load(a_desc, [off_m, k * BLOCK_K], ready.index(slot), a_ring.index(slot), pred=issue)
+    if B_TRANS:  # b_desc describes B^T, (N, K)
+        tma_load(b_desc, [off_n, k * BLOCK_K], ready.index(slot), b_ring.index(slot), pred=issue)
+    else:
+        tma_load(b_desc, [k * BLOCK_K, off_n], ready.index(slot), b_ring.index(slot), pred=issue)
+
+
+@gluon.jit
 def _matmul_kernel(a_desc, b_desc, c_desc, GROUP_M: gl.constexpr, NUM_STAGES: gl.constexpr,
                    B_TRANS: gl.constexpr):
     """One (BLOCK_M, BLOCK_N) tile of C = A @ B; B_TRANS: b_desc describes B^T, (N, K)."""
@@ -104,18 +119,12 @@ def _matmul_kernel(a_desc, b_desc, c_desc, GROUP_M: gl.constexpr, NUM_STAGES: gl
     ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     for s in gl.static_range(NUM_STAGES):
         mbarrier.init(ready.index(s), count=1)
-    tile_bytes: gl.constexpr = a_desc.block_type.nbytes + b_desc.block_type.nbytes
     k_tiles = gl.cdiv(K, BLOCK_K)
 
     # prologue: start the loads of the first NUM_STAGES - 1 K steps
     for s in gl.static_range(NUM_STAGES - 1):
-        issue = s < k_tiles
-        mbarrier.expect(ready.index(s), tile_bytes, pred=issue)
-        tma_load(a_desc, [off_m, s * BLOCK_K], ready.index(s), a_ring.index(s), pred=issue)
-        if B_TRANS:
-            tma_load(b_desc, [off_n, s * BLOCK_K], ready.index(s), b_ring.index(s), pred=issue)
-        else:
-            tma_load(b_desc, [s * BLOCK_K, off_n], ready.index(s), b_ring.index(s), pred=issue)
+        _load_k_step(a_desc, b_desc, ready, a_ring, b_ring, s, s, off_m, off_n, s < k_tiles,
+                     B_TRANS)
 
     mma_layout: gl.constexpr = _mma_layout(BLOCK_M, BLOCK_N, gl.num_warps())
     acc = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=mma_layout)
@@ -130,14 +139,8 @@ def _matmul_kernel(a_desc, b_desc, c_desc, GROUP_M: gl.constexpr, NUM_STAGES: gl
         acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))  # step k - 1's MMA is done
         # refill the slot step k - 1 used with K step k + NUM_STAGES - 1
         nxt = k + NUM_STAGES - 1
-        nslot = nxt % NUM_STAGES
-        issue = nxt < k_tiles
-        mbarrier.expect(ready.index(nslot), tile_bytes, pred=issue)
-        tma_load(a_desc, [off_m, nxt * BLOCK_K], ready.index(nslot), a_ring.index(nslot), pred=issue)
-        if B_TRANS:
-            tma_load(b_desc, [off_n, nxt * BLOCK_K], ready.index(nslot), b_ring.index(nslot), pred=issue)
-        else:
-            tma_load(b_desc, [nxt * BLOCK_K, off_n], ready.index(nslot), b_ring.index(nslot), pred=issue)
+        _load_k_step(a_desc, b_desc, ready, a_ring, b_ring, nxt, nxt % NUM_STAGES, off_m, off_n,
+                     nxt < k_tiles, B_TRANS)
     acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
     for s in gl.static_range(NUM_STAGES):
         mbarrier.invalidate(ready.index(s))
