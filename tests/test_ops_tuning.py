@@ -1,5 +1,7 @@
 """llmnote.ops._tuning.TuneCache: the one cache of tuned configs (matmul, GEMV, W4A16)."""
 
+import json
+
 import pytest
 
 from llmnote.ops import _tuning
@@ -58,3 +60,83 @@ def test_kernel_source_unwraps_jit_and_autotune():
     assert kernel_source(kernel_source).startswith("def kernel_source(")
     with pytest.raises(TypeError, match="fn must be a function"):
         kernel_source(3)
+
+
+# ------------------------------------------------------------ shipped choices
+def _shipped_examples():
+    import torch
+
+    from llmnote.ops.fused_gemv import Prologue
+    from llmnote.ops.gemv import GemvConfig
+    from llmnote.quant.kernels.w4a16_configs import GemvTile, MmaTile
+
+    key = (1, 4096, 4096, 128, None, torch.bfloat16, False, torch.device("cuda", 0),
+           Prologue.SWIGLU)
+    configs = [GemvConfig(8, 1024, 8), (GemvTile(bn=64, bk=256, warps=4, prefetch=True), 2),
+               (MmaTile(bm=16, bn=64, bk=128), 1), (64, 64, 64, 4, 3), "plain"]
+    return key, configs
+
+
+def test_encode_decode_round_trip():
+    import torch
+
+    key, configs = _shipped_examples()
+    for obj in configs:
+        again = _tuning.decode(json.loads(json.dumps(_tuning.encode(obj))))
+        assert again == obj and type(again) is type(obj)
+    # a key comes back with its device's type only (any index of the GPU model)
+    again = _tuning.decode(json.loads(json.dumps(_tuning.encode(key))))
+    assert again[:7] == key[:7] and again[8:] == key[8:] and again[7] == torch.device("cuda")
+    with pytest.raises(TypeError, match="cannot encode a object"):
+        _tuning.encode(object())
+    with pytest.raises(ValueError, match="outside llmnote"):
+        _tuning.decode({"type": "os:system", "fields": {}})
+
+
+def test_key_text_names_the_gpu_model_not_its_index():
+    import torch
+
+    key, _ = _shipped_examples()
+    other = key[:7] + (torch.device("cuda", 3),) + key[8:]
+    on_cpu = key[:7] + (torch.device("cpu"),) + key[8:]
+    assert _tuning.key_text(key) == _tuning.key_text(other) != _tuning.key_text(on_cpu)
+    assert _tuning.gpu_file("NVIDIA H100 80GB HBM3").name == "nvidia-h100-80gb-hbm3.json"
+
+
+def test_a_shipped_choice_is_taken_without_timing_if_still_a_candidate():
+    key, (cfg, *_) = _shipped_examples()
+    cache = TuneCache("shipped-test")
+    cache.preload({_tuning.key_text(key): cfg})
+
+    def launch(c):  # on the CPU, timing would need a GPU: it must not happen
+        raise AssertionError("timed")
+
+    other = cfg._replace(block_n=512)
+    assert cache.tune(key, [other, cfg], launch, timing=True) == cfg
+    # a choice no longer among the candidates is not taken
+    stale = TuneCache("stale-test")
+    stale.preload({_tuning.key_text(key): cfg})
+    assert stale.tune(key, [other], launch, timing=True) == other
+    # without timing (the CPU, or autotuning off) the first candidate, as before
+    off = TuneCache("off-test")
+    off.preload({_tuning.key_text(key): cfg})
+    assert off.tune(key, [other, cfg], launch, timing=False) == other
+
+
+def test_exported_choices_read_back_from_the_gpu_file(tmp_path, monkeypatch):
+    key, configs = _shipped_examples()
+    cache = TuneCache("export-test")
+    for i, c in enumerate(configs):
+        cache.set(key[:1] + (i,) + key[2:], c)
+    cache.set(("matmul-like",), object())  # not encodable: left out
+    monkeypatch.setattr(_tuning, "SHIPPED_DIR", tmp_path)
+    path = _tuning.gpu_file("Some GPU")
+    path.write_text(json.dumps({"gpu": "Some GPU", "caches": {"export-test": cache.export()}}))
+    _tuning.shipped_choices.cache_clear()
+    try:
+        got = _tuning.shipped_choices("Some GPU")["export-test"]
+        assert got == {_tuning.key_text(k): c for k, c in cache.chosen.items()
+                       if k != ("matmul-like",)}
+        assert _tuning.shipped_choices("Another GPU") == {}
+    finally:
+        _tuning.shipped_choices.cache_clear()

@@ -14,15 +14,31 @@ captured in a CUDA graph after one warm-up call. A kernel timed alone and the
 same kernel between its neighbours in a decode graph do not always rank tiles
 alike: the engine records the keys a graph launches (:func:`recorded`) and
 re-times their candidates inside the graph.
+
+Choices can ship with the package, per GPU model: ``tools/ship_tuning.py`` runs the
+README's engines on a GPU and writes every cache's choices to
+``llmnote/data/tuned/<gpu>.json``; on a GPU of that name, a key found there takes the
+shipped config (if it is still one of the key's candidates) without compiling and timing
+the others, which is most of an engine's cold start.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Hashable, Iterator
+import dataclasses
+import enum
+import functools
+import importlib
+import json
+import re
+from collections.abc import Callable, Hashable, Iterator, Mapping
+from pathlib import Path
 from typing import Any
 
 import torch
+
+SHIPPED_DIR = Path(__file__).resolve().parent.parent / "data" / "tuned"
+CACHES: dict[str, TuneCache] = {}  # every cache by name (tools/ship_tuning.py writes them all)
 
 _open: list[tuple[TuneCache | None, list]] = []  # the recording blocks now open
 
@@ -53,6 +69,8 @@ class TuneCache:
         self.retime, self.keep = retime, keep
         self.chosen: dict[Hashable, Any] = {}
         self.log: dict[Hashable, list[tuple[Any, float]]] = {}  # key -> [(config, ms)] as timed
+        self.shipped: dict[str, Any] | None = None  # key_text(key) -> config; read when needed
+        CACHES[name] = self
 
     def __repr__(self) -> str:
         return f"TuneCache({self.name!r}, {len(self.chosen)} keys)"
@@ -94,12 +112,37 @@ class TuneCache:
             return self.chosen[key]
         if callable(candidates):  # built only on a key's first call (launch cost)
             candidates = candidates()
-        if len(candidates) > 1 and timing and not torch.cuda.is_current_stream_capturing():
+        shipped = self._shipped_choice(key) if timing else None
+        if shipped is not None and shipped in candidates:  # chosen on this GPU model before
+            cfg = shipped
+        elif len(candidates) > 1 and timing and not torch.cuda.is_current_stream_capturing():
             cfg = self._fastest(key, candidates, launch)
         else:
             cfg = candidates[0]
         self.chosen[key] = cfg
         return cfg
+
+    def preload(self, choices: Mapping[str, Any]) -> None:
+        """Configs chosen before, by :func:`key_text` of their keys (``tune`` takes them
+        without timing); instead of the file shipped for this GPU."""
+        self.shipped = dict(choices)
+
+    def export(self) -> dict[str, Any]:
+        """The configs chosen so far, as ``{key_text(key): encode(config)}`` (JSON); a key
+        or config :func:`encode` cannot write (matmul's ``triton.Config``) is left out."""
+        out = {}
+        for k, c in self.chosen.items():
+            try:
+                out[key_text(k)] = encode(c)
+            except TypeError:
+                continue
+        return out
+
+    def _shipped_choice(self, key: Hashable) -> Any | None:
+        if self.shipped is None:
+            self.shipped = shipped_choices(torch.cuda.get_device_name()).get(self.name, {}) \
+                if torch.cuda.is_available() else {}
+        return self.shipped.get(key_text(key)) if self.shipped else None
 
     def _fastest(self, key: Hashable, candidates: list, launch: Callable[[Any], object]) -> Any:
         from triton.testing import do_bench
@@ -120,3 +163,82 @@ class TuneCache:
         if len(timed) > 1:  # the fastest few again; each keeps the smaller of its two times
             timed = [(c, min(t, ms(c))) for c, t in timed]
         return min(timed, key=lambda e: e[1])[0]
+
+
+# ------------------------------------------------------------ shipped choices
+def encode(obj: Any) -> Any:
+    """A key or config as JSON data: tuples, named tuples, dataclasses and enums of
+    llmnote, dtypes, devices (their type only: one GPU model, any index)."""
+    if isinstance(obj, torch.dtype):
+        return {"dtype": str(obj).removeprefix("torch.")}
+    if isinstance(obj, torch.device):
+        return {"device": obj.type}
+    if isinstance(obj, enum.Enum):
+        return {"enum": _type_name(obj), "name": obj.name}
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return {"type": _type_name(obj),
+                "fields": {f.name: encode(getattr(obj, f.name)) for f in dataclasses.fields(obj)}}
+    if isinstance(obj, tuple) and hasattr(obj, "_fields"):  # a NamedTuple
+        return {"type": _type_name(obj), "fields": {f: encode(getattr(obj, f)) for f in obj._fields}}
+    if isinstance(obj, (tuple, list)):
+        return {"tuple" if isinstance(obj, tuple) else "list": [encode(o) for o in obj]}
+    if obj is None or isinstance(obj, (bool, int, float, str)):
+        return obj
+    raise TypeError(f"cannot encode a {type(obj).__name__} in a tuning key or config")
+
+
+def decode(data: Any) -> Any:
+    """The inverse of :func:`encode` (types only from llmnote's own modules)."""
+    if isinstance(data, dict):
+        if "dtype" in data:
+            return getattr(torch, data["dtype"])
+        if "device" in data:
+            return torch.device(data["device"])
+        if "enum" in data:
+            return _type_of(data["enum"])[data["name"]]
+        if "type" in data:
+            return _type_of(data["type"])(**{k: decode(v) for k, v in data["fields"].items()})
+        if "tuple" in data:
+            return tuple(decode(o) for o in data["tuple"])
+        if "list" in data:
+            return [decode(o) for o in data["list"]]
+        raise ValueError(f"not an encoded tuning value: {data!r}")
+    return data
+
+
+def key_text(key: Hashable) -> str:
+    """The JSON text a key is stored under (devices by type: any index of a GPU model)."""
+    return json.dumps(encode(key), sort_keys=True, separators=(",", ":"))
+
+
+def gpu_file(gpu_name: str) -> Path:
+    """Where the choices shipped for ``gpu_name`` are (``NVIDIA H100 80GB HBM3`` ->
+    ``nvidia-h100-80gb-hbm3.json``)."""
+    return SHIPPED_DIR / (re.sub(r"[^a-z0-9]+", "-", gpu_name.lower()).strip("-") + ".json")
+
+
+@functools.cache
+def shipped_choices(gpu_name: str) -> dict[str, dict[str, Any]]:
+    """``{cache name: {key_text: config}}`` shipped for ``gpu_name`` (empty if none)."""
+    path = gpu_file(gpu_name)
+    if not path.is_file():
+        return {}
+    data = json.loads(path.read_text())
+    return {name: {k: decode(v) for k, v in entries.items()}
+            for name, entries in data.get("caches", {}).items()}
+
+
+def _type_name(obj: Any) -> str:
+    t = type(obj)
+    return f"{t.__module__}:{t.__qualname__}"
+
+
+def _type_of(name: str) -> Any:
+    module, _, qualname = name.partition(":")
+    if not module.startswith("llmnote."):
+        raise ValueError(f"a shipped tuning names a type outside llmnote: {name!r}")
+    obj = importlib.import_module(module)
+    for part in qualname.split("."):
+        obj = getattr(obj, part)
+    return obj
+
