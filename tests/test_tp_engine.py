@@ -536,3 +536,18 @@ def test_tp2_nccl_loading_peak_is_the_shard(tmp_path):
             assert s["weight_bytes"] <= s["peak_gpu_bytes"] <= s["weight_bytes"] + extra + slack, \
                 (source, rank, s)
             assert s["peak_gpu_bytes"] < whole, (source, rank, s)
+
+
+def test_benchmark_smoke_records_what_the_ranks_loaded():
+    """The tensor-parallel benchmark's engine part on gloo (quick: llama-tiny): TP=1 and
+    TP=2 rows, and the TP=2 rows carry each rank's loaded weight bytes (half the split
+    weights plus the replicated ones: less than the whole model)."""
+    from llmnote.bench.suites import tensor_parallel as T
+
+    df = T.run(quick=True, parts=("engine",))
+    assert set(df.provider) == {"llmnote-tp1", "llmnote-tp2"}
+    tp2, tp1 = df[df.provider == "llmnote-tp2"], df[df.provider == "llmnote-tp1"]
+    whole = sum(p.numel() * 4 for p in Llama(get_preset("llama-tiny")).parameters())
+    assert ((tp2.load_weight_gb_per_rank * 1e9 > whole / 2)
+            & (tp2.load_weight_gb_per_rank * 1e9 < whole)).all()
+    assert tp1.load_weight_gb_per_rank.isna().all()

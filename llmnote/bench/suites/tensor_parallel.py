@@ -199,7 +199,7 @@ def _engine_case(env: dict, model: str, label: str, tp: int, kw: dict, reqs, con
         start_s = time.perf_counter() - t0
         extra = {"ranks": tp, "decode_steps": llm.runner.decode_steps, "startup_s": start_s,
                  "kv_blocks": llm.runner.num_blocks,
-                 "cuda_graphs": bool(llm.runner.use_graphs)}
+                 "cuda_graphs": bool(llm.runner.use_graphs), **_load_extra(llm)}
         rows = _batch1_rows(llm, label, tp, model, context, vocab, env, extra)[0]
         run_engine(llm, nano_vllm_requests(4, 8, 32, seed=1, vocab=vocab))  # warm-up
         outs, wall = run_engine(llm, reqs)
@@ -215,6 +215,19 @@ def _engine_case(env: dict, model: str, label: str, tp: int, kw: dict, reqs, con
         del llm
         _free()
     return rows
+
+
+def _load_extra(llm) -> dict:
+    """What the ranks of a tensor-parallel engine held and read while loading (the
+    largest over ranks, in GB); nothing for one process."""
+    stats = getattr(llm.runner, "load_stats", None)
+    if not stats:
+        return {}
+    def gb(k):  # noqa: E306
+        vals = [s[k] for s in stats if s.get(k) is not None]
+        return max(vals) / 1e9 if vals else None
+    return {"load_weight_gb_per_rank": gb("weight_bytes"), "load_read_gb_per_rank": gb("bytes_read"),
+            "load_peak_gpu_gb_per_rank": gb("peak_gpu_bytes")}
 
 
 def seventy_rows(env: dict, layers: int, context: int, quick: bool) -> list[dict]:
@@ -236,7 +249,7 @@ def seventy_rows(env: dict, layers: int, context: int, quick: bool) -> list[dict
         longest = context + 256
         llm = _engine(model, tp, longest, num_blocks=longest // 16 + 4)
         extra = {"ranks": tp, "layers": layers, "params": params,
-                 "weight_gb_per_gpu": params * 2 / tp / 1e9}
+                 "weight_gb_per_gpu": params * 2 / tp / 1e9, **_load_extra(llm)}
         r, ms = _batch1_rows(llm, label, tp, name, context, vocab, env, extra)
         rows += r
         rows += rows_for(BENCH, label, "tp", tp, Timing(ms / layers, ms / layers, ms / layers),
