@@ -20,6 +20,16 @@ def seed() -> int:
 
 
 @pytest.fixture
+def one_thread():
+    """One intra-op thread, for engine tests of tiny models run many times: far faster than
+    threads contending for the cores (or oversubscribing a many-core host)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture
 def dev() -> torch.device:
     """Where kernel inputs live: the GPU when compiled, the CPU under the interpreter."""
     return llmnote.device.default_device()

@@ -452,7 +452,7 @@ def _lumped_pvalue(counts: torch.Tensor, probs: torch.Tensor, min_expected: floa
     return _chi2_pvalue(c[keep], p[keep])
 
 
-def test_engine_samples_follow_the_model_distribution():
+def test_engine_samples_follow_the_model_distribution(one_thread):
     """End to end, through the engine: 1 200 seeded requests of 3 tokens from one prompt
     on an 8-token vocabulary, a random draft guessing k = 2. The pairs (token 1, token 2)
     (token 2 comes from a verifying step) and token 3 are distributed as the model's

@@ -101,15 +101,6 @@ def model(tiny_llama):
 
 
 @pytest.fixture
-def one_thread():
-    """The model is tiny: one intra-op thread is much faster than contending for two."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
-@pytest.fixture
 def faulty_sampler(monkeypatch):
     real = model_runner.sample
 
