@@ -325,6 +325,18 @@ def _file_tensor_bytes(folder) -> int:
     return total
 
 
+def _one_and_two_ranks(model, prompts, max_tokens: int):
+    """Greedy tokens of ``model`` on 2 ranks and in one process (fp32, reference ops, the
+    CPU), and the ranks' load statistics: ``(got, want, load_stats)``."""
+    sp, kw = SamplingParams(temperature=0.0, max_tokens=max_tokens), \
+        {"device": "cpu", "ops": reference_ops()}
+    with LLM(model, **kw) as one:
+        want = [o.token_ids for o in one.generate(prompts, sp, use_tqdm=False)]
+    with LLM(model, tensor_parallel_size=2, **kw) as llm:
+        got = [o.token_ids for o in llm.generate(prompts, sp, use_tqdm=False)]
+        return got, want, llm.runner.load_stats
+
+
 def test_checkpoint_ranks_read_only_their_slices(tiny_llama, tmp_path):
     """A checkpoint in several safetensors files with an index, 4 query heads and 2 kv
     heads over 2 ranks (kv heads split): tokens equal the one-process engine's, and each
@@ -334,13 +346,7 @@ def test_checkpoint_ranks_read_only_their_slices(tiny_llama, tmp_path):
     assert len(list(folder.glob("*.safetensors"))) >= 3
     cfg = tiny_llama.config
     assert cfg.num_key_value_heads == 2 < cfg.num_attention_heads
-    prompts, sp = _prompts()[2:], SamplingParams(temperature=0.0, max_tokens=12)
-    kw = {"device": "cpu", "ops": reference_ops()}
-    with LLM(folder, **kw) as one:
-        want = [o.token_ids for o in one.generate(prompts, sp, use_tqdm=False)]
-    with LLM(folder, tensor_parallel_size=2, **kw) as llm:
-        got = [o.token_ids for o in llm.generate(prompts, sp, use_tqdm=False)]
-        stats = llm.runner.load_stats
+    got, want, stats = _one_and_two_ranks(folder, _prompts()[2:], max_tokens=12)
     assert got == want
     whole = _file_tensor_bytes(folder)
     assert whole == _shard_bytes(cfg, 1, 4)
@@ -360,7 +366,6 @@ def test_preset_and_given_model_ranks_build_only_their_shard(preset):
     the one-process engine's. A Llama object given to the engine (qwen3-tiny: q/k norms)
     goes to the ranks as a safetensors file they read their slices of."""
     cfg = get_preset(preset)
-    prompts, sp = _prompts()[2:4], SamplingParams(temperature=0.0, max_tokens=8)
     if preset == "qwen2-tiny":
         model = preset
     else:
@@ -368,12 +373,7 @@ def test_preset_and_given_model_ranks_build_only_their_shard(preset):
         with torch.no_grad():  # clear argmax margins
             for p in model.parameters():
                 p.mul_(10.0 if p.ndim == 2 else 1.0)
-    kw = {"device": "cpu", "ops": reference_ops()}
-    with LLM(model, **kw) as one:
-        want = [o.token_ids for o in one.generate(prompts, sp, use_tqdm=False)]
-    with LLM(model, tensor_parallel_size=2, **kw) as llm:
-        got = [o.token_ids for o in llm.generate(prompts, sp, use_tqdm=False)]
-        stats = llm.runner.load_stats
+    got, want, stats = _one_and_two_ranks(model, _prompts()[2:4], max_tokens=8)
     assert got == want
     for rank, s in enumerate(stats):
         assert s["weight_bytes"] == _shard_bytes(cfg, 2, 4), rank
