@@ -128,3 +128,28 @@ def assert_close_lowp(
             f"2 x PyTorch's own {actual.dtype} error ({torch_err:.3g}) + atol {atol:g} = "
             f"{bound:.3g}; worst:\n" + describe_mismatch(a, r)
         )
+
+
+# A greedy tie: two fp32 computations of one model's logits (transformers' and llmnote's;
+# whole, batched, chunked or paged) differed by up to 8.1e-6 on the tests' tiny models
+# (|logit| < 10), so the gap between the top two moves by up to twice that. Gaps of 4.8e-7
+# and 3.8e-6 were seen broken differently. A gap under 1e-4 is a tie rounding decides.
+GREEDY_TIE = 1e-4
+
+
+def same_greedy_tokens(model, prompt: list[int], got: list[int], want: list[int]) -> bool:
+    """``got == want`` (greedy tokens after ``prompt``), or of equal length and diverging
+    first where ``model``'s top two logits are within :data:`GREEDY_TIE` and ``got``'s
+    token is one of them (the texts then differ). ``model``: an llmnote model or a
+    transformers one, on the CPU."""
+    if got == want:
+        return True
+    if len(got) != len(want):
+        return False
+    j = next(i for i, (a, b) in enumerate(zip(got, want)) if a != b)
+    with torch.no_grad():
+        out = model(torch.tensor([prompt + want[:j]]))
+    logits = getattr(out, "logits", out)[0, -1].float()
+    top2 = logits.topk(2)
+    return float(top2.values[0] - top2.values[1]) < GREEDY_TIE and \
+        got[j] in top2.indices.tolist()

@@ -17,6 +17,7 @@ from llmnote import device
 from llmnote.engine import LLM, EngineConfig, SamplingParams
 from llmnote.models import Llama, get_preset, save_pretrained
 from llmnote.models.shakespeare import CHECKPOINT_DIR, has_checkpoint, load_shakespeare
+from llmnote.testing import same_greedy_tokens
 
 transformers = pytest.importorskip("transformers")
 
@@ -94,32 +95,14 @@ def hf_greedy_tokens(hf, prompts: list[list[int]]) -> list[list[int]]:
     return out
 
 
-# A greedy tie: two fp32 implementations of one model round differently (llmnote's and
-# transformers' logits of a random llama-tiny differed by up to 5.9e-6 over its prompts,
-# so the top-two gap moves by up to twice that, more through the engine's batched,
-# chunked and paged forward); a gap under 1e-4 is a tie that rounding decides (one such
-# model gave a gap of 3.8e-6 that the engine and transformers broke differently).
-TIE = 1e-4
-
-
 def assert_greedy_match(model, prompts: list[list[int]], got: list[list[int]],
                         want: list[list[int]]) -> None:
     """``got == want`` per prompt, but for a divergence at a top-two tie of ``model``'s
-    logits (under TIE, the engine's token one of the two), after which the texts differ.
+    logits (:func:`llmnote.testing.same_greedy_tokens`), after which the texts differ.
     ``model``: the transformers oracle or an llmnote model on the CPU."""
     assert len(got) == len(want)
     for p, g, w in zip(prompts, got, want):
-        if g == w:
-            continue
-        assert len(g) == len(w), (g, w)
-        j = next(i for i, (a, b) in enumerate(zip(g, w)) if a != b)
-        with torch.no_grad():
-            out = model(torch.tensor([p + w[:j]]))
-            logits = getattr(out, "logits", out)[0, -1].float()
-        top2 = logits.topk(2)
-        gap = float(top2.values[0] - top2.values[1])
-        assert gap < TIE and g[j] in top2.indices.tolist(), \
-            f"token {j}: {g} != {w} (top-two gap {gap:.3g}: not a tie)"
+        assert same_greedy_tokens(model, p, g, w), f"{g} != {w} (not at a top-two tie)"
 
 
 @pytest.fixture(scope="module")

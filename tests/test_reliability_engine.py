@@ -24,6 +24,7 @@ import torch
 
 from llmnote.engine import LLM, EngineConfig, SamplingParams, Status, model_runner, multistep
 from llmnote.models import Llama
+from llmnote.testing import same_greedy_tokens
 
 EOS = 7
 VOCAB = 256
@@ -33,12 +34,6 @@ VOCAB = 256
 # multi-step decoding changes how many tokens one step() makes).
 DEVICE = "cpu"
 NUM_SCHEDULES = 300
-# A greedy tie: this model's fp32 logits (|logit| < 8) computed whole, batched or in two
-# chunks through the KV cache differed by up to 8.1e-6 over 50 random prompts, so the gap
-# between the top two moves by up to twice that; a schedule hit a gap of 4.8e-7 that
-# batching flipped. A gap under 1e-4 (six times the most it was seen to move) is a tie
-# that rounding decides.
-TIE = 1e-4
 # what the schedules must have exercised, each many times
 EVENTS = ("fault", "abort", "stream", "generate", "refused", "preemption", "run ahead",
           "prefix hit")
@@ -149,18 +144,11 @@ class Alone:
 
     def same(self, ids: list[int], params: SamplingParams, got: list[int],
              want: list[int]) -> bool:
-        """``got == want``, but for greedy tokens that part where the model's top two
-        logits were tied to within TIE: batch and chunk shapes change fp32's rounding,
-        which decides such a tie (the tokens after it then follow another text)."""
-        if got == want:
-            return True
-        if params.temperature != 0 or len(got) != len(want):
-            return False
-        j = next(i for i, (g, w) in enumerate(zip(got, want)) if g != w)
-        with torch.no_grad():
-            logits = self.llm.model(torch.tensor([ids + want[:j]]))[0, -1]
-        top2 = logits.float().topk(2).values
-        return float(top2[0] - top2[1]) < TIE and logits[got[j]] >= top2[1]
+        """``got == want``, but for greedy tokens a divergence at a top-two tie
+        (:func:`llmnote.testing.same_greedy_tokens`): batch and chunk shapes change fp32's
+        rounding, which decides such a tie."""
+        return got == want or (params.temperature == 0
+                               and same_greedy_tokens(self.llm.model, ids, got, want))
 
 
 @pytest.fixture(scope="module")
