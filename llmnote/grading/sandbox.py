@@ -184,7 +184,7 @@ class StudentProcess:
             os.close(from_child_w)
         self._fds = (from_child_r, to_child_w)
         self._send(("rules", self.rules))
-        self._reply(time.monotonic() + 120.0)  # the child imported torch and llmnote
+        self._reply(time.monotonic() + 120.0)  # imports, plotting, CUDA context
 
     def kill(self) -> None:
         """SIGKILL the student's whole process group (forked children included)."""

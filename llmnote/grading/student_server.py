@@ -169,6 +169,17 @@ class _Named:
         return self.fn(*args, **kwargs)
 
 
+def _warm_up() -> None:
+    """Start what every notebook's first cells start, before the student's time runs: the
+    plotting library and, on a GPU, the CUDA context (one to several seconds when other
+    processes share the GPU). A cell's time limit is then the student's code alone."""
+    import matplotlib.pyplot  # noqa: F401
+
+    if torch.cuda.is_available():
+        torch.empty(1, device="cuda")
+        torch.cuda.synchronize()
+
+
 def _main(argv: list[str]) -> int:
     import resource
 
@@ -178,6 +189,7 @@ def _main(argv: list[str]) -> int:
     import llmnote  # noqa: F401  (sets the backend before any kernel is defined)
     from llmnote.grading import guard
 
+    _warm_up()
     guard.install()
     server = _Server(fd_in, fd_out)
     raw = read_message(fd_in, None)

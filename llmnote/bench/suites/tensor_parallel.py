@@ -163,13 +163,18 @@ def _batch1_rows(llm, label: str, tp: int, model: str, context: int, vocab: int,
     return rows, t.p50
 
 
-def _engine(model, tp: int, max_model_len: int, **kw):
+def _engine(model, tp: int, max_model_len: int, backend: str, **kw):
+    """The engine of one case: on gloo (the CPU smoke test) its ranks and, for TP=1, the
+    engine itself run on the CPU, also where one GPU is present."""
     from llmnote.engine import LLM
 
+    if backend == "gloo":
+        kw.setdefault("device", "cpu")
     return LLM(model, tensor_parallel_size=tp, max_model_len=max_model_len, **kw)
 
 
-def engine_rows(env: dict, model: str, requests: int, context: int, quick: bool) -> list[dict]:
+def engine_rows(env: dict, model: str, requests: int, context: int, quick: bool,
+                backend: str = "nccl") -> list[dict]:
     from llmnote.bench.suites.engine import nano_vllm_requests
 
     rows = []
@@ -178,23 +183,23 @@ def engine_rows(env: dict, model: str, requests: int, context: int, quick: bool)
     vocab = 200 if quick else 10000
     for label, tp, kw in (("llmnote-tp1", 1, {}), ("llmnote-tp2", 2, {})):
         try:
-            rows += _engine_case(env, model, label, tp, kw, reqs, context, vocab, hi, quick)
-        except Exception as e:  # noqa: BLE001 - a TP=2 failure must not lose the other rows
+            rows += _engine_case(env, model, label, tp, kw, reqs, context, vocab, hi, quick, backend)
+        except Exception as e:
             if tp == 1:
                 raise
             print(f"{BENCH}: {label} failed ({type(e).__name__}: {e}); again without CUDA graphs")
             _free()
             rows += _engine_case(env, model, f"{label}-eager", tp, {"cuda_graphs": False}, reqs,
-                                 context, vocab, hi, quick)
+                                 context, vocab, hi, quick, backend)
     return rows
 
 
 def _engine_case(env: dict, model: str, label: str, tp: int, kw: dict, reqs, context: int,
-                 vocab: int, hi: int, quick: bool) -> list[dict]:
+                 vocab: int, hi: int, quick: bool, backend: str) -> list[dict]:
     from llmnote.bench.suites.engine import nano_vllm_requests, run_engine
 
     t0 = time.perf_counter()
-    llm = _engine(model, tp, 2 * hi + 64 if not quick else 256, **kw)
+    llm = _engine(model, tp, 2 * hi + 64 if not quick else 256, backend, **kw)
     try:
         start_s = time.perf_counter() - t0
         extra = {"ranks": tp, "decode_steps": llm.runner.decode_steps, "startup_s": start_s,
@@ -223,14 +228,15 @@ def _load_extra(llm) -> dict:
     stats = getattr(llm.runner, "load_stats", None)
     if not stats:
         return {}
-    def gb(k):  # noqa: E306
+    def gb(k):
         vals = [s[k] for s in stats if s.get(k) is not None]
         return max(vals) / 1e9 if vals else None
     return {"load_weight_gb_per_rank": gb("weight_bytes"), "load_read_gb_per_rank": gb("bytes_read"),
             "load_peak_gpu_gb_per_rank": gb("peak_gpu_bytes")}
 
 
-def seventy_rows(env: dict, layers: int, context: int, quick: bool) -> list[dict]:
+def seventy_rows(env: dict, layers: int, context: int, quick: bool,
+                 backend: str = "nccl") -> list[dict]:
     from llmnote.engine.tp_worker import random_model
     from llmnote.models import get_preset
 
@@ -247,7 +253,7 @@ def seventy_rows(env: dict, layers: int, context: int, quick: bool) -> list[dict
             model = cfg
         # room for the timed decode: 23 engine steps of up to 8 decode steps each
         longest = context + 256
-        llm = _engine(model, tp, longest, num_blocks=longest // 16 + 4)
+        llm = _engine(model, tp, longest, backend, num_blocks=longest // 16 + 4)
         extra = {"ranks": tp, "layers": layers, "params": params,
                  "weight_gb_per_gpu": params * 2 / tp / 1e9, **_load_extra(llm)}
         r, ms = _batch1_rows(llm, label, tp, name, context, vocab, env, extra)
@@ -319,9 +325,10 @@ def run(quick: bool = False, parts: tuple[str, ...] = PARTS, requests: int = 128
         rows += allreduce_rows(env, backend, AR_SIZES[:6] if quick else AR_SIZES)
     if "engine" in parts:
         rows += engine_rows(env, "llama-tiny" if quick else "llama-3-8b",
-                            8 if quick else requests, 32 if quick else context, quick)
+                            8 if quick else requests, 32 if quick else context, quick, backend)
     if "70b" in parts:
-        rows += seventy_rows(env, 2 if quick else layers_70b, 32 if quick else context, quick)
+        rows += seventy_rows(env, 2 if quick else layers_70b, 32 if quick else context, quick,
+                             backend)
     if "ring" in parts:
         rows += ring_rows(env, backend, [64, 129] if quick else RING_LENGTHS, 2 if quick else 5)
     return pd.DataFrame(rows)
