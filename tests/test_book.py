@@ -56,3 +56,13 @@ def test_chapters_have_a_colab_button_to_the_paired_ipynb(html):
         page = (html / rel.with_suffix(".html")).read_text()
         link = f"https://colab.research.google.com/github/{org_repo}/blob/{cfg['repository']['branch']}/{rel}"
         assert link in page, f"{rel}: no Colab link {link}"
+
+
+def test_scripts_do_not_hide_standard_modules():
+    """``python benchmarks/x.py`` puts benchmarks/ first on sys.path, so a script named as a
+    standard-library module replaces it for every import in that run (a
+    benchmarks/profile.py stopped benchmarks/moe.py: torch.compile imports cProfile, which
+    imports profile)."""
+    hiding = [p.relative_to(ROOT).as_posix() for folder in ("benchmarks", "tools")
+              for p in (ROOT / folder).glob("*.py") if p.stem in sys.stdlib_module_names]
+    assert not hiding, hiding

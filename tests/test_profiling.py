@@ -290,7 +290,7 @@ def test_recording_script_without_a_gpu_records_nothing(tmp_path, capsys):
     import importlib.util
     from pathlib import Path
 
-    path = Path(__file__).resolve().parent.parent / "benchmarks" / "profile.py"
+    path = Path(__file__).resolve().parent.parent / "benchmarks" / "profiling.py"
     spec = importlib.util.spec_from_file_location("profile_script", path)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)

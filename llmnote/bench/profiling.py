@@ -348,7 +348,7 @@ def parse_ncu_csv(text: str) -> pd.DataFrame:
 
 
 # ------------------------------------------------------------------ recorded profiles, figures
-NO_RECORDING = ("no recorded profile yet: run `python benchmarks/profile.py` on a GPU and copy "
+NO_RECORDING = ("no recorded profile yet: run `python benchmarks/profiling.py` on a GPU and copy "
                 "profiling.csv and decode_trace.json into llmnote/data/results")
 
 

@@ -1,4 +1,4 @@
-"""Record the profiles of the profiling chapter on a GPU: `python benchmarks/profile.py --out DIR`.
+"""Record the profiles of the profiling chapter on a GPU: `python benchmarks/profiling.py --out DIR`.
 
 Writes into DIR (default: llmnote/data/results):
   profiling.csv       torch.profiler figures of the engine's decode step (graphs and eager)
