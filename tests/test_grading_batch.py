@@ -184,6 +184,25 @@ def test_bad_files_get_a_row(roofline):
             (check, d.loc[("deleted_cells", check), "message"], df.loc["deleted_cells", "problems"])
 
 
+
+def test_starting_the_process_is_not_a_cells_time(tmp_path):
+    """A cell's time limit is its own code's: starting the student's process (importing
+    torch and llmnote, and on a GPU its CUDA context: seconds beside other processes) and
+    restarting it after a kill are not counted in it. (With a 5 s limit on a busy GPU
+    host, every cell of a notebook timed out while its process started.)"""
+    from llmnote.grading.sandbox import StudentProcess
+
+    with StudentProcess(["x = 1", "import os\nos._exit(3)", "y = x + 1"], workdir=tmp_path,
+                        cell_time_limit_s=0.5) as proc:
+        t0 = time.monotonic()
+        notes = proc.run_cells()
+        started = time.monotonic() - t0
+        assert started > 1.0, "two process starts took under 1 s: this test shows nothing"
+        assert proc.good == [0, 2], notes
+        assert notes == ["cell 1: the student process exited with code 3"], notes
+        assert proc.request("getattr", 0, "y") == 2
+
+
 # ------------------------------------------------------------------ kernels
 
 STUB_FN = "def softmax(x, lengths=None):\n"

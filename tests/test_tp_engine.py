@@ -517,15 +517,23 @@ def test_mixture_of_experts_refused_before_any_rank_starts():
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
 def test_tp2_nccl_loading_peak_is_the_shard(tmp_path):
     """On two GPUs in bf16: while loading, each rank's GPU memory peaks at its shard, plus
-    the allocator's rounding (512 B a tensor) and the NaN check of one tensor (two bool
-    masks), and for random weights one fp32 group (a layer, or the embedding): less than
-    the whole model, from a checkpoint and from random weights."""
-    cfg = get_preset("llama-tiny").replace(num_hidden_layers=8)
+    the allocator's rounding (512 B a tensor), for random weights one fp32 group (a layer,
+    or the embedding), and a fixed allowance for what the CUDA runtime and NCCL's start
+    allocate through PyTorch (not model-sized; the finite check allocates two scalars, and
+    of 151 KiB over a smaller model's shard seen on two H200s, about 80 KiB were the masks
+    of the check it replaced). The model is sized so that one extra copy of its
+    largest tensor (2 MiB) would break the bound: less than the whole model, from a
+    checkpoint and from random weights."""
+    cfg = get_preset("llama-tiny").replace(num_hidden_layers=4, hidden_size=256,
+                                           intermediate_size=1024, vocab_size=4096)
     model = random_model(cfg, "cpu", torch.bfloat16, seed=0)
     whole = sum(p.numel() * 2 for p in model.parameters())
     folder = save_pretrained(model, tmp_path / "ckpt")
     state = model.state_dict()
-    slack = 512 * (len(state) + 4) + 2 * max(t.numel() for t in state.values())
+    largest = 2 * max(t.numel() for t in state.values())
+    runtime = 256 << 10
+    assert runtime < largest / 4
+    slack = 512 * (len(state) + 4) + runtime
     group_fp32 = 4 * max(sum(p.numel() for p in model.model.layers[0].parameters()),
                          model.model.embed_tokens.weight.numel())
     for source, extra in ((folder, 0), (cfg, group_fp32)):
@@ -533,8 +541,8 @@ def test_tp2_nccl_loading_peak_is_the_shard(tmp_path):
             stats = llm.runner.load_stats
         for rank, s in enumerate(stats):
             assert s["weight_bytes"] == _shard_bytes(cfg, 2, 2), (source, rank)
-            assert s["weight_bytes"] <= s["peak_gpu_bytes"] <= s["weight_bytes"] + extra + slack, \
-                (source, rank, s)
+            over = s["peak_gpu_bytes"] - s["weight_bytes"]
+            assert 0 <= over <= extra + slack, (source, rank, s, over)
             assert s["peak_gpu_bytes"] < whole, (source, rank, s)
 
 
@@ -545,6 +553,7 @@ def test_benchmark_smoke_records_what_the_ranks_loaded():
     from llmnote.bench.suites import tensor_parallel as T
 
     df = T.run(quick=True, parts=("engine",))
+    df = df[df.provider != "copy"]  # on two GPUs the run also times the copy ceiling
     assert set(df.provider) == {"llmnote-tp1", "llmnote-tp2"}
     tp2, tp1 = df[df.provider == "llmnote-tp2"], df[df.provider == "llmnote-tp1"]
     whole = sum(p.numel() * 4 for p in Llama(get_preset("llama-tiny")).parameters())

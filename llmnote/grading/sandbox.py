@@ -327,11 +327,12 @@ class StudentProcess:
             limit = min(self.cell_time_limit_s, left)
             t0 = time.monotonic()
             try:
-                self._ensure()
+                self._ensure()  # a restart (with its own deadlines) is not this cell's time
+                t0 = time.monotonic()
                 self._send(("cell", i, src))
                 status, value, _ = self._reply(t0 + limit)
             except StudentTimeout:
-                self.notes.append(f"cell {i} ran past its time limit of {limit:.0f} s and "
+                self.notes.append(f"cell {i} ran past its time limit of {limit:.3g} s and "
                                   "its process was killed")
                 continue
             except StudentDied as e:
