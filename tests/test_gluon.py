@@ -376,3 +376,18 @@ def test_w4a16_on_hopper(m, n, k, g, dtype, seed):
         got = gluon.w4a16_linear(x, qw, s, z, g, bias, split_k=split)
         assert_close_lowp(got, ref32, lowp, atol=1e-3, name=f"gluon w4a16 {(m, n, k, g)} split {split}")
         assert torch.equal(got, gluon.w4a16_linear(x, qw, s, z, g, bias, split_k=split))  # deterministic
+
+
+def test_summary_of_the_shipped_csv_keeps_every_product():
+    """Read back from CSV, the square products' empty layer name is NaN: the summary still
+    has a row for each of them (pandas' groupby drops NaN keys unless told not to)."""
+    from llmnote import bench
+    from llmnote.bench.suites import gluon as gluon_suite
+
+    recorded = bench.load("gluon")
+    table = gluon_suite.summary(recorded)
+    squares = recorded[(recorded.bench == gluon_suite.MATMUL_BENCH) & recorded.layer.isna()
+                       & (recorded.provider == "llmnote-gluon")]
+    assert len(squares) > 0
+    got = table[table.check.str.startswith("matmul") & ~table.check.str.contains("layer=")]
+    assert len(got) == squares.drop_duplicates(["M", "N", "K"]).shape[0], table.check.tolist()

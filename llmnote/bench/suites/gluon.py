@@ -213,7 +213,7 @@ def summary(df: pd.DataFrame) -> pd.DataFrame:
         part = df[df.bench == bench]
         if part.empty:
             continue
-        for key, g in part.groupby(keys, sort=False):
+        for key, g in part.groupby(keys, sort=False, dropna=False):
             times = g[g.metric == "time"]
             t = dict(zip(times.provider, times.p50))
             mine = g[(g.metric == rate) & (g.provider == "llmnote-gluon")]
@@ -221,7 +221,7 @@ def summary(df: pd.DataFrame) -> pd.DataFrame:
                 continue
             names = {"x_value": "M" if bench == W4_BENCH else "bytes"}
             what = " ".join(f"{names.get(k, k)}={_text(v)}" for k, v in zip(keys, key)
-                            if k != "shape" and v != "")
+                            if k != "shape" and v != "" and not pd.isna(v))
             value = float(mine.p50.iloc[0])
             out.append(dict(check=f"{bench.removeprefix('gluon-')} {what}", gluon=value,
                             unit=mine.unit.iloc[0],
