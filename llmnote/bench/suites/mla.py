@@ -95,7 +95,7 @@ def _providers(b: int, s: dict, dtype) -> dict:
         h, dn, dv = s["heads"], s["nope"], s["value"]
         elem = torch.empty((), dtype=dtype).element_size()
         need = b * ctx * h * (2 * dn + s["rope"] + 2 * dv) * elem  # K, V and their copies
-        if device.on_gpu() and need > 0.4 * torch.cuda.mem_get_info()[0]:
+        if device.on_gpu() and need > 0.4 * device.memory_available(torch.device("cuda")):
             raise Skip(f"decompressed K and V need ~{need / 2**30:.0f} GiB from batch {b}, "
                        f"context {ctx}")
         x = _inputs(b, ctx, s, dtype)
