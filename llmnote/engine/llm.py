@@ -43,7 +43,6 @@ import gc
 import time
 import weakref
 from collections.abc import Iterator, Sequence as Seq
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -52,6 +51,9 @@ from llmnote.engine.config import EngineConfig
 from llmnote.engine.loading import MODEL_CLASSES, draft_runner, load_model, share_cache
 from llmnote.engine.mla_runner import MLAModelRunner
 from llmnote.engine.model_runner import DecodeRun, ModelRunner
+from llmnote.engine.requests import (
+    RequestOutput, StreamEvent, check_fits, encode_prompt, prompt_list,
+)
 from llmnote.engine.sampling_params import SamplingParams
 from llmnote.engine.scheduler import ScheduledBatch, Scheduler
 from llmnote.engine.sequence import Sequence
@@ -59,30 +61,6 @@ from llmnote.engine.speculative import SpeculativeConfig, Speculator, check_para
 from llmnote.models.deepseek import DeepseekV3
 from llmnote.models.llama import Llama, LlamaOps
 from llmnote.nvtx import annotate
-
-
-@dataclass(frozen=True)
-class RequestOutput:
-    request_id: int
-    prompt: str | None
-    prompt_token_ids: list[int]
-    token_ids: list[int]  # generated tokens only
-    text: str | None
-    finish_reason: str | None
-    ttft: float | None  # seconds from submission to the first token
-    tpot: float | None  # seconds per output token after the first
-    num_cached_prompt_tokens: int
-    num_preemptions: int
-
-
-@dataclass(frozen=True)
-class StreamEvent:
-    index: int  # position of the request in the prompts given to stream()
-    request_id: int
-    token_id: int
-    text: str | None  # the text of this token (None without a tokenizer)
-    finished: bool
-    finish_reason: str | None
 
 
 _LIVE: weakref.WeakSet = weakref.WeakSet()  # the engines of this process not yet closed
@@ -205,32 +183,6 @@ class LLM:
             raise RuntimeError("this LLM was closed (LLM.close()); create a new one")
 
     # ------------------------------------------------------------ requests
-    def _encode(self, prompt: object, where: str) -> tuple[list[int], str | None]:
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise ValueError(f"{where}: a text prompt needs a tokenizer; pass token ids or "
-                                 "LLM(..., tokenizer=...)")
-            enc = self.tokenizer.encode(prompt)
-            ids = list(getattr(enc, "ids", enc))
-            self._check_ids(ids, f"{where}: the tokenizer returned token ids; they")
-            return ids, prompt
-        if isinstance(prompt, torch.Tensor):
-            if prompt.ndim != 1:
-                raise ValueError(f"{where}: a tensor prompt must be 1-D token ids, "
-                                 f"got shape {tuple(prompt.shape)}")
-            prompt = prompt.tolist()
-        if not isinstance(prompt, (list, tuple)):
-            raise TypeError(f"{where}: a prompt must be a str or a list of token ids, "
-                            f"got {type(prompt).__name__}")
-        self._check_ids(prompt, f"{where}: token ids")
-        return list(prompt), None
-
-    def _check_ids(self, ids: Seq, what: str) -> None:
-        v = self.model.config.vocab_size
-        for t in ids:
-            if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < v:
-                raise ValueError(f"{what} must be ints in [0, {v}), got {t!r}")
-
     def _make(self, prompt: object, params: SamplingParams, where: str) -> Sequence:
         if not isinstance(params, SamplingParams):
             raise TypeError(f"{where}: params must be a SamplingParams, "
@@ -240,19 +192,8 @@ class LLM:
                              "the output text; use stop_token_ids or LLM(..., tokenizer=...)")
         if self.speculator is not None:
             check_params(params, where)
-        ids, text = self._encode(prompt, where)
-        if not ids:
-            raise ValueError(f"{where}: the prompt is empty; at least one token is needed")
-        if len(ids) >= self.max_model_len:
-            raise ValueError(f"{where}: the prompt has {len(ids)} tokens, which leaves no room to "
-                             f"generate within max_model_len = {self.max_model_len}")
-        bm = self.scheduler.blocks
-        total = min(len(ids) + params.max_tokens, self.max_model_len)
-        if bm.blocks_for(total) > bm.num_blocks:
-            raise ValueError(
-                f"{where}: prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) needs "
-                f"{bm.blocks_for(total)} KV blocks but the whole cache has {bm.num_blocks} "
-                f"blocks of {bm.block_size} tokens; lower max_tokens or enlarge the cache")
+        ids, text = encode_prompt(prompt, self.tokenizer, self.model.config.vocab_size, where)
+        check_fits(ids, params, self.max_model_len, self.scheduler.blocks, where)
         seq = Sequence(self._next_id, ids, params, prompt=text)
         self._next_id += 1
         return seq
@@ -270,19 +211,10 @@ class LLM:
 
     def _add_all(self, prompts: object, params: object) -> list[Sequence]:
         self._check_open()
-        # one prompt: a str, a 1-D tensor, or a list / tuple of ints; a 2-D tensor: its rows
-        if (isinstance(prompts, str) or (isinstance(prompts, torch.Tensor) and prompts.ndim <= 1)
-                or (isinstance(prompts, (list, tuple)) and prompts
-                    and isinstance(prompts[0], int))):
-            prompts = [prompts]
-        prompts = list(prompts)
-        plist = params if isinstance(params, Seq) else [params or SamplingParams()] * len(prompts)
-        if len(plist) != len(prompts):
-            raise ValueError(f"got {len(prompts)} prompts but {len(plist)} SamplingParams")
+        pairs = prompt_list(prompts, params)
         first_id = self._next_id
         try:
-            seqs = [self._make(p, sp, f"prompt {i}")
-                    for i, (p, sp) in enumerate(zip(prompts, plist))]
+            seqs = [self._make(p, sp, f"prompt {i}") for i, (p, sp) in enumerate(pairs)]
         except BaseException:
             self._next_id = first_id  # a refused batch leaves no trace, not even used ids
             raise
