@@ -520,8 +520,8 @@ def test_tp2_nccl_loading_peak_is_the_shard(tmp_path):
     the allocator's rounding (512 B a tensor), for random weights one fp32 group (a layer,
     or the embedding), and a fixed allowance for what the CUDA runtime and NCCL's start
     allocate through PyTorch (not model-sized; the finite check allocates two scalars, and
-    of 151 KiB over a smaller model's shard seen on two H200s, about 80 KiB were the masks
-    of the check it replaced). The model is sized so that one extra copy of its
+    of 151 KiB over a smaller model's shard seen on two H200s, the masks of the check it
+    replaced account, by count, for about 80 KiB; the rest was not traced). The model is sized so that one extra copy of its
     largest tensor (2 MiB) would break the bound: less than the whole model, from a
     checkpoint and from random weights."""
     cfg = get_preset("llama-tiny").replace(num_hidden_layers=4, hidden_size=256,
