@@ -60,12 +60,6 @@ def _triton_importable() -> bool:
     return True
 
 
-# Triton 3.9 warns at every compile that its default for fusing multiplies and adds into
-# FMAs (on until 3.9) changes in 3.10; the kernels were checked and timed with it on, and
-# the warning would print under each chapter's first compiled cell. A user's own setting wins.
-os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
-
-
 def _choose_backend() -> str:
     # TRITON_INTERPRET must be set before `import triton`: Triton's own
     # @jit helpers (tl.max, tl.sum, ...) are decorated when triton is imported.
