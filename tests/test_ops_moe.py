@@ -111,7 +111,7 @@ def test_bad_input(dev):
     if dev.type == "cpu":  # on a GPU the check would cost a host sync per call
         with pytest.raises(ValueError, match=r"topk_ids must lie in \[0, 4\)"):
             fused_moe(x, w13, w2, w, ids + 4)
-    else:  # there the align kernels drop such a pair (no write outside their buffers)
+    else:  # there such a pair goes to expert 0 with weight 0 (no access outside a buffer)
         bad = ids.clone()
         bad[0, 0] = 4
         keep = w.clone()
@@ -121,6 +121,29 @@ def test_bad_input(dev):
         assert float((got.double() - ref).abs().max()) < 1e-4
     with pytest.raises(ValueError, match="w2 must have shape"):
         fused_moe(x, w13, w2[:, :, :-1], w, ids)
+
+
+@pytest.mark.parametrize("bad_id", [-1, 4, 1000])
+def test_an_id_out_of_range_adds_nothing(bad_id, dev, seed, monkeypatch):
+    """The kernels unchecked (a GPU does not read the ids back): a pair routed outside
+    [0, E) adds 0 to its token, and every row the top-k sum reads is written. New float
+    buffers start as NaN here, so a row left unwritten would show."""
+    from llmnote.ops import moe as M
+
+    empty = torch.empty
+
+    def nan_empty(*args, **kw):
+        t = empty(*args, **kw)
+        return t.fill_(float("nan")) if t.is_floating_point() else t
+
+    x, w13, w2, w, ids = make(5, 4, 2, torch.float32, dev)
+    bad, keep = ids.clone(), w.clone()
+    bad[0, 0], bad[3, 1], keep[0, 0], keep[3, 1] = bad_id, bad_id, 0, 0
+    ref = fused_moe_ref(x.double(), w13.double(), w2.double(), keep, ids)
+    monkeypatch.setattr(torch, "empty", nan_empty)
+    tile = M._tiles(10, 4, 4)[0] if dev.type == "cuda" else M.INTERPRETER_TILE
+    got = M._forward(x, w13, w2, w, bad, tile)
+    assert float((got.double() - ref).abs().max()) < 1e-4
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)

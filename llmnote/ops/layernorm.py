@@ -143,8 +143,11 @@ def _layernorm_bwd_kernel(
         db += dy
         w = tl.load(w_ptr + cols * stride_wn, mask=cols < N, other=0.0).to(tl.float32)  # L1 hit
         g = dy * w[None, :]  # 0 in the padding (dy is)
-        c1 = tl.sum(xh * g, axis=1) / N  # (BLOCK_M,)
-        c2 = tl.sum(g, axis=1) / N
+        # IEEE division, as in the forward: with `/` (approximate on NVIDIA GPUs) a
+        # 1-element row's c2 = g / 1 need not be g, and dx, exactly 0, came out rstd ulp(g)
+        nf = tl.cast(N, tl.float32)
+        c1 = tl.math.div_rn(tl.sum(xh * g, axis=1), nf)  # (BLOCK_M,)
+        c2 = tl.math.div_rn(tl.sum(g, axis=1), nf)
         if DX_CHUNK == BLOCK_N:  # dx from the registers: the tile is still there
             dx = (g - xh * c1[:, None] - c2[:, None]) * rstd[:, None]
             tl.store(dx_ptr + rows[:, None] * stride_dxm + cols[None, :],

@@ -93,8 +93,8 @@ def _check(x, w13, w2, topk_weights, topk_ids, backend_device: bool) -> tuple[in
     if tuple(topk_weights.shape) != tuple(topk_ids.shape):
         raise ValueError(f"topk_weights must have topk_ids' shape {tuple(topk_ids.shape)}, "
                          f"got {tuple(topk_weights.shape)}")
-    # checked on the CPU; on a GPU that would cost a host sync per call, and the align
-    # kernels drop a pair whose id is out of range instead (no write outside a buffer)
+    # checked on the CPU; on a GPU that would cost a host sync per call: there a pair whose
+    # id is out of range goes to expert 0 with weight 0 (no read or write outside a buffer)
     if topk_ids.device.type != "cuda" and topk_ids.numel():
         lo, hi = int(topk_ids.min()), int(topk_ids.max())
         if lo < 0 or hi >= e:
@@ -156,8 +156,8 @@ def _moe_count_kernel(ids_ptr, counts_ptr, n, num_experts, BLOCK: tl.constexpr):
     # pairs per expert: one atomic add per pair (counts zeroed before)
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     e = tl.load(ids_ptr + offs, mask=offs < n, other=0)
-    ok = (offs < n) & (e >= 0) & (e < num_experts)  # an id out of range: its pair is dropped
-    tl.atomic_add(counts_ptr + e, tl.full((BLOCK,), 1, tl.int32), mask=ok)
+    e = tl.where((e >= 0) & (e < num_experts), e, 0)  # out of range: expert 0, weight 0 (down)
+    tl.atomic_add(counts_ptr + e, tl.full((BLOCK,), 1, tl.int32), mask=offs < n)
 
 
 @triton.jit
@@ -189,9 +189,9 @@ def _moe_scatter_kernel(ids_ptr, cursor_ptr, sorted_ptr, n, num_experts, BLOCK: 
     # each pair takes the next free slot of its expert's run (order within a run: any)
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     e = tl.load(ids_ptr + offs, mask=offs < n, other=0)
-    ok = (offs < n) & (e >= 0) & (e < num_experts)  # (never a write outside the buffers)
-    slot = tl.atomic_add(cursor_ptr + e, tl.full((BLOCK,), 1, tl.int32), mask=ok)
-    tl.store(sorted_ptr + slot, offs.to(tl.int32), mask=ok)
+    e = tl.where((e >= 0) & (e < num_experts), e, 0)  # as counted (no write outside a buffer)
+    slot = tl.atomic_add(cursor_ptr + e, tl.full((BLOCK,), 1, tl.int32), mask=offs < n)
+    tl.store(sorted_ptr + slot, offs.to(tl.int32), mask=offs < n)
 
 
 def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int
@@ -265,8 +265,8 @@ def _moe_gate_up_kernel(
 
 @triton.jit
 def _moe_down_kernel(
-    a_ptr, w_ptr, out_ptr, weights_ptr, sorted_ptr, expert_ptr, npad_ptr, num_rows, H, I,
-    stride_am, stride_we, stride_wn, stride_om,
+    a_ptr, w_ptr, out_ptr, weights_ptr, ids_ptr, sorted_ptr, expert_ptr, npad_ptr, num_rows,
+    num_experts, H, I, stride_am, stride_we, stride_wn, stride_om,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     UPCAST: tl.constexpr, IEEE: tl.constexpr,
 ):
@@ -297,6 +297,8 @@ def _moe_down_kernel(
         a_ptrs += BLOCK_K
         b_ptrs += BLOCK_K
     w = tl.load(weights_ptr + rows64, mask=row_ok, other=0.0).to(tl.float32)  # router weights
+    eid = tl.load(ids_ptr + rows64, mask=row_ok, other=0)
+    w = tl.where((eid >= 0) & (eid < num_experts), w, 0.0)  # a pair out of range adds 0
     acc = acc * w[:, None]
     o_ptrs = out_ptr + rows64[:, None] * stride_om + offs_n[None, :]
     tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & n_ok)
@@ -372,8 +374,8 @@ def _forward(x, w13, w2, topk_weights, topk_ids, tile: tuple) -> torch.Tensor:
         x, w13, inter, sorted_ids, expert_ids, num_padded, t_ * k, k, h, i,
         x.stride(0), w13.stride(0), w13.stride(1), inter.stride(0), BLOCK_N=bn1, **launch)
     _moe_down_kernel[(blocks, triton.cdiv(h, bn2))](
-        inter, w2, out, weights, sorted_ids, expert_ids, num_padded, t_ * k, h, i,
-        inter.stride(0), w2.stride(0), w2.stride(1), out.stride(0), BLOCK_N=bn2, **launch)
+        inter, w2, out, weights, topk_ids.reshape(-1), sorted_ids, expert_ids, num_padded,
+        t_ * k, e, h, i, inter.stride(0), w2.stride(0), w2.stride(1), out.stride(0), BLOCK_N=bn2, **launch)
     if k == 1:
         return out
     return out.view(t_, k, h).sum(dim=1)  # the top-k sum (accumulated in fp32 by torch)
