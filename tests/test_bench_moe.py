@@ -44,3 +44,9 @@ def test_hf_peer_has_the_same_weights(seed):
     want = model.num_parameters() * 4 - experts_all - embed + \
         c.num_hidden_layers * c.num_experts_per_tok * per_expert
     assert S.step_bytes(model) == want
+
+
+def test_decode_roofline_units():
+    """GB/s over bytes a step: 3000 GB/s reading 1.5 GB a step allows 2000 tok/s (the
+    H100 record once divided GB/s by bytes and gave 5e8 as the fraction)."""
+    assert S.decode_roofline(3000.0, 1_500_000_000) == pytest.approx(2000.0)

@@ -212,6 +212,12 @@ def step_bytes(model) -> int:
     return total + c.num_hidden_layers * c.num_experts_per_tok * per_expert
 
 
+def decode_roofline(bandwidth_gb_s: float, nbytes: int) -> float:
+    """Tokens/s of batch-1 decode if a step took only the time to read its ``nbytes`` of
+    weights at ``bandwidth_gb_s`` (GB/s, the copy ceiling's unit)."""
+    return bandwidth_gb_s * 1e9 / nbytes
+
+
 def _engine_rows(bw: float | None, quick: bool) -> list[dict]:
     from llmnote.bench.suites.engine import nano_vllm_requests, run_engine
     from llmnote.engine import LLM, SamplingParams
@@ -235,7 +241,7 @@ def _engine_rows(bw: float | None, quick: bool) -> list[dict]:
     prompt = torch.randint(0, 10000, (128,), generator=g).tolist()
     new = 32 if quick else 256
     sb = step_bytes(model)
-    roofline = bw / sb if bw else float("nan")
+    roofline = decode_roofline(bw, sb) if bw else float("nan")
     requests = nano_vllm_requests(8 if quick else ENGINE_REQUESTS, 100, 1024, seed=0, vocab=10000)
     if quick:
         requests = [(p[:32], 8) for p, _ in requests]

@@ -5,7 +5,8 @@ kernels, CUDA graphs, multi-step decoding), against the same engine with
 ``speculative=SpeculativeConfig(...)``: the shipped draft model
 (``"shakespeare-draft"``) or prompt lookup (``"ngram"``), ``k`` = 1..8. Each run
 generates ``max_tokens`` greedy tokens (end of text ignored) for ``batch`` prompts,
-windows of the held-out validation plays; the time per output token is each
+windows of the held-out validation plays (batch 1: :data:`SOLO_PROMPTS` windows, one
+request at a time); the time per output token is each
 request's ``tpot`` (first token to last over the tokens after the first: prefill
 excluded), median and 20/80% over the requests of ``reps`` runs after a warm-up run.
 
@@ -36,6 +37,7 @@ from llmnote.bench.results import environment
 
 BENCH = "speculative"
 BATCHES = [1, 8, 32]
+SOLO_PROMPTS = 8  # batch 1 runs this many prompts, one at a time (one window is one text)
 KS = list(range(1, 9))
 METHODS = ("draft", "ngram")
 
@@ -63,14 +65,17 @@ def measure(llm, batch: int, max_tokens: int, reps: int) -> tuple[Timing, dict]:
     from llmnote.engine import SamplingParams
 
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
-    ps = prompts(batch)
-    llm.generate(ps, params, use_tqdm=False)  # warm-up: graphs captured, kernels compiled
+    # batch 1: SOLO_PROMPTS windows, each generated alone (how well a draft guesses
+    # depends on the text, and one window is one draw of it)
+    groups = [prompts(batch)] if batch > 1 else [[p] for p in prompts(SOLO_PROMPTS)]
+    llm.generate(groups[0], params, use_tqdm=False)  # warm-up: graphs captured, kernels compiled
     spec = llm.speculator
     before = None if spec is None else dict(vars(spec.stats))
     tpots = []
     for _ in range(reps):
-        outs = llm.generate(ps, params, use_tqdm=False)
-        tpots += [o.tpot * 1e3 for o in outs]
+        for ps in groups:
+            outs = llm.generate(ps, params, use_tqdm=False)
+            tpots += [o.tpot * 1e3 for o in outs]
     p50, p20, p80 = np.quantile(tpots, [0.5, 0.2, 0.8])
     counts = {}
     if spec is not None:
