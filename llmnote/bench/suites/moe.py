@@ -258,8 +258,9 @@ def _engine_rows(bw: float | None, quick: bool) -> list[dict]:
         "decode_rate": ("tok/s", rate), "roofline_fraction": ("", rate / roofline),
         "tpot": ("s", out.tpot)}, {"step_bytes": sb, "cuda_graphs": bool(llm.runner.graphs)})
     # warm-up: the workload once. fused_moe times its candidate tiles on the first call of
-    # each size bucket; a short warm-up left that in the timed run (4,060 tok/s on the H100
-    # against 6,579 with the tiles already chosen)
+    # each size bucket, and the engine captures a batch size's graph when it first runs;
+    # after a short warm-up the timed run paid for both (4,060 tok/s on the H100, 12,748
+    # on the workload's second run)
     run_engine(llm, requests)
     outs, wall = run_engine(llm, requests)
     tokens = sum(len(o.token_ids) for o in outs)
