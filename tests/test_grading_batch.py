@@ -405,6 +405,13 @@ def rmsnorm(tmp_path_factory):
         "pytorch": RMS_DEF + rstd
         + "    y = hf * rstd[..., None] * (weight.float() + offset)\n"
           "    return y.to(x.dtype), x + residual, rstd\n",
+        # the student process's guard switched off, the inputs zeroed so that a reference
+        # built from them after the call would agree with the zeros returned
+        "forge": "import llmnote.grading.guard as g\n"
+                 "g.graded_call = lambda n, f, a, k, r=None: f(*a, **k)\n" + RMS_DEF
+        + "    x.zero_()\n    residual.zero_()\n"
+          "    return (torch.zeros_like(x), torch.zeros_like(x),\n"
+          "            torch.zeros(x.shape[:-1], device=x.device))\n",
     }
     folder = tmp / "subs"
     folder.mkdir()
@@ -413,6 +420,14 @@ def rmsnorm(tmp_path_factory):
     nbformat.write(solved("rmsnorm"), folder / "good.ipynb")
     df = grading.grade_folder(folder, "a2_rmsnorm", check_time_limit_s=120, quiet=True)
     return df.set_index("student"), df.attrs["details"].set_index(["student", "check"])
+
+
+def test_a_patched_guard_cannot_hide_inputs_changed_in_place(rmsnorm):
+    """The in-place check and the references are the grader's, from its own tensors."""
+    df, d = rmsnorm
+    assert df.loc["forge", "total"] == 0, df.loc["forge", "problems"]
+    for check in [c.name for c in grading.get("rmsnorm").checks]:
+        assert "in place" in d.loc[("forge", check), "message"], check
 
 
 def test_rmsnorm_good_submission_scores_full(rmsnorm):

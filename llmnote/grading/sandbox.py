@@ -293,9 +293,13 @@ class StudentProcess:
         self._send((op,) + tuple(self._encode(a) for a in args))
         deadline = self.deadline if self.deadline is not None else time.monotonic() + 60.0
         status, value, after = self._reply(deadline)
+        changed: list[bool] = []
         if op == "call" and after is not None:
-            _write_back(args[1], after[0])
-            _write_back(args[2], after[1])
+            _write_back(args[1], after[0], changed)
+            _write_back(args[2], after[1], changed)
+        if status == "ok" and any(changed):  # seen here, whatever the student process patched
+            raise AssertionError("the function changed an input tensor in place; leave the "
+                                 "inputs as they were and write the result to a new tensor")
         if status == "ok":
             return value
         raise _rebuild(value)
@@ -371,27 +375,30 @@ class StudentProcess:
             return f.read(limit).decode("utf-8", "replace")
 
 
-def _write_back(orig: Any, after: Any) -> None:
-    """Make the grader's arguments look as the student's function left its copies."""
+def _write_back(orig: Any, after: Any, changed: list[bool]) -> None:
+    """Make the grader's lists and dicts look as the student's function left its copies
+    (a block manager's state, say). Tensors are never copied back: one the function
+    changed is noted in ``changed``, and the grader's own stays as it was, so the
+    references are computed from what was passed."""
     if isinstance(orig, (list, tuple)) and isinstance(after, (list, tuple)):
         if isinstance(orig, list) and (len(orig) != len(after) or any(
                 not isinstance(o, (list, dict, torch.Tensor)) for o in orig)):
             orig[:] = after
             return
         for o, a in zip(orig, after):
-            _write_back(o, a)
+            _write_back(o, a, changed)
     elif isinstance(orig, dict) and isinstance(after, dict):
         for k, v in after.items():
             if k in orig and isinstance(orig[k], (list, dict, torch.Tensor)):
-                _write_back(orig[k], v)
+                _write_back(orig[k], v, changed)
             else:
                 orig[k] = v
         for k in [k for k in orig if k not in after]:
             del orig[k]
     elif isinstance(orig, torch.Tensor) and isinstance(after, torch.Tensor):
-        if orig.shape == after.shape and orig.dtype == after.dtype:
-            with torch.no_grad():
-                orig.copy_(after)
+        from llmnote.grading.guard import _same
+
+        changed.append(not _same(orig, after.to(orig.device)))
 
 
 _REBUILT = {name: getattr(builtins, name) for name in (
