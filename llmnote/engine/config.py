@@ -1,61 +1,40 @@
-"""The engine's settings, one frozen dataclass.
+"""The engine's settings, one frozen dataclass (``EngineConfig``).
 
-Memory: the KV cache is ``num_blocks`` blocks of ``block_size`` token slots per
-layer. On a GPU, ``num_blocks=None`` sizes it from ``gpu_memory_utilization``
-of the free memory once the weights are loaded; on the CPU the default is a
-fixed ``cpu_num_blocks``.
+Build one with keyword arguments and pass it to the engine; ``replace`` returns
+a changed copy. Every field is checked in ``__post_init__`` (``ValueError``).
 
-Work per step: at most ``max_num_seqs`` sequences and ``max_num_batched_tokens``
-tokens (prefill chunks plus one token per decoding sequence). Without chunked
-prefill a prompt must fit the token budget in one step, so the budget must be
-at least ``max_model_len``.
-
-CUDA graphs: ``cuda_graphs=None`` (the default) captures the decode step in
-CUDA graphs when the model is on a CUDA GPU and runs eagerly otherwise;
-``True`` asks for them and is refused (``ValueError`` when the engine is
-built) if the model is not on a CUDA GPU; ``False`` runs every step eagerly.
-Graphs are captured for the batch sizes 1, 2, 4, 8, 16, 32, ... below
-``max_num_seqs`` and ``max_num_seqs`` itself; a decode step of ``B``
-sequences replays the smallest graph of at least ``B`` (padded rows write to a
-scratch block nobody reads).
-
-Multi-step decoding (``decode_steps``): when every running sequence is
-decoding and none waits, the engine may run up to ``decode_steps`` decode
-steps back to back, each step's sampled tokens fed to the next on the device,
-and read the tokens on the host once at the end (vLLM's multi-step
-scheduling). The host's work between steps (scheduling, filling the inputs,
-reading the tokens) then overlaps the GPU's instead of leaving it idle; a
-sequence that stops inside the run drops the tokens computed after its stop.
-``None`` (the default): 8 with CUDA graphs, 1 (off) without; an int forces it
-(1: off).
-
-Async scheduling (``async_scheduling``, with multi-step decoding): when the
-same batch can go on decoding (nothing waits, every running sequence is in it),
-the engine queues its next run before reading the tokens of the one in flight,
-assuming none of its sequences stops there. The GPU then runs that next run
-while the host reads and appends the tokens, instead of waiting for the host
-between runs; a sequence that did stop drops the tokens computed after its stop,
-and its blocks are freed when they are read. Same tokens either way (tested).
-
-``tune_graph`` (GPU, batch-1 GEMV path, off by default): each GEMV picks its tile
-by timing the candidates alone on its first call; inside the captured batch-1
-decode graph, chained to its neighbours by programmatic dependent launch, the
-ranking can differ. With ``tune_graph`` the runner times the captured graph once
-per candidate of each GEMV and keeps the fastest, once per process and model
-shape. It costs seconds at start-up (more on a cold Triton cache) for a few per
-cent of batch-1 decode time: the engine benchmark records both.
-
-``dependent_launches``: inside the captured decode graphs, launch llmnote's
-kernels with programmatic dependent launch (Hopper and later, see
-:mod:`llmnote.ops._pdl`), so that each may start, and load what does not
-depend on the kernel before it, while that kernel finishes. Ignored where
-unsupported.
-
-Tensor parallelism (``tensor_parallel_size > 1``): the model runs sharded over that
-many worker processes (:mod:`llmnote.engine.tp_driver`), over ``distributed_backend``
-(``None``: NCCL with one GPU per rank when CUDA is available and the engine is not
-asked for the CPU, else gloo on the CPU); a step that takes longer than
-``distributed_timeout_s`` stops the engine with ``TimeoutError``.
+- **KV cache**: ``num_blocks`` blocks of ``block_size`` token slots per layer.
+  ``num_blocks=None`` sizes it on a GPU from ``gpu_memory_utilization`` (in
+  (0, 1]) of the memory free after the weights load; on the CPU it is
+  ``cpu_num_blocks``.
+- **Work per step**: at most ``max_num_seqs`` sequences and
+  ``max_num_batched_tokens`` tokens (prefill chunks plus one per decoding
+  sequence). Without chunked prefill a prompt must fit the budget in one step,
+  so the budget must be at least ``max_model_len``.
+- **CUDA graphs** (``cuda_graphs``): ``None`` captures the decode step when the
+  model is on a CUDA GPU, else runs eagerly; ``True`` is refused
+  (``ValueError`` at build) off a CUDA GPU; ``False`` is always eager. Graphs
+  exist for batch 1, 2, 4, 8, ... below ``max_num_seqs`` and for it; a step of
+  ``B`` sequences replays the smallest graph of at least ``B`` (padded rows
+  write to a scratch block).
+- **Multi-step decoding** (``decode_steps``): when every running sequence
+  decodes and none waits, up to ``decode_steps`` steps run back to back on the
+  device, tokens read by the host once at the end (vLLM's multi-step
+  scheduling); tokens after a sequence's stop are dropped. ``None``: 8 with
+  CUDA graphs, else 1 (off). ``async_scheduling`` also queues the next run
+  before reading the one in flight, so the GPU never waits for the host; the
+  tokens are the same either way (tested).
+- ``tune_graph`` (GPU, batch-1 GEMV path, off by default) times the captured
+  batch-1 graph once per GEMV tile candidate and keeps the fastest: seconds at
+  start-up (once per process and model shape) for a few per cent of batch-1
+  decode time.
+- ``dependent_launches``: programmatic dependent launch between the graph's
+  kernels (Hopper and later, :mod:`llmnote.ops._pdl`); ignored where unsupported.
+- **Tensor parallelism** (``tensor_parallel_size > 1``): sharded over worker
+  processes (:mod:`llmnote.engine.tp_driver`) over ``distributed_backend``
+  (``None``: NCCL, one GPU per rank, when CUDA is available and the engine is
+  not asked for the CPU, else gloo); a step longer than
+  ``distributed_timeout_s`` stops the engine with ``TimeoutError``.
 """
 
 from __future__ import annotations

@@ -15,40 +15,22 @@ registers and writes it to row ``pid`` of a ``(G, N)`` buffer; PyTorch then
 sums that buffer over its first dimension. ``G`` depends only on the GPU, the
 compiled kernel and the shape, so the result is the same on every run.
 
-Why exactly one wave of programs: a persistent program runs for the whole
-kernel, so if ``G`` were larger than what fits, the programs that wait for a
-free slot would start when the first wave ends and the kernel would take two
-program lifetimes. Why the block shapes: every program holds its tiles (and
-the partial sums) in registers, and an SM has 64K 32-bit registers; the more
-rows an SM holds, the more loads are in flight, and for memory-bound code that
-is the whole game (Little's law: bytes in flight = bandwidth x latency).
+One wave, because a persistent program runs for the whole kernel: programs
+beyond what fits would wait for the first wave to end. Rows in registers,
+because the more rows an SM holds (64K 32-bit registers), the more loads are
+in flight (Little's law: bytes in flight = bandwidth x latency).
 
 Long rows in the backward: a thread of a 32-warp program may have 64
 registers, and at N = 16384 it holds 16 values of each row array. RMSNorm
-keeps three through the row reduction (``x_hat``, ``g`` and the partial
-``dweight``): 48 registers, which fit. LayerNorm keeps four (``dbias`` too):
-64, the whole budget, and the kernel spilled to local memory (H100: 54-66% of
-the copy rate). :func:`bwd_config` therefore gives such rows a second pass
-(``RowConfig.chunk``): the first pass loads the whole row, adds it to the
-partial sums and reduces it, and keeps nothing else; the second walks the row
-again in chunks of ``chunk`` columns to compute ``dx``. Its loads hit the
-L1/L2 caches (the row was read a moment before), so HBM still sees each
-element once, and only the partial sums stay in registers across the passes.
-That helps, but not enough: the partial sums of ``dweight`` and ``dbias`` for
-a whole row (2 x 16384 fp32, half the SM's register file) plus the row being
-loaded still do not fit, the compiler still spills, and the H100 measured
-73% (bf16) and 59% (fp32) of the copy rate, against 66% and 54% for one pass
-(see :func:`bwd_config`). Freeing the partial sums from registers is the
-open step. Tried in Triton on the H100 (exploration runs, not the CSV;
-bf16 / fp32 GB/s against 2197 / 1789 for the kernel here): each program's
-partial sums in its row of the ``(G, N)`` buffer, read, added to and written
-back chunk by chunk (480-1350 / 930-1380: each chunk waits on L2, and with
-more programs per SM the buffer no longer fits in L2); the same with atomic
-additions (560-670 / 850-910); two or four neighbouring programs sharing a
-row, each holding the partial sums of its part of the columns and reading the
-whole row for the row sums (up to 1667 / 1885: the second reads cost more than
-the spills). Left: shared memory, or a thread-block cluster exchanging the row
-sums through distributed shared memory.
+keeps three through the row reduction (``x_hat``, ``g``, the partial
+``dweight``): 48 registers, which fit. LayerNorm keeps four (``dbias`` too),
+the whole budget, so :func:`bwd_config` gives such rows a second pass
+(``RowConfig.chunk``): the first loads the row, adds it to the partial sums
+and reduces it; the second walks it again in chunks of ``chunk`` columns to
+compute ``dx``, its loads served by L1/L2, so HBM sees each element once. The
+partial sums of a whole row still do not fit in registers and the compiler
+spills: this kernel stays below the copy rate (the measurements and the
+alternatives tried are in ``benchmarks/logs/norms-notes.md``).
 """
 
 from __future__ import annotations
@@ -196,18 +178,13 @@ def bwd_config(n: int, element_size: int, tensors: int = 2, arrays: int = 3) -> 
     overlap each other's loads. At N = 8192 a row needs all 32 warps a
     program can have and one program fills the SM: there the kernel loads the
     next tiles while it computes (3 stages, when they fit in
-    :data:`SMEM_FOR_STAGES`). H100 sweep, bf16 RMSNorm backward at N = 8192:
-    2.5 TB/s with 1 stage, 2.8 TB/s with 3. Elsewhere extra stages measured no
-    better or worse (at N = 16384, where 16 values a thread already fill the
-    register file, 3 stages spilled and lost 10%). When the row arrays need
+    :data:`SMEM_FOR_STAGES`); elsewhere extra stages measured no better, or
+    worse where the registers are already full. When the row arrays need
     more than :data:`ROW_REGISTERS` registers a thread, ``dx`` gets a second
     pass over the row in chunks of :data:`DX_CHUNK` columns (the module's
     docstring says why) and, up to N = 16384, the program half the warps, so
-    that a thread may use 128 registers instead of 64. H100 exploration run (session 3, not a
-    recorded CSV), LayerNorm backward at N = 16384, bf16 / fp32 in GB/s: one
-    pass, 32 warps 1980 / 1617; second pass in chunks of 2048, 4096, 8192
-    columns with 32 warps 1779 / 1451, 1950 / 1654, 1936 / 1453; chunks of
-    4096 with 16 warps 2189 / 1786 (copy: 3006). All of them still spill.
+    that a thread may use 128 registers instead of 64. The H100 sweeps behind
+    these choices are in ``benchmarks/logs/norms-notes.md``.
     """
     block_n = triton.next_power_of_2(n)
     block_m = max(1, min(8, 1024 // block_n))

@@ -172,22 +172,18 @@ def _fwd_config(n: int, element_size: int) -> RowConfig:
 
     It keeps ``x - mean`` as well as ``x`` (about 60 registers at 16 values a
     thread, twice RMSNorm's), so with 16 or 32 warps only one program fits on
-    an SM, and with 2-byte inputs that is too few bytes in flight (H100, bf16:
-    83% of the copy rate at N = 8192, 70% at 16384). Two fixes, both from the
-    H100 sweep: up to N = 8192, half the warps (32 values a thread, three
-    programs an SM: 97%); at N = 16384, a persistent grid that loads two row
-    tiles ahead while it computes one (92%). With 4-byte inputs and rows up to
-    4096, twice the warps (8 values a thread instead of 16): H100, fp32,
-    N = 1024: 2916 -> 2939 GB/s, N = 4096: 2924 -> 2936 (exploration runs,
-    not the CSV; ``torch.compile`` 2931 and 2940). At N = 16384 in bf16 the
-    persistent grid stays at 92% with one 32-warp program an SM (63 registers
-    a thread fill the register file); 8 warps, a program per row, capped at 128
-    registers a thread (64 values of the row each, no spills) put two programs
-    on an SM: H100, 8192 x 16384 bf16, 2764 -> 2921 GB/s (``torch.compile``
-    2930; exploration run, not the CSV; 16 warps capped at 64 registers 2891,
-    32 warps capped at 32 spilled, 2519). Recorded (norms.csv): 2910 vs 2938.
-    In fp32 the same shape measured 2828 against 2886 for the 32-warp persistent
-    grid, which fp32 keeps.
+    an SM, and with 2-byte inputs that is too few bytes in flight. Hence, from
+    an H100 sweep (figures in ``benchmarks/logs/norms-notes.md``):
+
+    - 2-byte inputs up to N = 8192: half the warps (32 values a thread, three
+      programs an SM);
+    - 2-byte inputs at N = 16384: 8 warps, a program per row, capped at 128
+      registers a thread (``maxnreg``: no spills, two programs an SM);
+    - 2-byte inputs in longer rows: a persistent grid that loads two row
+      tiles ahead while it computes one (3 stages), where they fit in
+      :data:`SMEM_FOR_STAGES`;
+    - 4-byte inputs up to N = 4096: twice the warps (8 values a thread);
+    - other shapes: :func:`fwd_config` as it is.
     """
     cfg = fwd_config(n, element_size)
     if element_size == 2 and cfg.block_m == 1 and cfg.block_n == 16384:

@@ -3,29 +3,18 @@
 For a row ``x`` of length N, weight ``w`` (Zhang & Sennrich, 2019)::
 
     rstd = 1 / sqrt(mean_j(x_j^2) + eps)        y = x * rstd * w
-
-Backward, with ``xh = x * rstd`` and ``g = w * dy`` (``dy`` = dL/dy)::
-
     dx = rstd * (g - xh * mean_j(xh_j * g_j))    dw = sum over rows of dy * xh
 
-A pre-norm transformer block computes ``h = x + residual`` and then
-``rmsnorm(h)``; :func:`add_rmsnorm` does both in one pass and returns
-``(rmsnorm(h), h)``, ``h`` being the residual stream the next block adds to.
-Both outputs carry gradients: ``dh = (dx of the norm) + d(new_residual)``, and
-``dh`` flows unchanged to ``x`` and to ``residual``.
+with ``xh = x * rstd`` and ``g = w * dy``. :func:`rmsnorm` is the kernel,
+:func:`rmsnorm_ref` the PyTorch reference. :func:`add_rmsnorm` computes
+``h = x + residual`` and ``rmsnorm(h)`` in one pass and returns
+``(rmsnorm(h), h)``, ``h`` being the residual stream of the next block; both
+outputs carry gradients and ``dh`` flows unchanged to ``x`` and ``residual``.
 
-Memory traffic, in elements of ``x``'s dtype (``M x N`` tensors; the weight,
-the fp32 ``rstd`` per row and the partial ``dw`` sums are small beside them):
-
-=================  ===========================  =================================
-op                 fused kernel                 PyTorch eager (``rmsnorm_ref``)
-=================  ===========================  =================================
-rmsnorm fwd        read MN, write MN            ~6 passes (cast, square, mean, ...)
-rmsnorm bwd        read 2MN (x, dy), write MN   about 10 passes through autograd
-add_rmsnorm fwd    read 2MN, write 2MN          add (3MN) + the norm
-add_rmsnorm bwd    read 3MN (h, dy, dh), write  the norm's backward + an add
-                   MN (the same dh for both)
-=================  ===========================  =================================
+Traffic in elements of ``x``'s dtype (``M x N`` tensors): rmsnorm forward reads
+and writes MN, backward reads 2MN (x, dy) and writes MN; add_rmsnorm forward
+reads 2MN and writes 2MN, backward reads 3MN (h, dy, dh) and writes MN.
+PyTorch eager takes about 6 passes for the forward and 10 for the backward.
 
 Math is fp32 whatever the input dtype; ``y`` has ``x``'s dtype, ``dw`` the
 weight's. The cross-row reduction of ``dw`` is deterministic (see
@@ -218,16 +207,14 @@ def _rmsnorm_bwd_kernel(
 @functools.lru_cache(maxsize=None)
 def _fwd_config(n: int, element_size: int, residual: bool) -> RowConfig:
     """:func:`fwd_config`, adjusted where an H100 sweep found better shapes
-    (exploration runs, not the CSV; GB/s, ``torch.compile`` in brackets):
+    (figures in ``benchmarks/logs/norms-notes.md``):
 
     - RMSNorm, 4-byte inputs, N = 16384: two passes over each row in chunks of
       8192 columns (``chunk``; the second pass re-reads the row from the
-      caches), 16 warps, a program per row: 2877 -> 2926 (2939). This is the
-      shape of ``torch.compile``'s kernel; it holds only the per-lane sums of
-      squares across the row, not the row. In bf16 it measured no better.
+      caches), 16 warps, a program per row: ``torch.compile``'s shape, which
+      holds only the per-lane sums of squares across the row, not the row.
     - add_rmsnorm, rows up to 1024: 4096 elements and 16 warps a program, since
-      each element brings two tensors in and two out: fp32 2942 -> 2971
-      (2960), bf16 2967 -> 2965 (2976), level within the noise.
+      each element brings two tensors in and two out.
     """
     cfg = fwd_config(n, element_size)
     if not residual and element_size == 4 and cfg.block_n == 16384:

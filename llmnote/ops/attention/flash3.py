@@ -1,50 +1,34 @@
 """FlashAttention-3 ideas in Triton: TMA descriptors, warp specialisation,
 pipelining depth, and an FP8 (e4m3) forward with per-block scales.
 
-FlashAttention-3 (Shah et al., 2024) keeps FlashAttention-2's algorithm (query
-blocks in parallel, key/value blocks streamed, online softmax, see
-``flash2.py``) and reorganises how one program uses a Hopper SM:
+Entry points (forward only, Hopper GPUs; elsewhere the reference runs):
+:func:`flash_attention_v3` (bf16/fp16), :func:`flash_attention_fp8` (quantises
+bf16/fp16 inputs, then runs the FP8 kernel), :func:`flash_attention_fp8_quantized`
+(inputs already quantised by ``reference.py``). The algorithm is
+FlashAttention-2's (``flash2.py``), one program per (query block,
+batch * head); what changes is how a program uses the SM:
 
-* **TMA**: tiles are copied between HBM and shared memory by the Tensor Memory
-  Accelerator from a *descriptor* (base, shape, strides, tile shape), one
-  instruction per tile instead of address arithmetic in every thread; rows
-  outside ``shape`` are filled with zeros on load and dropped on store, so a
-  sequence length that is not a multiple of the block needs no load mask.
-* **warp specialisation**: producer warps issue the TMA copies while consumer
-  warpgroups run ``wgmma`` and the softmax; ``tl.range(...,
-  warp_specialize=True)`` asks Triton's compiler to partition the loop so.
+* **TMA**: tiles move between HBM and shared memory from a *descriptor* (one
+  instruction a tile); rows outside the shape load as zeros and are dropped
+  on store, so a ragged sequence length needs no load mask.
+* **warp specialisation** (``tl.range(..., warp_specialize=True)``): producer
+  warps issue the copies, consumer warpgroups run ``wgmma`` and the softmax.
 * **pipelining depth**: ``num_stages`` K/V tiles in flight in shared memory.
-* **FP8**: both products in e4m3 with fp32 accumulation, twice bf16's
-  tensor-core rate.
+* **FP8**: both products in e4m3 with fp32 accumulation, twice bf16's rate.
+  Q and K scales per (batch, head, 128 rows), so a tile of at most 128 rows has
+  one scale, folded into the softmax scale; V scales per (batch, head,
+  channel), applied to the output once. V is stored transposed ``(B, H, D, N)``
+  (FP8 ``wgmma`` reads both operands K-major). ``P`` lies in [0, 1] and is
+  rounded to e4m3 unscaled, as in the paper.
 
-Our kernel, one per (query block, batch * head) like FlashAttention-2::
+On the CPU (Triton's interpreter) the same kernel and TMA loads run, with tiles
+upcast to fp32 before ``tl.dot`` (``_common.upcast``) and ``P`` kept in fp32 in
+FP8 mode (the interpreter's fp32 -> e4m3 rounding drops a carry across a power
+of two); ``warp_specialize`` is ignored. The CPU tests check indexing, masking,
+scale folding and the online softmax; e4m3 rounding and schedules need a GPU.
 
-    S_j   = (Q_i K_j^T) * sq_i * sk_j * scale      # fp8 or bf16 wgmma, fp32 acc
-    m, l  online softmax of S_j (exp2, log2(e) folded in the scale)
-    acc   = acc * alpha + P_j V_j                  # P rounded to e4m3 (FP8) or bf16
-    O_i   = acc * sv / l                           # sv: V's per-channel scales
-
-FP8 scales: Q and K per (batch, head, 128 rows), so every tile of
-``BLOCK_M, BLOCK_N <= 128`` rows has one scalar scale and folding it into the
-softmax scale costs nothing per score; V per (batch, head, channel), applied to
-the output columns once at the end. V is stored transposed, ``(B, H, D, N)``:
-Hopper's FP8 ``wgmma`` reads both operands K-major from shared memory, and
-``N`` is the reduction dimension of ``P V``. ``P`` lies in [0, 1] after the
-max is subtracted and is rounded to e4m3 unscaled, as in the paper.
-Quantisation itself is done in PyTorch (``reference.py``) before the launch.
-
-What the interpreter (CPU) runs: the same kernel and the same TMA descriptor
-loads and stores (Triton's interpreter emulates them, zero-fill included), with
-tiles upcast to fp32 before ``tl.dot`` (bf16 dots are wrong there, see
-``_common.upcast``); in FP8 mode ``P`` also stays fp32 on the CPU, because the
-interpreter's fp32 -> e4m3 conversion drops the carry when rounding up across a
-power of two (0.49 becomes 0.25). ``warp_specialize`` is ignored there. So the
-CPU tests check the indexing, masking, scale folding and online softmax; the
-e4m3 rounding of ``P`` and the compiled schedules are checked on the GPU.
-
-Sources: Shah et al. 2024 (FlashAttention-3); Dao 2023 (FlashAttention-2); the
-fused attention tutorial of Triton (``06-fused-attention.py``) for the
-descriptor idiom.
+Sources: Shah et al. 2024 (FlashAttention-3); Dao 2023 (FlashAttention-2);
+Triton's fused attention tutorial (``06-fused-attention.py``) for descriptors.
 """
 
 from __future__ import annotations
