@@ -72,6 +72,13 @@ def _roofline_folder(tmp: Path) -> Path:
         "fork": with_cells(good, "import os, time\nif os.fork() == 0:\n"
                                  f"    open({str(pid_file)!r}, 'w').write(str(os.getpid()))\n"
                                  "    time.sleep(1000)\n    os._exit(0)\n"),
+        "daemon": with_cells(good, "import os, time\nif os.fork() == 0:\n    os.setsid()\n"
+                                   "    if os.fork() == 0:\n"
+                                   f"        open({str(tmp / 'daemon.pid')!r}, 'w')"
+                                   ".write(str(os.getpid()))\n"
+                                   "        time.sleep(1000)\n    os._exit(0)\n"),
+        "kill_parent": with_cells(good, "import os, signal\n"
+                                        "os.kill(os.getppid(), signal.SIGKILL)\n"),
         "flood": with_cells(good, "while True:\n    print('x' * 1000)\n"),
         "writes": with_cells(good, "open('answers.txt', 'w').write('42')\n"),
         "imports_answer": with_cells(good, "from llmnote.analysis import count_params\n"
@@ -157,6 +164,25 @@ def test_forked_process_is_killed(roofline):
     time.sleep(0.5)
     with pytest.raises(ProcessLookupError):
         os.kill(pid, 0)
+
+
+def test_a_process_that_leaves_the_group_is_killed(roofline):
+    """A double fork with ``os.setsid`` (a daemon) between: killing the process group
+    missed it, and it outlived the batch."""
+    df, _, _, tmp = roofline
+    assert df.loc["daemon", "total"] == FULL
+    pid = int((tmp / "daemon.pid").read_text())
+    time.sleep(0.5)
+    with pytest.raises(ProcessLookupError):
+        os.kill(pid, 0)
+
+
+def test_killing_its_parent_does_not_stop_the_batch(roofline):
+    """The student process's parent is the supervisor, not the grader: killing it (this
+    killed the grader, and the whole batch with it) leaves the grading to go on."""
+    df, _, _, _ = roofline
+    assert df.loc["kill_parent", "total"] == FULL, df.loc["kill_parent", "problems"]
+    assert df.loc["writes", "total"] == FULL  # graded after it
 
 
 def test_flood_and_files(roofline):

@@ -5,7 +5,7 @@ cells) run in a student process of their own (:mod:`llmnote.grading.sandbox`),
 each cell under a time limit and all of them under one for the notebook. Then
 every check of the assignment, hidden ones included, runs in *this* process
 against the functions the student process defined, each under its own time
-limit. A limit that passes kills the student's process group; the next check
+limit. A limit that passes kills every process of the submission; the next check
 gets a fresh one. Points come from the assignment's table, never from the
 student's output.
 

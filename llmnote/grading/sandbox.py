@@ -1,14 +1,18 @@
 """The student's code in a process of its own, called from the grader's.
 
-:class:`StudentProcess` starts ``python -m llmnote.grading.student_server`` in a new
-session (its own process group), in an empty working folder, with its output
-going to a size-limited file, and runs the submission's cells there. The
+:class:`StudentProcess` starts ``python -m llmnote.grading.student_server`` under a
+supervisor (:mod:`llmnote.grading.supervisor`, its parent, so that a student process
+that kills its parent does not kill the grader) in a new session, in an empty working
+folder, with its output going to a size-limited file, and runs the submission's cells
+there. The
 checks run in the grader's process: each call of a student function is a
 message to the student process, which runs it under the assignment's
 :class:`~llmnote.grading.guard.Rules` and sends back the result and the
 arguments as they are after the call (so that a check sees an input that the
 function changed in place). Every limit is a deadline on that message: when it
-passes, the whole process group is killed with ``SIGKILL``, and the next check
+passes, every process started for the submission (the supervisor's descendants and
+every process carrying the submission's token, ``os.setsid`` or not) is stopped and
+killed with ``SIGKILL``, and the next check
 gets a fresh process that has replayed the cells that ran cleanly.
 
 What the student process sends back is read by a pickle reader that builds
@@ -23,6 +27,7 @@ import builtins
 import io
 import os
 import pickle
+import secrets
 import select
 import signal
 import struct
@@ -33,6 +38,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+from llmnote.grading import supervisor
 
 TENSOR, REMOTE = "__llmnote_tensor__", "__llmnote_remote__"
 _HEADER = struct.Struct("<Q")
@@ -161,6 +168,7 @@ class StudentProcess:
         self.restarts = 0
         self.proc: subprocess.Popen | None = None
         self._fds: tuple[int, int] | None = None
+        self.token: str | None = None
 
     # -------------------------------------------------------------- process
 
@@ -169,11 +177,15 @@ class StudentProcess:
         to_child_r, to_child_w = os.pipe()
         from_child_r, from_child_w = os.pipe()
         log = open(self.workdir / "output.txt", "ab")  # noqa: SIM115
+        self.token = secrets.token_hex(16)
         env = dict(os.environ, PYTHONUNBUFFERED="1", MPLBACKEND="Agg",
-                   PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
+                   PYTHONPATH=os.pathsep.join(p for p in sys.path if p),
+                   LLMNOTE_STUDENT_FDS=f"{to_child_r},{from_child_w}")
+        env[supervisor.TOKEN_VAR] = self.token
         try:
-            self.proc = subprocess.Popen(
-                [sys.executable, "-m", "llmnote.grading.student_server", str(to_child_r),
+            self.proc = subprocess.Popen(  # the supervisor, which starts the student process
+                [sys.executable, supervisor.__file__, sys.executable, "-m",
+                 "llmnote.grading.student_server", str(to_child_r),
                  str(from_child_w), str(self.output_limit_bytes)],
                 stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
                 cwd=self.workdir, env=env, start_new_session=True,
@@ -187,10 +199,12 @@ class StudentProcess:
         self._reply(time.monotonic() + 120.0)  # imports, plotting, CUDA context
 
     def kill(self) -> None:
-        """SIGKILL the student's whole process group (forked children included)."""
+        """SIGKILL the supervisor, the student process and every process they started
+        (forked children, those that left the process group included)."""
         proc, self.proc = self.proc, None  # forgotten first: an interruption here
         fds, self._fds = self._fds, None   # still leaves a fresh start for later
         if proc is not None:
+            supervisor.kill_family({proc.pid}, self.token)
             try:
                 os.killpg(proc.pid, signal.SIGKILL)
             except (ProcessLookupError, PermissionError):

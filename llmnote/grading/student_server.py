@@ -185,6 +185,9 @@ def _main(argv: list[str]) -> int:
 
     fd_in, fd_out, limit = int(argv[0]), int(argv[1]), int(argv[2])
     resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+    from llmnote.grading.supervisor import become_subreaper
+
+    become_subreaper()  # what the student's code forks and orphans stays below this process
     signal.signal(signal.SIGINT, signal.SIG_DFL)
     import llmnote  # noqa: F401  (sets the backend before any kernel is defined)
     from llmnote.grading import guard
