@@ -122,6 +122,7 @@ def test_rmsnorm_of_rows_near_the_fp32_limit_is_the_fp64_answer(n, dev, seed):
     x[4] = 7.25e3  # a constant row of a moderate size
     x[5, 1] = NAN  # NaN anywhere: a NaN row
     x[6, 0] = float("inf")  # inf: NaN there, 0 elsewhere, as in fp64
+    x[7] = 2.0**49  # sum of squares past 2^100 (the two-pass forward looks) but a = 1
     w = torch.randn(n, device=dev)
     # the oracle in fp64 on the CPU: CUDA's rms_norm makes the inf row all NaN (it
     # divides by the row's norm, inf / inf), where x * rsqrt(mean) gives 0 but at the inf

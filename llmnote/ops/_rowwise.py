@@ -56,6 +56,7 @@ DX_CHUNK = 4096  # columns per step of the backward's second pass (RowConfig.chu
 # their squares are summed: then N (2 max|x|)^2 < 2^128 for N <= 2^16, no overflow.
 SCALE_ABOVE = 2.0**50
 _SCALE_ABOVE = tl.constexpr(SCALE_ABOVE)  # the kernels' copy
+_SS_SCALE_ABOVE = tl.constexpr(SCALE_ABOVE * SCALE_ABOVE)  # a sum of squares past which to look
 
 
 def row_scale_ref(xf: torch.Tensor) -> torch.Tensor:

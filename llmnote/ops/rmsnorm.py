@@ -42,6 +42,7 @@ from llmnote import device
 from llmnote.ops._rowwise import (
     MAX_N, RowConfig, as_rows, bwd_config, cdiv, check_eps, check_param, check_row_length,
     fwd_config, launch_forward, load_chunk, resident_programs, row_scale, row_scale_ref,
+    _SS_SCALE_ABOVE,
 )
 from llmnote.ops._validate import check_same, check_tensor
 
@@ -97,16 +98,26 @@ def _rmsnorm_fwd_kernel(
                      y.to(y_ptr.dtype.element_ty), mask=mask)  # write MN
         else:  # long rows, two passes of CHUNK columns: the sum of squares, then y
             ss = tl.zeros((BLOCK_M, CHUNK), tl.float32)  # per lane: no reduction in the loop
-            am = tl.zeros((BLOCK_M, CHUNK), tl.float32)  # per lane: max |x|
             for c0 in tl.range(0, N, CHUNK):
                 cols = c0 + tl.arange(0, CHUNK)
                 mask = (rows[:, None] < M) & (cols[None, :] < N)
                 x = _load_h(x_ptr, r_ptr, h_ptr, rows, cols, mask, stride_xm, stride_xn,
                             stride_rm, stride_rn, stride_hm, HAS_RESIDUAL, True, "evict_last")
                 ss += x * x
-                am = tl.maximum(am, tl.abs(x))
-            a, inv_a = row_scale(tl.max(am, axis=1))
-            if tl.max(a, axis=0) > 1.0:  # rare: a huge row, whose squares may have overflowed:
+            total = tl.sum(ss, axis=1)  # (BLOCK_M,)
+            inv_a = tl.full((BLOCK_M,), 1.0, tl.float32)
+            # A row with max |x| above 2^50 has a square, so a sum, above 2^100 (a sum of
+            # terms >= 0 is never below its largest): under that bound a = 1 exactly, and
+            # the max |x| (a second accumulator in this loop) is needed only past it.
+            if tl.max(total, axis=0) > _SS_SCALE_ABOVE:  # rare: squares may have overflowed
+                am = tl.zeros((BLOCK_M, CHUNK), tl.float32)  # per lane: max |x|
+                for c0 in tl.range(0, N, CHUNK):  # (cache hits)
+                    cols = c0 + tl.arange(0, CHUNK)
+                    mask = (rows[:, None] < M) & (cols[None, :] < N)
+                    x = _load_h(x_ptr, r_ptr, h_ptr, rows, cols, mask, stride_xm, stride_xn,
+                                stride_rm, stride_rn, stride_hm, HAS_RESIDUAL, False, "")
+                    am = tl.maximum(am, tl.abs(x))
+                _, inv_a = row_scale(tl.max(am, axis=1))
                 ss = tl.zeros((BLOCK_M, CHUNK), tl.float32)  # the sums again, of x / a
                 for c0 in tl.range(0, N, CHUNK):  # (cache hits)
                     cols = c0 + tl.arange(0, CHUNK)
@@ -115,7 +126,8 @@ def _rmsnorm_fwd_kernel(
                                 stride_rm, stride_rn, stride_hm, HAS_RESIDUAL, False, "")
                     x = x * inv_a[:, None]
                     ss += x * x
-            ms = tl.math.div_rn(tl.sum(ss, axis=1), tl.cast(N, tl.float32))
+                total = tl.sum(ss, axis=1)
+            ms = tl.math.div_rn(total, tl.cast(N, tl.float32))
             rstd = 1.0 / tl.sqrt(ms + eps * inv_a * inv_a)  # of x / a
             for c0 in tl.range(0, N, CHUNK):  # the rows again: cache hits, h recomputed
                 cols = c0 + tl.arange(0, CHUNK)
