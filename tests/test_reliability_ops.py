@@ -65,6 +65,8 @@ def test_softmax_keeps_autograd(dtype, dev, seed):
                  rtol=1e-4 if dtype == torch.float32 else 2e-2)
 
 
+# the forward's first sums overflow (then the tile is redone, scaled)
+@pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")
 @pytest.mark.parametrize("n", [8, 300, 4100])
 def test_layernorm_of_rows_near_the_fp32_limit_is_the_fp64_answer(n, dev, seed):
     x = torch.randn(6, n, device=dev)
@@ -81,9 +83,16 @@ def test_layernorm_of_rows_near_the_fp32_limit_is_the_fp64_answer(n, dev, seed):
         assert nan_rows(got) == [False] * 5 + [True], fn.__name__
         assert_close(got[:5].double(), want[:5], atol=1e-5, rtol=1e-5, name=fn.__name__)
         assert torch.equal(got[1], b) and torch.equal(got[4], b)
+    # rows past the reference's scaling bound (2^50) whose sums do not overflow: the
+    # kernel takes them unscaled, the reference scaled; both are the fp64 answer
+    big = torch.randn(4, n, device=dev) * 2.0**55
+    want = F.layer_norm(big.double(), (n,), w.double(), b.double(), 1e-5)
+    for fn in (layernorm, layernorm_ref):
+        assert_close(fn(big, w, b).double(), want, atol=1e-5, rtol=1e-5, name=fn.__name__)
 
 
 @pytest.mark.filterwarnings("ignore:divide by zero:RuntimeWarning")  # eps = 0: padding rows
+@pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")  # then redone, scaled
 def test_layernorm_huge_rows_keep_a_gradient(dev, seed):
     """With eps = 0 LayerNorm does not change when a row is scaled, and dx scales by the
     inverse: a row times 2^100 (exactly) gets the gradient of the row over 2^100."""

@@ -54,6 +54,7 @@ __all__ = ["MAX_N", "layernorm", "layernorm_ref"]
 
 TINY = 2.0**-126  # smallest normal fp32: the floor of var + eps once eps has underflowed
 _TINY = tl.constexpr(TINY)  # the kernel's copy
+_FP32_MAX = tl.constexpr(torch.finfo(torch.float32).max)
 
 
 def layernorm_ref(
@@ -75,6 +76,19 @@ def layernorm_ref(
 
 
 @triton.jit
+def _row_stats(x, mask, nf):
+    """Mean (corrected once: the corrected two-pass algorithm), centred rows and their sum
+    of squares, per row of a (BLOCK_M, BLOCK_N) tile. div_rn: IEEE division (a plain `/`
+    compiles to an approximate one on NVIDIA GPUs); with it a constant row's correction d
+    cancels its xc exactly, to 0."""
+    mean = tl.math.div_rn(tl.sum(x, axis=1), nf)  # (BLOCK_M,)
+    xc = tl.where(mask, x - mean[:, None], 0.0)  # padding must not count in the variance
+    d = tl.math.div_rn(tl.sum(xc, axis=1), nf)  # the mean's rounding error
+    xc = tl.where(mask, xc - d[:, None], 0.0)
+    return mean + d, xc, tl.sum(xc * xc, axis=1)
+
+
+@triton.jit
 def _layernorm_fwd_kernel(
     x_ptr, w_ptr, b_ptr, y_ptr, mean_ptr, rstd_ptr, M, N, eps,
     stride_xm, stride_xn, stride_wn, stride_bn, stride_ym,
@@ -89,18 +103,18 @@ def _layernorm_fwd_kernel(
         mask = (rows[:, None] < M) & (cols[None, :] < N)  # (BLOCK_M, BLOCK_N)
         x = tl.load(x_ptr + rows[:, None] * stride_xm + cols[None, :] * stride_xn,
                     mask=mask, other=0.0).to(tl.float32)  # read MN
-        # huge rows: divide by a power of two a ~ max|x| (exact), so xc * xc cannot overflow
-        a, inv_a = row_scale(tl.max(tl.abs(x), axis=1))  # (BLOCK_M,) each
-        x = x * inv_a[:, None]
-        # div_rn: IEEE division (a plain `/` compiles to an approximate one on NVIDIA
-        # GPUs); with it a constant row's correction d cancels its xc exactly, to 0
         nf = tl.cast(N, tl.float32)  # (tl.cast: N == 1 arrives as a constexpr int)
-        mean = tl.math.div_rn(tl.sum(x, axis=1), nf)  # (BLOCK_M,)
-        xc = tl.where(mask, x - mean[:, None], 0.0)  # padding must not count in the variance
-        d = tl.math.div_rn(tl.sum(xc, axis=1), nf)  # the mean's rounding error (corrected two-pass)
-        mean += d
-        xc = tl.where(mask, xc - d[:, None], 0.0)
-        var = tl.sum(xc * xc, axis=1) / N + eps / a / a
+        mean, xc, ss = _row_stats(x, mask, nf)
+        a = tl.full((BLOCK_M,), 1.0, tl.float32)
+        # A tile with a row whose sums overflowed (or a NaN row) is redone with each huge
+        # row divided by a power of two a ~ max|x| (exact), so xc * xc cannot overflow.
+        # Rows that did not overflow need no scaling: dividing a row by a power of two
+        # and eps by its square, as the reference does, leaves y as it is (rounding too,
+        # but for subnormals). The common case thus skips the max |x| reduction.
+        if tl.max(tl.where((tl.abs(mean) <= _FP32_MAX) & (ss <= _FP32_MAX), 0, 1), axis=0) > 0:
+            a, inv_a = row_scale(tl.max(tl.abs(x), axis=1))  # (BLOCK_M,) each
+            mean, xc, ss = _row_stats(x * inv_a[:, None], mask, nf)
+        var = ss / N + eps / a / a
         var = tl.where((var == 0) & (eps > 0), _TINY, var)  # eps underflowed: xc is 0 there
         rstd = 1.0 / tl.sqrt(var)
         # weight and bias are loaded after the reductions: no registers held while waiting
