@@ -234,3 +234,40 @@ def test_attention_nan_in_nan_out(dev, seed):
         out = fn(q, k, v)
         assert out[0, 0, 3].isnan().all() and not out[0, 0, [0, 1, 2, 4]].isnan().any()
         assert not out[0, 1].isnan().any()
+
+
+@pytest.mark.parametrize("garbage", [NAN, float("inf")])
+def test_causal_references_never_read_masked_values(garbage, dev, seed):
+    """A NaN (or inf) in the last key's value reaches only the rows that see that key
+    (the last query row of each head), in both the padded and the varlen reference."""
+    from llmnote.ops.attention.reference import flash_attention_varlen_ref
+
+    n = 256
+    q, k, v = (torch.randn(1, 2, n, 16, device=dev) for _ in range(3))
+    clean = flash_attention_ref(q, k, v, causal=True)
+    v[..., n - 1, 0] = garbage
+    got = flash_attention_ref(q, k, v, causal=True)
+    bad = ~torch.isfinite(got).all(dim=-1)
+    assert bad.sum() == 2 and bad[..., n - 1].all()
+    assert torch.equal(got[..., :n - 1, :], clean[..., :n - 1, :])
+    if garbage == float("inf"):
+        assert got[..., n - 1, 0].isinf().all() and not got[..., n - 1, 1:].isnan().any()
+    cu = torch.tensor([0, n], dtype=torch.int32, device=dev)
+    packed = [t[0].transpose(0, 1) for t in (q, k, v)]
+    var = flash_attention_varlen_ref(*packed, cu, cu, causal=True)
+    assert torch.equal(var.transpose(0, 1)[None].isnan(), got.isnan())
+    # the kernel: the same answer wherever it is finite (its last tile may read more)
+    out = flash_attention(q, k, v, causal=True)
+    ok = torch.isfinite(out).all(dim=-1)
+    assert ok[..., : n - 64].all()
+    assert_close(out[ok], got[ok], atol=1e-5, rtol=1e-5)
+
+
+def test_masked_values_in_half_precision_and_rows_without_keys(dev, seed):
+    """bf16 inputs and rows that see no key (N_k < N_q, causal): still 0, not NaN."""
+    q = torch.randn(1, 2, 9, 16, device=dev).bfloat16()
+    k, v = (torch.randn(1, 2, 5, 16, device=dev).bfloat16() for _ in range(2))
+    v[..., 4, :] = NAN
+    got = flash_attention_ref(q, k, v, causal=True)
+    assert torch.equal(got[..., :4, :], torch.zeros_like(got[..., :4, :]))  # no key to see
+    assert not got[..., 4:8, :].isnan().any() and got[..., 8, :].isnan().all()

@@ -7,8 +7,9 @@ rule in :mod:`llmnote.testing`) and the softmax in fp32; called on fp32 inputs
 they are the fp32 references the kernels are checked against. fp16 scores are
 the exception: ``Q K^T`` is computed in fp32 from the fp16 inputs, as the
 kernels accumulate it, since an fp16 score overflows past 65504. Cache slots a
-kernel does not read (past ``seq_lens``) are not read here either: garbage there
-(NaN, inf) changes nothing.
+kernel does not read (past ``seq_lens``) are not read here either, and a causally
+masked key's value adds nothing to a row that cannot see it: garbage there (NaN,
+inf) changes nothing.
 
 Conventions shared with the kernels:
 
@@ -23,6 +24,7 @@ Conventions shared with the kernels:
   log-sum-exp ``-inf``; its gradients are 0. Never NaN.
 * ``lse`` (log-sum-exp of the scaled, masked scores of a row, natural log) is
   fp32 of shape ``(batch, heads, N_q)``, or ``(heads, total_q)`` for varlen.
+
 """
 
 from __future__ import annotations
@@ -71,6 +73,32 @@ def _masked_softmax(s: torch.Tensor, mask: torch.Tensor | None) -> tuple[torch.T
     return p, lse
 
 
+def _attend(p: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    """``P V`` in which a masked pair ``(i, j)`` adds exactly nothing, even where ``v_j``
+    holds NaN or inf (a plain matmul would add ``0 * NaN = NaN`` to every row).
+
+    The finite values go through one matmul. What the non-finite ones add, term by term
+    as IEEE arithmetic would over the pairs a row sees, is counted by three matmuls of
+    0/1 indicators: a NaN, or an inf times a zero probability, makes the entry NaN; an
+    inf times a positive probability makes it inf of that sign (NaN if both signs meet).
+    Only taken when a mask meets a non-finite value; otherwise it is ``p @ v``.
+    """
+    finite = torch.isfinite(v)
+    if mask is None or bool(finite.all()):
+        return torch.matmul(p, v)
+    out = torch.matmul(p, torch.where(finite, v, torch.zeros_like(v)))
+    seen = mask.float()  # broadcasts over (batch, heads)
+    pf = p.float()
+
+    def hits(weights: torch.Tensor, where: torch.Tensor) -> torch.Tensor:
+        return torch.matmul(weights, where.float()) > 0  # any seen pair with a hit
+
+    nan = hits(seen.expand_as(pf), v.isnan()) | hits(seen * (pf == 0), v.isinf())
+    pos, neg = hits(seen * (pf > 0), v == float("inf")), hits(seen * (pf > 0), v == -float("inf"))
+    out = torch.where(pos, float("inf"), torch.where(neg, -float("inf"), out))
+    return torch.where(nan | (pos & neg), float("nan"), out)
+
+
 def flash_attention_ref(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False,
     sm_scale: float | None = None, return_lse: bool = False,
@@ -85,7 +113,7 @@ def flash_attention_ref(
     s = _scores(q, kk) * scale  # (B, H, N_q, N_k)
     mask = causal_mask(q.shape[2], k.shape[2], q.device) if causal else None
     p, lse = _masked_softmax(s, mask)
-    out = torch.matmul(p.to(q.dtype), vv)  # (B, H, N_q, D)
+    out = _attend(p.to(q.dtype), vv, mask)  # (B, H, N_q, D); masked values never read
     return (out, lse) if return_lse else out
 
 
