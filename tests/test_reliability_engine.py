@@ -476,7 +476,7 @@ def test_tiny_temperatures_sample_the_argmax(model, temperature):
 
 
 def test_sampling_probabilities_are_never_nan_for_finite_logits(seed):
-    from llmnote.engine.sampler import filter_logits, scale_logits
+    from llmnote.engine.sampler import apply_penalties, filter_logits, scale_logits
 
     scale = torch.tensor([1, 1e3, 1e30, 1e38, 1e-3, 0], dtype=torch.float64)[:, None]
     logits = (torch.randn(6, 50, dtype=torch.float64) * scale).clamp(-3e38, 3e38).float()
@@ -491,6 +491,26 @@ def test_sampling_probabilities_are_never_nan_for_finite_logits(seed):
             assert torch.equal(probs.amax(-1), torch.ones(6))
         probs = filter_logits(scaled, torch.full((6,), 5), torch.full((6,), 0.9)).softmax(-1)
         assert not probs.isnan().any(), t
+    # penalties on logits near fp32's limits stay finite: -3e38 * 100 is clamped, not -inf
+    # (a row of -inf had NaN probabilities at every temperature, and took token 0)
+    pen = torch.tensor([[100.0, 2.0, 2.0], [100.0, -2.0, -2.0], [1.5, 2.0, 2.0],
+                        [100.0, 0.0, 0.0], [100.0, 0.0, 0.0], [1.0, 2.0, 2.0]])
+    counts = torch.randint(0, 3, (6, 50)).float()
+    penalised = apply_penalties(logits, counts, torch.ones(6, 50, dtype=torch.bool), pen)
+    assert penalised.isfinite().all()
+    for t in (0.0, 1e-38, 1.0, 1e38):
+        probs = scale_logits(penalised, torch.tensor([t] * 6)).softmax(-1)
+        assert not probs.isnan().any(), t
+    row = apply_penalties(torch.full((1, 3), -3e38), torch.zeros(1, 3),
+                          torch.ones(1, 3, dtype=torch.bool), torch.tensor([[100.0, 0, 0]]))
+    assert row.isfinite().all()
+    torch.testing.assert_close(scale_logits(row, torch.ones(1)).softmax(-1),
+                               torch.full((1, 3), 1 / 3))  # all equal: uniform
+    # a -inf logit (a token the model rules out) stays -inf
+    ruled_out = torch.tensor([[float("-inf"), 1.0, -3e38]])
+    got = apply_penalties(ruled_out, torch.zeros(1, 3), torch.ones(1, 3, dtype=torch.bool),
+                          torch.tensor([[100.0, 0, 0]]))
+    assert got[0, 0] == float("-inf") and got[0, 2].isfinite()
     # at ordinary temperatures: the softmax of logits / temperature
     x = torch.randn(4, 50)
     torch.testing.assert_close(scale_logits(x, torch.full((4,), 0.7)).softmax(-1),

@@ -58,11 +58,17 @@ def apply_penalties(logits: torch.Tensor, counts: torch.Tensor, seen: torch.Tens
 
     Repetition (CTRL, as Hugging Face applies it): a seen token's logit ``l`` becomes
     ``l / r`` if ``l > 0`` else ``l * r``, so ``r > 1`` makes it less likely either way.
-    Frequency and presence (OpenAI): ``l - f * count - p * (count > 0)``."""
+    Frequency and presence (OpenAI): ``l - f * count - p * (count > 0)``.
+
+    A finite logit stays finite: the result is clamped to the dtype's range (``-3e38 *
+    100`` would be -inf, and a row of -inf has no softmax: NaN, then token 0); a logit
+    that was -inf (a token ruled out) stays -inf."""
     r, f, p = (penalties[:, i, None] for i in range(3))
     rep = torch.where(logits > 0, logits / r, logits * r)
     out = torch.where(seen, rep, logits)
-    return out - f * counts - p * (counts > 0).float()
+    out = out - f * counts - p * (counts > 0).float()
+    fi = torch.finfo(out.dtype)
+    return torch.where(logits.isfinite(), out.clamp(fi.min, fi.max), out)
 
 
 def scale_logits(logits: torch.Tensor, temperature: torch.Tensor) -> torch.Tensor:
