@@ -271,3 +271,37 @@ def test_masked_values_in_half_precision_and_rows_without_keys(dev, seed):
     got = flash_attention_ref(q, k, v, causal=True)
     assert torch.equal(got[..., :4, :], torch.zeros_like(got[..., :4, :]))  # no key to see
     assert not got[..., 4:8, :].isnan().any() and got[..., 8, :].isnan().all()
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # the interpreter's overflowing matmul
+def test_attention_range_is_documented_and_holds_up_to_its_edge(dev, seed):
+    """Scores must be finite in fp32 (|q_i| |k_j| < 3.4e38): up to that edge the kernels
+    and the references give fp64's answer; past it, NaN, as each op's docstring says."""
+    from llmnote.ops.attention import (
+        flash_attention_v1, flash_attention_varlen, mla_decode, reference,
+    )
+
+    for fn in (flash_attention, flash_attention_varlen, flash_attention_v1, decode_attention,
+               mla_decode, reference):
+        assert "3.4e38" in fn.__doc__ and "NaN" in fn.__doc__, fn.__name__
+    d, n = 16, 33
+    q, k, v = (torch.randn(1, 2, n, d, device=dev) for _ in range(3))
+    k[..., 5, :] = q[..., 7, :]  # an aligned pair: its score is the product of the norms
+    for norm, finite in [(1.7e19, True), (1.9e19, False)]:  # norm^2: 2.9e38, 3.6e38
+        qn = q / q.norm(dim=-1, keepdim=True) * norm
+        kn = k / k.norm(dim=-1, keepdim=True) * norm
+        want = F.scaled_dot_product_attention(qn.double(), kn.double(), v.double(),
+                                              is_causal=True)  # fp64 throughout
+        lens = torch.full((1,), n, dtype=torch.int32, device=dev)
+        cases = [(fn(qn, kn, v, causal=True), want)
+                 for fn in (flash_attention_ref, flash_attention, flash_attention_v1)]
+        want1 = F.scaled_dot_product_attention(qn[:, :, 7:8].double(), kn.double(),
+                                               v.double())[:, :, 0]
+        cases += [(fn(qn[:, :, 7], kn, v, lens), want1)
+                  for fn in (decode_attention, decode_attention_ref)]
+        assert not want.isnan().any()
+        for got, w in cases:
+            if finite:
+                assert_close(got.double(), w, atol=1e-5, rtol=1e-5)
+            else:
+                assert got.isnan().any()  # the documented limit: past it, NaN

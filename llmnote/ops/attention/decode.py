@@ -270,6 +270,10 @@ def decode_attention(
     lengths lie in ``[0, capacity]`` (a GPU synchronisation; pass False under
     CUDA graphs: the kernel then clamps lengths to the capacity).
     Returns ``(batch, heads, head_dim)`` (and the fp32 lse ``(batch, heads)``).
+    Range: every score ``q . k_j`` over the valid slots must be finite in fp32
+    (``|q| |k_j| < 3.4e38``; single products overflow past ``~1.8e19`` per factor);
+    past it the output is NaN where fp64's is finite. Not checked; see "Range of the
+    inputs" in :mod:`llmnote.ops.attention.reference`.
     """
     _check(q, k_cache, v_cache, seq_lens, num_splits, validate)
     scale = check_sm_scale(sm_scale, q.shape[-1])

@@ -125,7 +125,9 @@ def flash_attention_v1(
     sm_scale: float | None = None,
 ) -> torch.Tensor:
     """Forward attention with FlashAttention-1's loop order (same arguments and
-    layout as :func:`llmnote.ops.flash_attention`, no autograd)."""
+    layout as :func:`llmnote.ops.flash_attention`, no autograd). Range: as
+    :func:`~llmnote.ops.attention.flash2.flash_attention` (every score finite in fp32,
+    ``|q_i| |k_j| < 3.4e38``; past it NaN)."""
     _, _, d = check_qkv(q, k, v, ndim=4)
     check_flag("causal", causal)
     scale = check_sm_scale(sm_scale, d)

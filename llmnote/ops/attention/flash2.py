@@ -350,6 +350,11 @@ def flash_attention(
     keys ``j <= i + N_k - N_q``). ``sm_scale`` defaults to ``1/sqrt(head_dim)``.
     Returns the output, shaped like ``q`` (and the fp32 log-sum-exp
     ``(batch, heads, N_q)`` if ``return_lse``); differentiable in q, k, v.
+
+    Range: every score ``q_i . k_j`` must be finite in fp32 (``|q_i| |k_j| < 3.4e38``,
+    e.g. entries below ``1e18`` at ``head_dim`` 128; single products overflow past
+    ``~1.8e19`` per factor); past it the output is NaN where fp64's is finite. Not
+    checked; see "Range of the inputs" in :mod:`llmnote.ops.attention.reference`.
     """
     _, _, d = check_qkv(q, k, v, ndim=4)
     check_flag("causal", causal)
@@ -377,6 +382,8 @@ def flash_attention_varlen(
     ``cu_seqlens``. An empty sequence is allowed; a query sequence with no key
     gets output 0. Returns ``(total_q, heads, head_dim)`` (and the lse
     ``(heads, total_q)`` if ``return_lse``); differentiable in q, k, v.
+    Range: as :func:`flash_attention` (every score finite in fp32, ``|q_i| |k_j| <
+    3.4e38``; past it NaN).
     """
     _, _, d = check_qkv(q, k, v, ndim=3)
     check_flag("causal", causal)

@@ -294,6 +294,8 @@ def flash_attention_v3(
     N_k, head_dim)``; bf16 or fp16; ``head_dim`` 64 or 128 on the GPU (also 16
     and 32 in the interpreter); causal bottom-right aligned as ``flash_attention``.
     Needs a Hopper GPU (sm_90+); elsewhere on a GPU the reference runs.
+    Range: as ``flash_attention`` (every score finite in fp32, ``|q_i| |k_j| < 3.4e38``;
+    past it NaN).
     """
     scale = _check_common(q, k, v, causal, sm_scale, (torch.float16, torch.bfloat16))
     if TensorDescriptor is None or device.use_reference("flash_attention_v3", HOPPER):

@@ -224,7 +224,9 @@ def mla_decode(q_latent: torch.Tensor, q_rope: torch.Tensor, kv_cache: torch.Ten
     """Absorbed MLA decode over a paged latent cache (split-KV); arguments as
     :func:`mla_decode_ref`. ``validate`` checks lengths and the block-table entries in
     use (a GPU synchronisation; False under CUDA graphs: lengths are then clamped to
-    the table's capacity, and the entries are trusted)."""
+    the table's capacity, and the entries are trusted). Range: every score must be
+    finite in fp32 (``|q_i| |kv_j| < 3.4e38`` over the latent and rope parts together;
+    past it NaN), as "Range of the inputs" in :mod:`llmnote.ops.attention.reference`."""
     _check(q_latent, q_rope, kv_cache, block_tables, seq_lens, sm_scale, num_splits, validate)
     if device.use_reference("mla_decode"):
         return mla_decode_ref(q_latent, q_rope, kv_cache, block_tables, seq_lens, sm_scale,

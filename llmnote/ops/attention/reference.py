@@ -25,6 +25,19 @@ Conventions shared with the kernels:
 * ``lse`` (log-sum-exp of the scaled, masked scores of a row, natural log) is
   fp32 of shape ``(batch, heads, N_q)``, or ``(heads, total_q)`` for varlen.
 
+Range of the inputs (kernels and references alike). Every score ``q_i . k_j``, and
+each partial sum of its products, must be finite in fp32, whose largest value is
+about ``3.4e38`` (2^128): guaranteed when ``|q_i| |k_j| < 3.4e38`` for every pair
+(Euclidean norms; Cauchy-Schwarz bounds every partial sum by it), and when
+``sm_scale * log2(e) * |q_i| |k_j|`` is too (the kernels fold ``log2(e)`` into the
+scale). So entries up to about ``1e18`` at ``head_dim`` 128, ``4e18`` at 16; one
+product alone overflows once both factors pass ``sqrt(3.4e38) ~ 1.8e19``. Past the
+range ``q . k`` is ``+-inf`` in fp32 and the softmax's ``s - max`` is ``inf - inf
+= NaN``: the kernels and these references return NaN where fp64 is finite. This is
+the documented limit, not checked (a check would cost a pass over Q and K). fp16
+inputs always lie inside (``65504^2 * 256 << 3.4e38``); bf16 and fp32 ones can
+leave it. The values must keep ``N_k * max|v| < 3.4e38`` (the kernels' running,
+unnormalised ``sum_j p_ij v_j``).
 """
 
 from __future__ import annotations
