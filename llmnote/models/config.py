@@ -20,6 +20,7 @@ Mixtral (attention as Llama; its top-k weights are always renormalised).
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, replace
 
 from llmnote.ops.rope_scaling import RopeScaling, as_rope_scaling
@@ -84,11 +85,15 @@ class LlamaConfig:
                 f"architecture must be one of {ARCHITECTURES}, got {self.architecture!r}"
             )
         self._check_moe()
-        if not self.rms_norm_eps > 0 or not self.rope_theta > 0:
-            raise ValueError(
-                "rms_norm_eps and rope_theta must be > 0, got "
-                f"{self.rms_norm_eps}, {self.rope_theta}"
-            )
+        for name in ("rms_norm_eps", "rope_theta"):  # inf would fail only at the first forward
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not (
+                    math.isfinite(v) and v > 0):
+                raise ValueError(f"{name} must be a finite number > 0, got {v!r}")
+        for name in ("rope_interleaved", "qkv_bias", "o_bias", "mlp_bias", "qk_norm",
+                     "tie_word_embeddings", "norm_topk_prob"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
 
     def _check_moe(self) -> None:
         object.__setattr__(self, "mlp_only_layers", tuple(self.mlp_only_layers))

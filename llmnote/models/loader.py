@@ -22,6 +22,9 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
+import os
+import stat
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -32,16 +35,20 @@ from llmnote.device import placement
 from llmnote.models.config import LlamaConfig
 from llmnote.models.deepseek import DeepseekV3, MLAConfig, is_mla_config
 from llmnote.models.llama import Llama, LlamaOps
-from llmnote.models.presets import from_hf_config
+from llmnote.models.presets import HF_ARCHITECTURES, from_hf_config
 
 INDEX_FILE = "model.safetensors.index.json"
 # config.json fields every supported architecture needs, and those that must be positive ints
 REQUIRED_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                    "num_attention_heads")
 INT_FIELDS = (*REQUIRED_FIELDS, "num_key_value_heads", "head_dim", "max_position_embeddings")
-NUMBER_FIELDS = ("rms_norm_eps", "rope_theta")
+NUMBER_FIELDS = ("rms_norm_eps", "rope_theta")  # finite and > 0
 DICT_FIELDS = ("quantization_config", "rope_scaling", "rope_parameters")
+BOOL_FIELDS = ("attention_bias", "mlp_bias", "tie_word_embeddings", "use_sliding_window",
+               "norm_topk_prob")
 LOAD_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+# config.json's "torch_dtype" (transformers 5: "dtype"): the dtypes the model runs in
+CONFIG_DTYPES = tuple(str(d).removeprefix("torch.") for d in LOAD_DTYPES)
 # Buffers some older checkpoints saved; they are recomputed, not loaded.
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
@@ -55,7 +62,26 @@ def _listing(names: list[str], limit: int = 20) -> str:
     return shown + (f", ... ({len(names) - limit} more)" if len(names) > limit else "")
 
 
+def _regular(path: Path, what: str = "") -> Path:
+    """``path`` if it is a regular file (links followed); else ``CheckpointError`` naming
+    it. Checked before opening: a FIFO would block the open forever, and a folder named
+    ``*.safetensors`` gives an ``OSError`` naming nothing."""
+    try:
+        mode = os.stat(path).st_mode
+    except FileNotFoundError:
+        raise FileNotFoundError(f"{what}{path} does not exist") from None
+    except OSError as e:
+        raise CheckpointError(f"{what}{path} cannot be read: {e}") from None
+    if not stat.S_ISREG(mode):
+        kind = "a folder" if stat.S_ISDIR(mode) else "a FIFO" if stat.S_ISFIFO(mode) else \
+            "a socket" if stat.S_ISSOCK(mode) else "a device" if \
+            stat.S_ISCHR(mode) or stat.S_ISBLK(mode) else "not a plain file"
+        raise CheckpointError(f"{what}{path} is {kind}, not a regular file; refused")
+    return path
+
+
 def _read_json(path: Path) -> object:
+    _regular(path)
     try:
         return json.loads(path.read_text())
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
@@ -66,7 +92,7 @@ def read_config(folder: str | Path) -> LlamaConfig | MLAConfig:
     """The :class:`~llmnote.models.config.LlamaConfig` of ``folder/config.json``; a
     missing or ill-typed field is a ``ValueError`` naming the file and the field."""
     path = Path(folder) / "config.json"
-    if not path.is_file():
+    if not path.exists():
         raise FileNotFoundError(f"no config.json in {folder}")
     c = _read_json(path)
     if not isinstance(c, dict):
@@ -86,6 +112,7 @@ def read_config(folder: str | Path) -> LlamaConfig | MLAConfig:
         v = c.get(field)
         if v is not None and not isinstance(v, dict):
             raise ValueError(f"{path}: field {field} must be an object, got {v!r}")
+    _check_values(c, path)
     try:
         if is_mla_config(c):  # DeepSeek-V3's latent attention (llmnote.models.deepseek)
             return MLAConfig.from_hf(c)
@@ -95,6 +122,42 @@ def read_config(folder: str | Path) -> LlamaConfig | MLAConfig:
     except (KeyError, TypeError, AttributeError, ZeroDivisionError) as e:
         raise ValueError(f"{path}: a field is missing or has a value of the wrong kind "
                          f"({type(e).__name__}: {e})") from e
+
+
+def _check_values(c: dict, path: Path) -> None:
+    """The fields whose type alone does not make them usable: numbers finite and > 0
+    (``Infinity``, which Python's JSON reader accepts, would fail at the first forward),
+    switches true or false, a known dtype, a model type that agrees with the class."""
+    thetas = [(f"{d}.rope_theta", c[d].get("rope_theta"))
+              for d in ("rope_scaling", "rope_parameters") if isinstance(c.get(d), dict)]
+    for field, v in [(f, c.get(f)) for f in NUMBER_FIELDS] + thetas:
+        if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float))
+                              or not math.isfinite(v) or v <= 0):
+            raise ValueError(f"{path}: field {field} must be a finite number > 0, got {v!r}")
+    for field in BOOL_FIELDS:
+        v = c.get(field)
+        if v is not None and not isinstance(v, bool):
+            raise ValueError(f"{path}: field {field} must be true or false, got {v!r}")
+    v = c.get("sliding_window")
+    if v is not None and not (isinstance(v, int) and not isinstance(v, bool) and v > 0):
+        raise ValueError(f"{path}: field sliding_window must be null or a positive int, "
+                         f"got {v!r}")
+    for field in ("torch_dtype", "dtype"):
+        v = c.get(field)
+        if v is not None and v not in CONFIG_DTYPES:
+            raise ValueError(f"{path}: field {field} must be one of {', '.join(CONFIG_DTYPES)} "
+                             f"(the dtypes the model runs in), got {v!r}")
+    v, archs = c.get("model_type"), c.get("architectures")
+    if v is not None and not (isinstance(v, str) and v):
+        raise ValueError(f"{path}: field model_type must be a non-empty string, got {v!r}")
+    if archs is not None and not (isinstance(archs, list)
+                                  and all(isinstance(a, str) for a in archs)):
+        raise ValueError(f"{path}: field architectures must be a list of class names, "
+                         f"got {archs!r}")
+    if v is not None and archs and len(archs) == 1 and archs[0] in HF_ARCHITECTURES \
+            and HF_ARCHITECTURES[archs[0]][0] != v:
+        raise ValueError(f"{path}: field model_type is {v!r}, but architectures names "
+                         f"{archs[0]}, whose model_type is {HF_ARCHITECTURES[archs[0]][0]!r}")
 
 
 def _inside(folder: Path, f: Path, where: str) -> Path:
