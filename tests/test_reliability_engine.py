@@ -441,6 +441,37 @@ def test_a_dropped_stream_aborts_its_requests(model, alone):
     assert bm.num_free == bm.num_blocks
 
 
+def test_a_stream_gets_every_token_whoever_steps_the_engine(model, alone):
+    llm = make(model)
+    want = alone([5, 6, 7], GREEDY)
+    it = llm.stream([[5, 6, 7]], GREEDY)
+    events = [next(it)]
+    # this generate steps the shared engine until its request ends: the stream's ends first
+    other = llm.generate([[11, 12, 13]], GREEDY, use_tqdm=False)[0]
+    assert other.token_ids == alone([11, 12, 13], GREEDY)
+    events += list(it)
+    assert [e.token_id for e in events] == want
+    assert [e.finished for e in events] == [False] * 5 + [True]
+    assert events[-1].finish_reason == "length"
+    # two streams, interleaved one event at a time: each steps the other's request too
+    streams = {"a": llm.stream([[5, 6, 7]], GREEDY), "b": llm.stream([[8, 9], [20, 21]], GREEDY)}
+    got: dict = {"a": [], "b": []}
+    while streams:
+        for k in list(streams):
+            e = next(streams[k], None)
+            if e is None:
+                del streams[k]
+            else:
+                got[k].append(e)
+    assert [e.token_id for e in got["a"]] == want
+    for i, prompt in enumerate([[8, 9], [20, 21]]):
+        mine = [e for e in got["b"] if e.index == i]
+        assert [e.token_id for e in mine] == alone(prompt, GREEDY)
+        assert [e.finished for e in mine] == [False] * 5 + [True]
+    bm = llm.scheduler.blocks
+    assert bm.num_free == bm.num_blocks
+
+
 def test_a_failed_generate_leaves_none_of_its_requests_queued(model):
     llm = make(model)
     llm.tokenizer.fail_decode = True  # generate's outputs decode the text

@@ -420,21 +420,32 @@ class LLM:
                params: SamplingParams | Seq | None = None) -> Iterator[StreamEvent]:
         """Yield each token of these requests as soon as it is sampled. The requests are
         queued at the first ``next()``. Closing the iterator, or dropping it, before the end
-        aborts the requests it has not finished (their blocks are freed)."""
+        aborts the requests it has not finished (their blocks are freed).
+
+        The engine is shared: a :meth:`generate`, another stream or a :meth:`step` called
+        while this iterator waits runs its requests too. Their tokens are not lost: each
+        ``next()`` first yields what its requests got since the last one (each request's
+        output past what was yielded), whoever stepped the engine, then steps it itself."""
         seqs = self._add_all(prompts, params)
         index = {s.seq_id: i for i, s in enumerate(seqs)}
         sent = dict.fromkeys(index, 0)  # output tokens yielded per request
+
+        def pending(order: list[Sequence]) -> Iterator[StreamEvent]:
+            for s in order:
+                out = s.output_ids
+                while sent[s.seq_id] < len(out):  # re-read: the consumer may step meanwhile
+                    j = sent[s.seq_id]
+                    sent[s.seq_id] = j + 1
+                    last = s.is_finished and j == len(out) - 1
+                    yield StreamEvent(index[s.seq_id], s.seq_id, out[j],
+                                      self._decode([out[j]]), last,
+                                      s.finish_reason if last else None)
+
         try:
-            while any(not s.is_finished for s in seqs):
-                for s in self.step():
-                    if s.seq_id not in index:
-                        continue
-                    out = s.output_ids
-                    for j in range(sent[s.seq_id], len(out)):
-                        last = s.is_finished and j == len(out) - 1
-                        yield StreamEvent(index[s.seq_id], s.seq_id, out[j],
-                                          self._decode([out[j]]), last,
-                                          s.finish_reason if last else None)
-                    sent[s.seq_id] = len(out)
+            while True:
+                yield from pending(seqs)  # what steps made while this iterator waited
+                if all(s.is_finished for s in seqs):
+                    break
+                yield from pending([s for s in self.step() if s.seq_id in index])
         finally:  # left early (closed, dropped, an exception): abort what is still running
             self._abort_all(seqs)
