@@ -292,3 +292,20 @@ def test_valid_configs_still_load_with_the_checked_fields(ckpt):
 def test_llama_config_refuses_values_it_cannot_run(field, value):
     with pytest.raises(ValueError, match=f"{field} must be a"):
         get_preset("qwen2-tiny").replace(**{field: value})
+
+
+@pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.float8_e5m2, torch.int8],
+                         ids=str)
+@pytest.mark.parametrize("ask", [None, torch.float32], ids=["stored dtype", "fp32"])
+def test_weights_of_a_dtype_the_model_cannot_run_are_refused_at_load(ckpt, dtype, ask):
+    """An fp8 tensor first in file order used to give an fp8 model (fp8 is floating
+    point) whose forward failed later; cast to fp32, fp8 weights without their scales
+    would be wrong. Refused at load, naming the file and the tensor."""
+    _, folder = ckpt
+    f = folder / "model.safetensors"
+    tensors = load_file(f)
+    first = min(tensors)  # first in file order (safetensors sorts the names)
+    tensors[first] = tensors[first].to(dtype)
+    save_file(tensors, f)
+    with pytest.raises(CheckpointError, match=f"{f}: tensor {first} has dtype {dtype}"):
+        load_pretrained(folder, dtype=ask)

@@ -430,10 +430,10 @@ def load_pretrained(
                 if files.get(name) != f or (name not in expected and name != "lm_head.weight"):
                     continue
                 t = _tensor(sf, f, name)
-                if not t.is_floating_point():
+                if t.dtype not in LOAD_DTYPES:  # fp8 is floating point, but no model dtype
                     raise CheckpointError(f"{f}: tensor {name} has dtype {t.dtype}; expected "
-                                          "floating point weights (quantized checkpoints are "
-                                          "not supported)")
+                                          "fp32, fp16, bf16 or fp64 weights (quantized and "
+                                          "fp8 checkpoints are not supported)")
                 dtype = dtype or t.dtype
                 state[name] = t.to(device=device, dtype=dtype)
                 if check_finite:
