@@ -309,3 +309,29 @@ def test_weights_of_a_dtype_the_model_cannot_run_are_refused_at_load(ckpt, dtype
     save_file(tensors, f)
     with pytest.raises(CheckpointError, match=f"{f}: tensor {first} has dtype {dtype}"):
         load_pretrained(folder, dtype=ask)
+
+
+def test_only_regular_weight_files_are_opened(ckpt, tmp_path):
+    """A folder named like a shard used to give ``OSError: No such device``; a FIFO named
+    model.safetensors made load_pretrained block forever. Both refused, named, before
+    any open."""
+    model, folder = ckpt
+    (folder / "zz.safetensors").mkdir()
+    with pytest.raises(CheckpointError, match=f"{folder / 'zz.safetensors'} is a folder, not "
+                                              "a regular file"):
+        load_pretrained(folder)
+    os.rmdir(folder / "zz.safetensors")
+    os.remove(folder / "model.safetensors")
+    os.mkfifo(folder / "model.safetensors")
+    with pytest.raises(CheckpointError, match=f"{folder / 'model.safetensors'} is a FIFO"):
+        load_pretrained(folder)
+    sharded, index = shard(model, tmp_path)  # a shard of an index, and the index itself
+    first = min(index["weight_map"].values())
+    os.remove(sharded / first)
+    os.mkfifo(sharded / first)
+    with pytest.raises(CheckpointError, match=f"weight_map entry {sharded / first} is a FIFO"):
+        load_pretrained(sharded)
+    os.remove(sharded / INDEX_FILE)
+    os.mkfifo(sharded / INDEX_FILE)
+    with pytest.raises(CheckpointError, match=f"{sharded / INDEX_FILE} is a FIFO"):
+        load_pretrained(sharded)

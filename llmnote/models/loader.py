@@ -175,7 +175,9 @@ def _inside(folder: Path, f: Path, where: str) -> Path:
 
 @contextlib.contextmanager
 def _open(f: Path, device: str | None = None) -> Iterator:
-    """``safe_open``, with a broken file reported as a ``CheckpointError`` naming it."""
+    """``safe_open``, with a broken file reported as a ``CheckpointError`` naming it (and
+    only a regular file opened: a FIFO would hang, a folder gives ``OSError``)."""
+    _regular(f)
     try:
         sf = safe_open(f, framework="pt", **({"device": device} if device else {}))
     except SafetensorError as e:
@@ -195,7 +197,7 @@ def weight_files(folder: str | Path) -> dict[str, Path]:
     """Tensor name -> the safetensors file holding it (reads headers only)."""
     folder = Path(folder)
     index = folder / INDEX_FILE
-    if index.is_file():
+    if index.exists():
         data = _read_json(index)
         weight_map = data.get("weight_map") if isinstance(data, dict) else None
         if not isinstance(weight_map, dict):
@@ -206,10 +208,12 @@ def weight_files(folder: str | Path) -> dict[str, Path]:
                                       f"got {f!r}")
         files = {f: _inside(folder, folder / f, f"{index}: weight_map")
                  for f in set(weight_map.values())}
-        missing = sorted(f for f, p in files.items() if not p.is_file())
+        missing = sorted(f for f, p in files.items() if not p.exists())
         if missing:
             raise FileNotFoundError(f"shard(s) listed in {INDEX_FILE} not found in {folder}: "
                                     f"{_listing(missing)}")
+        for f in sorted(files):
+            _regular(files[f], f"{index}: weight_map entry ")
         return {name: files[f] for name, f in weight_map.items()}
     files = sorted(folder.glob("*.safetensors"))
     if not files:
@@ -219,6 +223,7 @@ def weight_files(folder: str | Path) -> dict[str, Path]:
     names: dict[str, Path] = {}
     for f in files:
         _inside(folder, f, "the folder listing")
+        _regular(f)
         with _open(f) as sf:
             for name in sf.keys():
                 if name in names:
