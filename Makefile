@@ -63,11 +63,26 @@ test-gpu:
 	  LLMNOTE_TIMINGS=$(CURDIR)/_build/chapters-gpu.csv \
 	  $(GPU_PYTHON) -m pytest -p no:cacheprovider --nbval-cell-timeout=600 $(PYTEST_ARGS)
 
-## check-site: open every page of _build/html (built by `make book` when
-## missing) in headless Chromium with the network off; fails on unrendered
-## math, broken images or links, and code, tables or math wider than the column
-check-site: $(STAMP) $(VENDOR_STAMP)
-	test -f _build/html/index.html || $(MAKE) book
+## check-site: open every page of _build/html in headless Chromium with the
+## network off; fails on unrendered math, broken images or links, and code,
+## tables or math wider than the column. The site is brought up to date first:
+## `make book` runs when a source of the book (chapters, book/, the config, the
+## llmnote package and its recorded data) is newer than the last checked build.
+SITE_SOURCES := _config.yml _toc.yml requirements.txt \
+    $(shell find book notebooks llmnote -type f -not -path '*/__pycache__/*' \
+        -not -path '*/.ipynb_checkpoints/*' -not -name '*.ipynb' -not -name '*.pyc' 2>/dev/null)
+SITE_STAMP := _build/.site-sources
+
+# Sphinx re-reads (and re-executes) only the pages whose own source changed; the
+# chapters also run the llmnote package and read its recorded data, so when one
+# of those changed since the last checked build Sphinx's saved environment goes
+# and every page is rebuilt.
+$(SITE_STAMP): $(STAMP) $(VENDOR_STAMP) $(SITE_SOURCES)
+	$(if $(and $(wildcard $@),$(filter llmnote/% requirements.txt,$?)),rm -rf _build/.doctrees)
+	$(MAKE) book
+	touch $@
+
+check-site: $(SITE_STAMP)
 	command -v chromium >/dev/null || (apt-get update -qq && apt-get install -y -qq chromium)
 	$(BIN)/python -c "import playwright" 2>/dev/null || $(BIN)/python -m pip install -q playwright==1.65.2
 	$(BIN)/python tools/check_site.py _build/html

@@ -18,7 +18,8 @@ host refused, and fails when a page
 Links to other sites are counted but not followed (the network is off).
 Prints a summary and every problem as ``page: kind: detail``; exit status 1
 when there is any. ``make check-site`` installs Chromium and Playwright when
-missing and runs this on ``_build/html``.
+missing, runs ``make book`` when a source of the book is newer than the last
+checked build, and runs this on ``_build/html``.
 """
 
 from __future__ import annotations
