@@ -84,6 +84,13 @@ def _roofline_folder(tmp: Path) -> Path:
         "imports_answer": with_cells(good, "from llmnote.analysis import count_params\n"
                                            "def count_parameters(cfg):\n"
                                            "    return count_params(cfg)\n"),
+        "imports_in_a_thread": with_cells(good, "import threading\n"
+                                                "from llmnote.analysis import count_params\n"
+                                                "def count_parameters(cfg):\n    out = []\n"
+                                                "    t = threading.Thread(target=lambda: "
+                                                "out.append(count_params(cfg)))\n"
+                                                "    t.start()\n    t.join()\n"
+                                                "    return out[0]\n"),
     }
     missing = nbformat.from_dict(good)
     missing.cells = [c for c in missing.cells if "def decode_step_estimate" not in c.source]
@@ -192,11 +199,13 @@ def test_flood_and_files(roofline):
     assert "answers.txt" in df.loc["writes", "problems"]
 
 
-def test_importing_the_answer_is_refused(roofline):
+@pytest.mark.parametrize("who", ["imports_answer", "imports_in_a_thread"])
+def test_importing_the_answer_is_refused(roofline, who):
+    """Also from a thread the function starts (the watch followed the calling thread
+    only)."""
     _, d, _, _ = roofline
-    assert status(d, "imports_answer", PARAM_CHECK) == grading.REFUSED, \
-        d.loc[("imports_answer", PARAM_CHECK), "message"]
-    assert "llmnote.analysis" in d.loc[("imports_answer", PARAM_CHECK), "message"]
+    assert status(d, who, PARAM_CHECK) == grading.REFUSED, d.loc[(who, PARAM_CHECK), "message"]
+    assert "llmnote.analysis" in d.loc[(who, PARAM_CHECK), "message"]
 
 
 def test_bad_files_get_a_row(roofline):
@@ -254,6 +263,18 @@ def softmax(tmp_path_factory):
                                    replace=("y = e / tl.where(total == 0.0, 1.0, total)",
                                             "y = e * 0.0")),
         "in_place": body("    x.mul_(1.0)\n    x += 0\n    return x\n"),
+        # the answer from PyTorch, then handed to a kernel of the student's that does nothing
+        "empty_kernel": with_cells(good, "@triton.jit\ndef touch(o_ptr):\n    pass\n\n"
+                                   f"{STUB_FN}    xf = x.float()\n"
+                                   "    if lengths is not None:\n"
+                                   "        keep = torch.arange(x.shape[-1], device=x.device)"
+                                   " < lengths[..., None]\n"
+                                   "        xf = xf.masked_fill(~keep, float('-inf'))\n"
+                                   "    m = xf.amax(-1, keepdim=True).clamp(min=-1e30)\n"
+                                   "    e = (xf - m).exp()\n    s = e.sum(-1, keepdim=True)\n"
+                                   "    y = (e / torch.where(s == 0, torch.ones_like(s), s))"
+                                   ".to(x.dtype)\n"
+                                   "    touch[(1,)](y)\n    return y\n"),
     }
     folder = tmp / "subs"
     folder.mkdir()
@@ -273,6 +294,17 @@ def test_kernel_assignment_needs_the_students_kernel(softmax):
         assert df.loc[who, "total"] == 0, who
         assert status(d, who, first) == grading.REFUSED, who
         assert why in d.loc[(who, first), "message"], (who, d.loc[(who, first), "message"])
+
+
+def test_an_empty_kernel_handed_the_answer_is_refused(softmax):
+    """Handing a result computed in PyTorch to a kernel that writes nothing passed the
+    kernel rule, which only asked that the output be passed to a launch."""
+    df, d = softmax
+    assert df.loc["empty_kernel", "total"] == 0, df.loc["empty_kernel", "problems"]
+    for check in [c.name for c in grading.get("softmax").checks]:
+        msg = d.loc[("empty_kernel", check), "message"]
+        assert status(d, "empty_kernel", check) == grading.REFUSED, (check, msg)
+        assert "wrote nothing" in msg, msg
 
 
 def test_patching_the_checks_changes_nothing(softmax):

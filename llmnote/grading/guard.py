@@ -7,14 +7,21 @@ batch grader's student process alike, so both say the same thing:
 - calls into the modules an assignment forbids (``llmnote.ops`` in a kernel
   assignment, ``llmnote.engine`` for the block manager, ...) and into the
   PyTorch functions that compute the answer (``torch.softmax``, SDPA, ...)
-  are seen through ``sys.setprofile`` while the call runs (paused while a
-  kernel runs: a kernel's body cannot call them); the call is then refused
+  are seen through ``sys.setprofile`` while the call runs, in the calling
+  thread and in every thread started meanwhile (``threading.setprofile``;
+  from Python 3.12 also in threads already running), paused while a kernel
+  runs (a kernel's body cannot call them); the call is then refused
   with :class:`Refused`, whatever name or alias reached them;
 - every launch of a ``@triton.jit`` kernel is recorded (``run`` of Triton's
   compiled and interpreted kernel classes): a function listed in
   ``Rules.kernels`` must launch at least one kernel defined outside the
-  installed packages (the student's own), no kernel of llmnote, and every
-  tensor it returns must have been handed to one of the student's launches.
+  installed packages (the student's own), no kernel of llmnote, every
+  tensor it returns must have been handed to one of the student's launches,
+  and some launch of the student's must have changed the contents of a
+  returned tensor (an empty kernel handed a result computed in PyTorch
+  is refused: each student launch's tensor arguments are copied before it
+  and compared after it; outputs that are all zeros are let through, since a
+  kernel writing zeros into fresh memory changes nothing).
 
 The record lives in the process that runs the student's code, so a student
 who sets out to tamper with it there can fake it; what that cannot change is
@@ -25,6 +32,7 @@ the verdict, which the batch grader computes in its own process
 from __future__ import annotations
 
 import sys
+import threading
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -60,23 +68,51 @@ NO_RULES = Rules()
 
 # ------------------------------------------------------------------ kernel launches
 
-_log: list[tuple[str, str, set[int]]] | None = None  # (kernel, file, storage pointers)
+_log: list[tuple[str, str, set[int], set[int]]] | None = None
+# (kernel, file, storage pointers of its tensor arguments, those whose bytes it changed)
 
 
-def _record(kernel, args, kwargs) -> None:
+def _storage_bytes(t: torch.Tensor) -> torch.Tensor:
+    """The whole storage under ``t`` as a flat uint8 tensor (a view, no copy)."""
+    return torch.empty(0, dtype=torch.uint8, device=t.device).set_(t.untyped_storage())
+
+
+def _record(kernel, args, kwargs) -> tuple[list, list] | None:
+    """Note the launch; for a kernel of the student's, also a copy of every tensor
+    argument's storage, so that :func:`_written` can tell what the launch wrote."""
     if _log is None:
-        return
+        return None
     fn = getattr(kernel, "fn", None)
     code = getattr(fn, "__code__", None)
-    ptrs = set()
+    filename = code.co_filename if code is not None else ""
+    ptrs: dict[int, torch.Tensor] = {}
     for a in list(args) + list(kwargs.values()):
         if isinstance(a, torch.Tensor):
             try:
-                ptrs.add(a.untyped_storage().data_ptr())
+                ptrs.setdefault(a.untyped_storage().data_ptr(), a)
             except RuntimeError:
                 pass
-    _log.append((getattr(fn, "__qualname__", repr(kernel)),
-                 code.co_filename if code is not None else "", ptrs))
+    written: set[int] = set()
+    _log.append((getattr(fn, "__qualname__", repr(kernel)), filename, set(ptrs), written))
+    if _origin(filename) != "student":
+        return None
+    copies = []
+    for p, a in ptrs.items():
+        try:
+            view = _storage_bytes(a)
+            copies.append((p, view, view.clone()))
+        except RuntimeError:
+            pass
+    return written, copies
+
+
+def _written(noted: tuple[list, list] | None) -> None:
+    if noted is None:
+        return
+    written, copies = noted
+    for p, view, before in copies:
+        if not torch.equal(view, before):
+            written.add(p)
 
 
 def _wrap_run(cls) -> None:
@@ -85,15 +121,18 @@ def _wrap_run(cls) -> None:
         return
 
     def recorded_run(self, *args, **kwargs):
-        _record(self, args, kwargs)
+        noted = _record(self, args, kwargs)
         watch = sys.getprofile()
         if not isinstance(watch, _Watch):
-            return run(self, *args, **kwargs)
-        sys.setprofile(None)  # a kernel's body cannot call PyTorch or llmnote:
-        try:                  # no need to watch the interpreter running it
-            return run(self, *args, **kwargs)
-        finally:
-            sys.setprofile(watch)
+            out = run(self, *args, **kwargs)
+        else:
+            sys.setprofile(None)  # a kernel's body cannot call PyTorch or llmnote:
+            try:                  # no need to watch the interpreter running it
+                out = run(self, *args, **kwargs)
+            finally:
+                sys.setprofile(watch)
+        _written(noted)
+        return out
 
     recorded_run._llmnote_recorded = True
     cls.run = recorded_run
@@ -189,6 +228,9 @@ def _tensors(obj: Any) -> list[torch.Tensor]:
     return []
 
 
+_FAILED = object()
+
+
 def graded_call(name: str, fn: Callable[..., Any], args: tuple, kwargs: dict[str, Any],
                 rules: Rules = NO_RULES) -> Any:
     """``fn(*args, **kwargs)`` under the assignment's ``rules`` (see the module docstring);
@@ -207,11 +249,24 @@ def graded_call(name: str, fn: Callable[..., Any], args: tuple, kwargs: dict[str
               if isinstance(a, torch.Tensor)]
     outer, _log = _log, []
     old_profile = sys.getprofile()
+    old_threads = getattr(threading, "_profile_hook", None)
+    every_thread = getattr(threading, "setprofile_all_threads", None)  # Python >= 3.12
     try:
+        threading.setprofile(watch)  # threads the call starts are watched too
+        if every_thread is not None:
+            every_thread(watch)  # and, from Python 3.12, those already running
         sys.setprofile(watch)
         try:
             out = fn(*args, **kwargs)
+        except Exception:
+            if watch.hit:  # what it called is the verdict, not how it failed afterwards
+                out = _FAILED
+            else:
+                raise
         finally:
+            if every_thread is not None:
+                every_thread(None)
+            threading.setprofile(old_threads)
             sys.setprofile(old_profile)
         launches = _log
     finally:
@@ -231,8 +286,8 @@ def graded_call(name: str, fn: Callable[..., Any], args: tuple, kwargs: dict[str
             raise AssertionError(f"{name} returned its input (or a view of it); it must "
                                  "return a new tensor")
     if name in rules.kernels:
-        mine = [(k, p) for k, f, p in launches if _origin(f) == "student"]
-        theirs = sorted({k for k, f, _ in launches if _origin(f) == "llmnote"})
+        mine = [(k, p) for k, f, p, _ in launches if _origin(f) == "student"]
+        theirs = sorted({k for k, f, _, _ in launches if _origin(f) == "llmnote"})
         if theirs:
             raise Refused(f"refused: {name} launched llmnote's kernel {', '.join(theirs)}; "
                           f"the kernels must be your own.{why}")
@@ -246,6 +301,15 @@ def graded_call(name: str, fn: Callable[..., Any], args: tuple, kwargs: dict[str
                     f"returned tensor {i}"
                 raise Refused(f"refused: {what} of {name} was never passed to your kernel, "
                               f"so your kernel did not write it.{why}")
+        changed = set().union(*(w for _, f, _, w in launches if _origin(f) == "student"))
+        returned = [t for t in _tensors(out) if t.numel()]
+        # an output of zeros written into fresh (zeroed) memory changes nothing: not refused
+        if (not any(t.untyped_storage().data_ptr() in changed for t in returned)
+                and any(bool(_storage_bytes(t).any()) for t in returned)):
+            raise Refused(f"refused: your kernel was handed the output of {name} but wrote "
+                          "nothing into it (its contents were the same before and after every "
+                          "launch of your kernels), so the answer was computed some other "
+                          f"way.{why}")
     return out
 
 
