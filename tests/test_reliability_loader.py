@@ -335,3 +335,21 @@ def test_only_regular_weight_files_are_opened(ckpt, tmp_path):
     os.mkfifo(sharded / INDEX_FILE)
     with pytest.raises(CheckpointError, match=f"{sharded / INDEX_FILE} is a FIFO"):
         load_pretrained(sharded)
+
+
+def test_an_index_entry_whose_shard_lacks_the_tensor_names_both(ckpt, tmp_path):
+    """The weight map names a tensor in a shard that does not hold it (a stale index, or a
+    tensor listed in the wrong shard): the error names the tensor and the shard, not only
+    "missing tensors"."""
+    model, _ = ckpt
+    folder, index = shard(model, tmp_path)
+    shards = sorted(set(index["weight_map"].values()))
+    name = next(n for n, f in index["weight_map"].items() if f == shards[1])
+    write_index(folder, {**index, "weight_map": {**index["weight_map"], name: shards[0]}})
+    with pytest.raises(CheckpointError, match=f"{folder / shards[0]} does not hold tensor\\(s\\) "
+                                              f"{name}, which {INDEX_FILE} places in it"):
+        load_pretrained(folder)
+    ghost = "model.layers.0.self_attn.ghost.weight"  # in no shard at all
+    write_index(folder, {**index, "weight_map": {**index["weight_map"], ghost: shards[1]}})
+    with pytest.raises(CheckpointError, match=f"{folder / shards[1]} does not hold .*{ghost}"):
+        load_pretrained(folder)

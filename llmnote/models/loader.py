@@ -288,6 +288,12 @@ def stored_shapes(files: dict[str, Path]) -> dict[str, tuple[int, ...]]:
             for name in sf.keys():
                 if files.get(name) == f:
                     stored[name] = tuple(sf.get_slice(name).get_shape())
+    absent = sorted((str(f), n) for n, f in files.items() if n not in stored)
+    if absent:  # an index entry whose shard does not hold the tensor
+        shard = absent[0][0]
+        names = [n for f, n in absent if f == shard]
+        raise CheckpointError(f"{shard} does not hold tensor(s) {_listing(names)}, which "
+                              f"{INDEX_FILE} places in it")
     return stored
 
 
