@@ -274,6 +274,9 @@ def test_statuses_in_plain_words():
     def g():
         raise NotImplementedError
 
+    # the first comparison imports what it needs (sympy, through torch): not under the 0.5 s
+    # limit, whose alarm would leave that import half done for the tests after this one
+    grading.expect_close(torch.ones(1), torch.ones(1), dtype=torch.float32)
     t0 = time.perf_counter()
     report = grading.run_checks(a, {"f": lambda: None, "g": g}, time_limit_s=0.5)
     assert time.perf_counter() - t0 < 5
@@ -340,3 +343,98 @@ def test_bf16_without_the_upcast_says_so():
     report = grading.run_checks(grading.get("flash_attention"), ns, hidden=True)
     msg = {r.check: r.message for r in report.results}["odd sizes, every dtype"]
     assert "bfloat16" in msg and "upcast" in msg, msg
+
+
+# ------------------------------------------------------------------ previews and refusals
+
+PREVIEWED = [  # a solution wrong in a property that only a hidden check graded in full
+    ("rmsnorm", "block_n = min(triton.next_power_of_2(n), 4096)",
+     "block_n = triton.next_power_of_2(n)", "3-D input, long rows (2 cases; graded with more)"),
+    ("flash_attention", "sm_scale = 1.0 / math.sqrt(D) if sm_scale is None else sm_scale",
+     "sm_scale = 1.0 / math.sqrt(D)", "GQA, MQA and sm_scale (2 cases; graded with more)"),
+    ("paged_decode", "sm_scale = 1.0 / math.sqrt(D) if sm_scale is None else sm_scale",
+     "sm_scale = 1.0 / math.sqrt(D)", "GQA, MQA and sm_scale (2 cases; graded with more)"),
+]
+
+
+@pytest.mark.parametrize("name,right,wrong,preview", PREVIEWED, ids=[p[0] for p in PREVIEWED])
+def test_the_check_cell_previews_every_graded_property(name, right, wrong, preview):
+    """Ignoring sm_scale (a4, a5) or a default block_n past Triton's largest tile (a2)
+    passed every check of the notebook's check cell and failed only in the grader."""
+    src = code_cells(solved(name))
+    assert any(right in c for c in src), right
+    ns = run_cells([c.replace(right, wrong) for c in src])
+    status = grading.run_checks(grading.get(name), ns, quiet=True).statuses()
+    assert status[preview] in (grading.FAIL, grading.ERROR), status
+
+
+def _rope_from_llmnote(x, positions, theta=10000.0, rotary_dim=None):
+    from llmnote.ops.rope import rope_ref
+
+    return rope_ref(x.clone(), x.clone(), positions, theta)[0]
+
+
+def _paged_from_the_grader(q, k_cache, v_cache, block_tables, context_lens, sm_scale=None,
+                           softcap=None):
+    from llmnote.grading.paged import paged_ref
+
+    return paged_ref(q, k_cache, v_cache, block_tables, context_lens, sm_scale, softcap)
+
+
+def _quantize_from_llmnote(w, group_size):
+    from llmnote.quant.primitives import quantize
+
+    quantize(w.float().T.contiguous(), 4, symmetric=False, granularity="group",
+             group_size=group_size)
+    raise AssertionError("not reached: the call above is refused")
+
+
+def _gemv_from_llmnote(x, qweight, scales, zeros, group_size):
+    from llmnote.quant.kernels.w4a16_ref import w4a16_linear_ref
+
+    return w4a16_linear_ref(x, qweight, scales, zeros, group_size)
+
+
+def _engine_block_manager():
+    from llmnote.engine.block_manager import BlockManager
+
+    class Mine(BlockManager):
+        pass
+
+    return Mine
+
+
+REFUSALS = [
+    ("rope", "rope", _rope_from_llmnote, "llmnote.ops"),
+    ("paged_decode", "paged_decode_attention", _paged_from_the_grader, "llmnote.grading"),
+    ("int4", "quantize_int4", _quantize_from_llmnote, "llmnote.quant.primitives"),
+    ("int4", "w4a16_gemv", _gemv_from_llmnote, "llmnote.quant.kernels"),
+    ("block_manager", "BlockManager", _engine_block_manager(), "llmnote.engine"),
+]
+
+
+@pytest.mark.parametrize("name,fn_name,fn,why", REFUSALS,
+                         ids=[f"{r[0]}-{r[1]}" for r in REFUSALS])
+def test_calling_llmnote_for_the_answer_is_refused(name, fn_name, fn, why):
+    a = grading.get(name)
+    check = next(c for c in a.checks if c.needs == (fn_name,))
+    r = grading.core.run_check(a.name, check, grading.core.guarded({fn_name: fn}, a.rules))
+    assert r.status == grading.REFUSED, (r.status, r.message)
+    assert why in r.message, r.message
+
+
+def test_quantized_outputs_on_another_device_are_named():
+    """a6 checked the shape and dtype of qweight, scales and zeros, not their device."""
+    ns = run_cells([c for c in code_cells(solved("int4"))
+                    if "grading.check(" not in c and "speed_report" not in c])
+    right = ns["quantize_int4"]
+
+    def on_meta(w, group_size):
+        q, s, z = right(w, group_size)
+        return q.to("meta"), s, z
+
+    a = grading.get("int4")
+    check = next(c for c in a.checks if c.needs == ("quantize_int4",))
+    r = grading.core.run_check(a.name, check, {"quantize_int4": on_meta})
+    assert r.status == grading.FAIL, (r.status, r.message)
+    assert "qweight: device meta" in r.message, r.message

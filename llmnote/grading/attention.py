@@ -153,6 +153,7 @@ FLASH = Assignment(
         Check("causal, N_q <= N_k", attn_causal, ("flash_attention",), 2.0),
         Check("rows with no key", attn_empty_rows, ("flash_attention",), 1.0),
         Check("sliding window", attn_window, ("flash_attention",), 2.0),
-        Check("GQA, MQA and sm_scale", attn_gqa_scale, ("flash_attention",), 1.0, hidden=True),
+        Check("GQA, MQA and sm_scale", attn_gqa_scale, ("flash_attention",), 1.0, hidden=True,
+              preview_cases=2),
     ),
 )

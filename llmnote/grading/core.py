@@ -52,12 +52,15 @@ class Check:
     points: float = 1.0
     hidden: bool = False  # run by the grader, not by the notebook's check cell
     doc: str = ""
-    preview: bool = False  # the first case of a hidden check, for the notebook, 0 points
+    preview: bool = False  # the first cases of a hidden check, for the notebook, 0 points
+    preview_cases: int = 1  # how many: enough for each property the check grades
 
     def previewed(self) -> Check:
-        """The notebook's preview of this hidden check: its first case, no points."""
-        return Check(f"{self.name} (one case; graded with more)", self.fn, self.needs, 0.0,
-                     False, self.doc, True)
+        """The notebook's preview of this hidden check: its first cases, no points."""
+        n = self.preview_cases
+        what = "one case" if n == 1 else f"{n} cases"
+        return Check(f"{self.name} ({what}; graded with more)", self.fn, self.needs, 0.0,
+                     False, self.doc, True, n)
 
 
 @dataclass(frozen=True)
@@ -78,7 +81,8 @@ class Assignment:
 
     def run_list(self, hidden: bool) -> list[Check]:
         """The checks a run makes: the grader's (``hidden``) are every graded check; the
-        notebook's are the visible ones and a one-case preview of each hidden one."""
+        notebook's are the visible ones and a preview of each hidden one (its first case, or
+        ``preview_cases`` of them: one per property it grades)."""
         if hidden:
             return list(self.checks)
         return ([c for c in self.checks if not c.hidden]
@@ -127,10 +131,10 @@ class Report:
 
 
 class _Enough(BaseException):
-    """A preview check's first case passed."""
+    """A preview check's cases passed."""
 
 
-_PREVIEW = [False]
+_PREVIEW = [0]  # cases a preview check has left to run (0: not a preview)
 
 
 class CheckTimeout(BaseException):
@@ -200,7 +204,7 @@ def run_check(assignment: str, check: Check, functions: Mapping[str, Any],
                       f"{', '.join(missing)} not defined: was the cell that defines "
                       "them deleted or renamed?")
     t0 = time.perf_counter()
-    _PREVIEW[0] = check.preview
+    _PREVIEW[0] = check.preview_cases if check.preview else 0
     # functions in a student process have their own deadline, which kills it
     remote = any(isinstance(functions[n], Remote) for n in check.needs)
     try:
@@ -227,7 +231,7 @@ def run_check(assignment: str, check: Check, functions: Mapping[str, Any],
         status = ERROR
         msg = f"{type(e).__name__}: {e}{_student_frame(e.__traceback__)}"
     finally:
-        _PREVIEW[0] = False
+        _PREVIEW[0] = 0
     dt = time.perf_counter() - t0
     return Result(assignment, check.name, status, check.points if status == PASS else 0.0,
                   check.points, dt, msg)
@@ -286,7 +290,9 @@ class _Case(contextlib.AbstractContextManager):
 
     def __exit__(self, typ, exc, tb):
         if exc is None and _PREVIEW[0]:
-            raise _Enough
+            _PREVIEW[0] -= 1
+            if not _PREVIEW[0]:
+                raise _Enough
         if exc is None or isinstance(exc, (NotImplementedError, CheckTimeout, Refused,
                                            StudentDied, StudentError, StudentTimeout)):
             return False

@@ -114,6 +114,7 @@ PAGED = Assignment(
         Check("odd lengths, every dtype", paged_sizes, ("paged_decode_attention",), 2.0),
         Check("block boundaries, block_size 1", paged_block_edges, ("paged_decode_attention",), 1.0),
         Check("logit soft-capping", paged_softcap, ("paged_decode_attention",), 1.0),
-        Check("GQA, MQA and sm_scale", paged_gqa, ("paged_decode_attention",), 1.0, hidden=True),
+        Check("GQA, MQA and sm_scale", paged_gqa, ("paged_decode_attention",), 1.0, hidden=True,
+              preview_cases=2),
     ),
 )

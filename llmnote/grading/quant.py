@@ -51,6 +51,9 @@ def _quant_case(quantize_int4, w: torch.Tensor, g: int, label: str) -> None:
                 raise AssertionError(f"{name}: shape {tuple(t.shape)}, expected {shape}")
             if t.dtype not in dtypes:
                 raise AssertionError(f"{name}: dtype {t.dtype}, expected {dtypes[0]}")
+            if t.device != w.device:
+                raise AssertionError(f"{name}: device {t.device}, expected {w.device} (the "
+                                     "weight's)")
         if not bool(torch.isfinite(scales.float()).all() and torch.isfinite(zeros.float()).all()):
             raise AssertionError("scales or zeros contain inf/NaN (a constant group divides by a zero range?)")
         deq = dequantize_int4_weight(unpack_int4(qweight), scales, zeros, g)  # (K, N) fp32
