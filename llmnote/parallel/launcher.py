@@ -22,13 +22,18 @@ Why it is built this way:
 - When a rank raises, its peers fail too, a moment later, inside the collective
   they were waiting in ("Connection reset by peer"). Each failing rank writes
   its exception, traceback and the time to the folder before it exits, and
-  :func:`launch` raises the earliest: the cause, not its echo.
+  :func:`launch` raises the earliest: the cause, not its echo. A rank that dies
+  without a Python exception (``os._exit``, a signal, the OOM killer) writes
+  nothing; the parent, which looks at its ranks every 50 ms, knows when it was
+  last alive and reports the death (torch's ``ProcessExitedException``) before
+  any record written after that.
 """
 
 from __future__ import annotations
 
 import os
 import pickle
+import signal
 import socket
 import sys
 import tempfile
@@ -42,6 +47,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from multiprocessing import connection as mp_connection
 
 
 def free_port() -> int:
@@ -70,10 +76,17 @@ class RankTraceback(Exception):
     exception :func:`launch` raises)."""
 
 
+_DIST_DIR = os.path.dirname(dist.__file__) + os.sep  # torch.distributed's own files
+
+
 def _save_error(folder: str, rank: int, e: BaseException) -> None:
     """Write what a failing rank raised: time first, so the parent can tell cause from echo."""
     record = {"time": time.time(), "type": type(e).__name__, "message": str(e),
-              "traceback": "".join(traceback.format_exception(type(e), e, e.__traceback__))}
+              "traceback": "".join(traceback.format_exception(type(e), e, e.__traceback__)),
+              # raised inside torch.distributed (a collective, the rendezvous): maybe the
+              # echo of a peer that died ("Connection closed by peer")
+              "collective": any(f.filename.startswith(_DIST_DIR)
+                                for f in traceback.extract_tb(e.__traceback__))}
     try:  # the exception itself, when it survives a round trip through pickle
         blob = pickle.dumps(e)
         pickle.loads(blob)
@@ -117,18 +130,49 @@ def _worker(rank: int, fn: Callable, world_size: int, port: int, folder: str,
     os._exit(code)
 
 
-def _raise_rank_error(folder: str, world_size: int, fallback: BaseException) -> None:
-    """Raise the earliest exception a rank recorded (with its traceback as the cause);
-    ``fallback`` (what the process context reported) when none recorded one."""
-    records = []
+def _raise_rank_error(folder: str, world_size: int, deaths: dict[int, tuple[float, Any]]
+                      ) -> None:
+    """Raise the root cause of a failure: the earliest exception a rank recorded (with its
+    traceback as the cause), or a rank's death without a record.
+
+    ``deaths``: the ranks that exited with a nonzero code on their own (not stopped by
+    :func:`launch`), each with the last time the parent saw it alive and its process. A
+    rank that dies without a Python exception (``os._exit``, a signal, the OOM killer)
+    leaves no record, but its peers then record the error they meet in a collective
+    ("Connection closed by peer"), at times before the parent sees the death (the exit
+    is reported once all its threads are gone). Such a death is reported, then, before
+    any record of an error raised inside ``torch.distributed``, and before the other
+    records unless they were written before the rank was last seen alive."""
+    records = []  # (time, rank, record)
     for r in range(world_size):
         f = Path(folder) / f"rank{r}.err"
         if f.is_file():
-            records.append((pickle.loads(f.read_bytes()), r))
-    if not records:
-        raise fallback  # a rank died without a Python exception (a signal, os._exit)
-    rec, rank = min(records, key=lambda x: x[0]["time"])
+            rec = pickle.loads(f.read_bytes())
+            records.append((rec["time"], r, rec))
+    recorded = {r for _, r, _ in records}
+    silent = [(t, 0, r, proc) for r, (t, proc) in deaths.items() if r not in recorded]
+    if silent:  # a tie goes to the death
+        found = silent + [(t, 1, r, rec) for t, r, rec in records if not rec.get("collective")]
+    else:
+        found = [(t, 1, r, rec) for t, r, rec in records]
+    if not found:  # cannot happen: a nonzero exit is a record or a death
+        raise RuntimeError(f"a rank of {world_size} failed without a record")
+    _, has_record, rank, rec = min(found, key=lambda x: x[:3])
     where = f"rank {rank} of {world_size}"
+    if not has_record:  # torch's own exception for a process that died, as before
+        code = rec.exitcode
+        if code < 0:
+            try:
+                how = f"signal {signal.Signals(-code).name}"
+            except ValueError:
+                how = f"signal <Unknown signal {-code}>"
+        else:
+            how = f"exit code {code}"
+        exc = mp.ProcessExitedException(
+            f"process {rank} terminated with {how} ({where}, without a Python exception)",
+            error_index=rank, error_pid=rec.pid, exit_code=code,
+            signal_name=how.removeprefix("signal ") if code < 0 else None)
+        raise exc from None
     cause = RankTraceback(f"in {where}:\n{rec['traceback']}")
     exc = pickle.loads(rec["exception"]) if rec["exception"] is not None else None
     if not isinstance(exc, Exception):  # KeyboardInterrupt, SystemExit, or unpicklable
@@ -136,6 +180,22 @@ def _raise_rank_error(folder: str, world_size: int, fallback: BaseException) -> 
     if hasattr(exc, "add_note"):
         exc.add_note(f"(raised in {where}; its traceback is above)")
     raise exc from cause
+
+
+_POLL_S = 0.05  # how often the parent looks at its ranks (when each was last seen alive)
+
+
+def _stop(procs: list) -> None:
+    """Terminate the ranks still running (SIGTERM, then SIGKILL after 5 s)."""
+    for p in procs:
+        if p.is_alive():
+            p.terminate()
+    end = time.monotonic() + 5
+    for p in procs:
+        p.join(max(0.0, end - time.monotonic()))
+        if p.is_alive():
+            p.kill()
+            p.join()
 
 
 def launch(fn: Callable, world_size: int, *args: Any, timeout_s: float = 120.0,
@@ -167,19 +227,29 @@ def launch(fn: Callable, world_size: int, *args: Any, timeout_s: float = 120.0,
             _worker, args=(fn, world_size, free_port(), folder, timeout_s, backend),
             nprocs=world_size, join=False, start_method="spawn",
         )
+        procs = ctx.processes
         deadline = time.monotonic() + timeout_s
+        running = set(range(world_size))
+        seen_alive = dict.fromkeys(running, time.time())  # each death comes after
         try:
-            while not ctx.join(timeout=max(0.0, min(1.0, deadline - time.monotonic()))):
+            while running:
                 if time.monotonic() >= deadline:
                     raise TimeoutError(f"{world_size} ranks running {fn.__qualname__} did not "
                                        f"finish within timeout_s={timeout_s} s")
-        except (mp.ProcessRaisedException, mp.ProcessExitedException) as e:  # a rank failed
-            # (join has stopped the others)
-            _raise_rank_error(folder, world_size, e)
+                mp_connection.wait([procs[r].sentinel for r in running],
+                                   timeout=max(0.0, min(_POLL_S, deadline - time.monotonic())))
+                now = time.time()  # taken before looking: a rank alive now was alive then
+                for r in sorted(running):
+                    if procs[r].is_alive():
+                        seen_alive[r] = now
+                    else:
+                        procs[r].join()
+                        running.discard(r)
+                deaths = {r: (seen_alive[r], procs[r]) for r in range(world_size)
+                          if procs[r].exitcode not in (None, 0)}
+                if deaths:  # a rank failed: the others are stopped (finally)
+                    _raise_rank_error(folder, world_size, deaths)
         finally:
-            for p in ctx.processes:  # only ours; normally all have exited already
-                if p.is_alive():
-                    p.terminate()
-                    p.join(5)
+            _stop(procs)  # only ours; normally all have exited already
         return [torch.load(Path(folder) / f"rank{r}.pt", weights_only=False)
                 for r in range(world_size)]
