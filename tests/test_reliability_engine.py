@@ -494,6 +494,24 @@ def test_one_prompt_as_a_tensor_or_tuple(model, alone, prompts, n):
     assert out[0].token_ids == want
 
 
+@pytest.mark.parametrize("eos", ["x", -1, 256, 10**9, True, [2, "x"], {"a": 1}, 2.0])
+def test_a_junk_eos_token_id_in_the_checkpoint_is_refused(model, tmp_path, eos):
+    import json
+
+    from llmnote.models import save_pretrained
+
+    folder = save_pretrained(model, tmp_path / "ckpt")
+    cfg = json.loads((folder / "config.json").read_text())
+    cfg["eos_token_id"] = eos
+    (folder / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match=r"ckpt/config.json: eos_token_id must be a token id "
+                                         r"in \[0, 256\) or a list of them, got"):
+        LLM(folder, device=DEVICE)
+    cfg["eos_token_id"] = [3, 255]  # good ids still load
+    (folder / "config.json").write_text(json.dumps(cfg))
+    assert LLM(folder, device=DEVICE).eos_token_ids == {3, 255}
+
+
 def test_a_prompt_tensor_of_more_dimensions_is_refused(model):
     with pytest.raises(ValueError, match=r"1-D token ids, got shape \(1, 2, 3\)"):
         make(model).generate([torch.zeros(1, 2, 3, dtype=torch.long)], GREEDY, use_tqdm=False)

@@ -59,9 +59,9 @@ def load_model(model: object, dtype: torch.dtype | None, device: str | torch.dev
             import tokenizers
 
             tok = tokenizers.Tokenizer.from_file(str(Path(model) / "tokenizer.json"))
-        eos = json.loads((Path(model) / "config.json").read_text()).get("eos_token_id")
-        eos = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
-        return m, tok, eos
+        path = Path(model) / "config.json"
+        return m, tok, eos_ids(json.loads(path.read_text()).get("eos_token_id"),
+                               m.config.vocab_size, path)
     if str(model) in PRESETS or str(model) in MOE_PRESETS:
         dev, dt = placement(device, dtype, cpu_dtype=torch.float32)
         torch.manual_seed(seed)
@@ -70,6 +70,17 @@ def load_model(model: object, dtype: torch.dtype | None, device: str | torch.dev
         return m.to(dtype=dt).eval(), None, []
     raise ValueError(f"model {str(model)!r} is neither a checkpoint folder, 'shakespeare' nor a "
                      f"preset (presets: {sorted(PRESETS) + sorted(MOE_PRESETS)})")
+
+
+def eos_ids(eos: object, vocab_size: int, path: Path) -> list[int]:
+    """The end-of-text ids of a checkpoint's ``eos_token_id`` (absent, an id or a list of
+    ids), each in ``[0, vocab_size)``; ``ValueError`` naming the file and the field."""
+    ids = [] if eos is None else eos if isinstance(eos, list) else [eos]
+    for t in ids:
+        if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab_size:
+            raise ValueError(f"{path}: eos_token_id must be a token id in [0, {vocab_size}) "
+                             f"or a list of them, got {eos!r}")
+    return list(ids)
 
 
 def share_cache(model: Llama, draft: Llama | None, config: EngineConfig) -> EngineConfig:
