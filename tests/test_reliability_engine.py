@@ -19,6 +19,7 @@ from __future__ import annotations
 import os
 import random
 
+import numpy as np
 import pytest
 import torch
 
@@ -485,6 +486,8 @@ def test_a_failed_generate_leaves_none_of_its_requests_queued(model):
 @pytest.mark.parametrize("prompts, n", [
     (torch.tensor([5, 6, 7]), 1), ((5, 6, 7), 1), ([5, 6, 7], 1),
     (torch.tensor([[5, 6, 7], [8, 9, 10]]), 2), (((5, 6), (7,)), 2),
+    (np.array([5, 6, 7]), 1), (np.array([5, 6, 7], dtype=np.int32), 1),
+    ([np.int64(5), np.int64(6), np.int64(7)], 1), (np.array([[5, 6, 7], [8, 9, 10]]), 2),
 ])
 def test_one_prompt_as_a_tensor_or_tuple(model, alone, prompts, n):
     out = make(model).generate(prompts, GREEDY, use_tqdm=False)
@@ -492,6 +495,35 @@ def test_one_prompt_as_a_tensor_or_tuple(model, alone, prompts, n):
     first = prompts[0] if n > 1 else prompts
     want = alone(torch.as_tensor(first).tolist(), GREEDY)
     assert out[0].token_ids == want
+
+
+def test_numpy_request_ids_and_prompts_of_numpy_ids(model):
+    llm = make(model)
+    rid = llm.add_request(np.array([5, 6, 7]), GREEDY)
+    assert llm.requests[rid].token_ids == [5, 6, 7]
+    assert all(type(t) is int for t in llm.requests[rid].token_ids)
+    assert llm.abort(np.int64(rid)) and llm.output(np.int64(rid)).finish_reason == "abort"
+    with pytest.raises(ValueError, match=r"an array prompt must be 1-D token ids, got shape"):
+        llm.generate([np.zeros((2, 2), dtype=np.int64)], GREEDY, use_tqdm=False)
+    with pytest.raises(ValueError, match=r"must be ints in \[0, 256\), got 5.0"):
+        llm.generate(np.array([5.0, 6.0]), GREEDY, use_tqdm=False)
+
+
+def test_output_of_an_unknown_request_names_it(model):
+    llm = make(model)
+    llm.add_request([5, 6], GREEDY)
+    for rid in (999, -1, "0", None):
+        with pytest.raises(ValueError, match=f"request_id {rid!r} is not a request of this engine"):
+            llm.output(rid)
+
+
+def test_abort_and_output_after_close_say_the_engine_is_closed(model):
+    llm = make(model)
+    rid = llm.add_request([5, 6], GREEDY)
+    llm.close()
+    for call in (llm.abort, llm.output):
+        with pytest.raises(RuntimeError, match=r"this LLM was closed"):
+            call(rid)
 
 
 @pytest.mark.parametrize("eos", ["x", -1, 256, 10**9, True, [2, "x"], {"a": 1}, 2.0])

@@ -52,7 +52,7 @@ from llmnote.engine.loading import MODEL_CLASSES, draft_runner, load_model, shar
 from llmnote.engine.mla_runner import MLAModelRunner
 from llmnote.engine.model_runner import DecodeRun, ModelRunner
 from llmnote.engine.requests import (
-    RequestOutput, StreamEvent, check_fits, encode_prompt, prompt_list,
+    RequestOutput, StreamEvent, check_fits, encode_prompt, is_token_id, prompt_list,
 )
 from llmnote.engine.sampling_params import SamplingParams
 from llmnote.engine.scheduler import ScheduledBatch, Scheduler
@@ -225,14 +225,20 @@ class LLM:
     def abort(self, request_id: int) -> bool:
         """End a request now (``finish_reason "abort"``), free its KV blocks and keep the
         tokens it has. False when it had already finished."""
-        ok = isinstance(request_id, int) and not isinstance(request_id, bool)
-        seq = self.requests.get(request_id) if ok else None
-        if seq is None:
-            raise ValueError(f"request_id {request_id!r} is not a request of this engine")
+        seq = self._request(request_id)
         if seq.is_finished:
             return False
         self._end(seq, "abort")
         return True
+
+    def _request(self, request_id: object) -> Sequence:
+        """The request of this id (an int, or a numpy integer); ``RuntimeError`` once
+        the engine is closed, ``ValueError`` naming the id when it is none of its own."""
+        self._check_open()
+        seq = self.requests.get(int(request_id)) if is_token_id(request_id) else None
+        if seq is None:
+            raise ValueError(f"request_id {request_id!r} is not a request of this engine")
+        return seq
 
     def _end(self, seq: Sequence, reason: str) -> None:
         self.scheduler.abort(seq, reason)
@@ -387,8 +393,9 @@ class LLM:
         return min(found) if found else None
 
     def output(self, request: Sequence | int) -> RequestOutput:
-        """The output so far of a request (a Sequence or a request id)."""
-        seq = self.requests[request] if isinstance(request, int) else request
+        """The output so far of a request (a Sequence or a request id; an id that is not
+        one of this engine's requests raises ``ValueError`` naming it)."""
+        seq = request if isinstance(request, Sequence) else self._request(request)
         text = self._decode(seq.output_ids)
         if seq.params.stop and text is not None:  # the text ends before a stop string
             cut = self._stop_at(seq, text)

@@ -3,13 +3,14 @@
 :class:`RequestOutput` (what :meth:`~llmnote.engine.LLM.generate` returns) and
 :class:`StreamEvent` (what :meth:`~llmnote.engine.LLM.stream` yields). The checks run
 before anything is queued, each raising ``ValueError`` or ``TypeError`` that names the
-request (``where``): a prompt is a str (which needs a tokenizer), a 1-D tensor or a list
-of token ids inside the vocabulary; it is not empty, leaves room to generate within
+request (``where``): a prompt is a str (which needs a tokenizer), a 1-D tensor or numpy
+array, or a list of token ids inside the vocabulary; it is not empty, leaves room to generate within
 ``max_model_len``, and with ``max_tokens`` fits the whole KV cache.
 """
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 
@@ -42,16 +43,34 @@ class StreamEvent:
     finish_reason: str | None
 
 
+def _numpy():
+    """numpy's module when something imported it (an array can only come from there)."""
+    return sys.modules.get("numpy")
+
+
+def is_token_id(t: object) -> bool:
+    """An int or a numpy integer, not a bool."""
+    np = _numpy()
+    return ((isinstance(t, int) and not isinstance(t, bool))
+            or (np is not None and isinstance(t, np.integer)))
+
+
+def is_array(x: object) -> bool:
+    np = _numpy()
+    return np is not None and isinstance(x, np.ndarray)
+
+
 def check_token_ids(ids: Seq, vocab_size: int, what: str) -> None:
     for t in ids:
-        if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab_size:
+        if not is_token_id(t) or not 0 <= t < vocab_size:
             raise ValueError(f"{what} must be ints in [0, {vocab_size}), got {t!r}")
 
 
 def encode_prompt(prompt: object, tokenizer: object | None, vocab_size: int,
                   where: str) -> tuple[list[int], str | None]:
     """``(token ids, text)`` of a prompt: a str (encoded by ``tokenizer``), a 1-D tensor or
-    a list / tuple of ids; ``text`` is ``None`` for ids."""
+    numpy array, or a list / tuple of ids (ints or numpy integers); ``text`` is ``None``
+    for ids, which come back as Python ints."""
     if isinstance(prompt, str):
         if tokenizer is None:
             raise ValueError(f"{where}: a text prompt needs a tokenizer; pass token ids or "
@@ -60,16 +79,17 @@ def encode_prompt(prompt: object, tokenizer: object | None, vocab_size: int,
         ids = list(getattr(enc, "ids", enc))
         check_token_ids(ids, vocab_size, f"{where}: the tokenizer returned token ids; they")
         return ids, prompt
-    if isinstance(prompt, torch.Tensor):
+    if isinstance(prompt, torch.Tensor) or is_array(prompt):
+        kind = "a tensor" if isinstance(prompt, torch.Tensor) else "an array"
         if prompt.ndim != 1:
-            raise ValueError(f"{where}: a tensor prompt must be 1-D token ids, "
+            raise ValueError(f"{where}: {kind} prompt must be 1-D token ids, "
                              f"got shape {tuple(prompt.shape)}")
         prompt = prompt.tolist()
     if not isinstance(prompt, (list, tuple)):
         raise TypeError(f"{where}: a prompt must be a str or a list of token ids, "
                         f"got {type(prompt).__name__}")
     check_token_ids(prompt, vocab_size, f"{where}: token ids")
-    return list(prompt), None
+    return [int(t) for t in prompt], None
 
 
 def check_fits(ids: list[int], params: SamplingParams, max_model_len: int, blocks,
@@ -91,10 +111,12 @@ def check_fits(ids: list[int], params: SamplingParams, max_model_len: int, block
 
 def prompt_list(prompts: object, params: object) -> list[tuple[object, object]]:
     """``(prompt, params)`` pairs of what ``generate`` / ``stream`` were given: one prompt
-    (a str, a 1-D tensor, a list / tuple of ints) or several (a 2-D tensor: its rows), and
-    one ``SamplingParams`` for all (``None``: the defaults) or one each."""
-    if (isinstance(prompts, str) or (isinstance(prompts, torch.Tensor) and prompts.ndim <= 1)
-            or (isinstance(prompts, (list, tuple)) and prompts and isinstance(prompts[0], int))):
+    (a str, a 1-D tensor or numpy array, a list / tuple of ints) or several (a 2-D tensor
+    or array: its rows), and one ``SamplingParams`` for all (``None``: the defaults) or
+    one each."""
+    if (isinstance(prompts, str)
+            or ((isinstance(prompts, torch.Tensor) or is_array(prompts)) and prompts.ndim <= 1)
+            or (isinstance(prompts, (list, tuple)) and prompts and is_token_id(prompts[0]))):
         prompts = [prompts]
     prompts = list(prompts)
     plist = params if isinstance(params, Seq) else [params or SamplingParams()] * len(prompts)
