@@ -50,6 +50,26 @@ def exit_in_rank(rank: int, world_size: int, failing_rank: int) -> int:
     return rank
 
 
+def close_then_exit_late(rank: int, world_size: int, failing_rank: int) -> int:
+    """Rank ``failing_rank`` closes its connections while its peers wait in an all-reduce
+    (they record the echo at once) and dies 1 s later: the parent sees the echo first."""
+    if rank == failing_rank:
+        time.sleep(0.2)
+        dist.destroy_process_group()
+        time.sleep(1.0)
+        os._exit(7)
+    dist.all_reduce(torch.ones(4))
+    return rank
+
+
+def test_a_death_seen_after_its_peers_echo_is_still_the_cause():
+    # without the launcher's grace for echo-only failures this reported rank 0's
+    # "Connection closed by peer"
+    with pytest.raises(mp.ProcessExitedException,
+                       match="process 1 terminated with exit code 7"):
+        launch(close_then_exit_late, 2, 1, timeout_s=60)
+
+
 def test_a_rank_that_dies_without_an_exception_is_reported_not_its_peers_echo():
     # the peer's record of the closed connection, written after the death, used to win
     for _ in range(3):

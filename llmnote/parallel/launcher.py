@@ -183,6 +183,20 @@ def _raise_rank_error(folder: str, world_size: int, deaths: dict[int, tuple[floa
 
 
 _POLL_S = 0.05  # how often the parent looks at its ranks (when each was last seen alive)
+# How long the parent waits, after the first failure, while every failed rank recorded
+# only an error raised inside torch.distributed (maybe the echo of a peer that died and
+# is not yet seen dead): a peer's exit is reported once all its threads are gone, which
+# on a loaded machine came after the echo's.
+_ECHO_GRACE_S = 3.0
+
+
+def _only_echoes(folder: str, ranks) -> bool:
+    """Whether each of ``ranks`` recorded an error raised inside torch.distributed."""
+    for r in ranks:
+        f = Path(folder) / f"rank{r}.err"
+        if not f.is_file() or not pickle.loads(f.read_bytes()).get("collective"):
+            return False
+    return True
 
 
 def _stop(procs: list) -> None:
@@ -231,6 +245,7 @@ def launch(fn: Callable, world_size: int, *args: Any, timeout_s: float = 120.0,
         deadline = time.monotonic() + timeout_s
         running = set(range(world_size))
         seen_alive = dict.fromkeys(running, time.time())  # each death comes after
+        first_failure = None
         try:
             while running:
                 if time.monotonic() >= deadline:
@@ -248,6 +263,10 @@ def launch(fn: Callable, world_size: int, *args: Any, timeout_s: float = 120.0,
                 deaths = {r: (seen_alive[r], procs[r]) for r in range(world_size)
                           if procs[r].exitcode not in (None, 0)}
                 if deaths:  # a rank failed: the others are stopped (finally)
+                    first_failure = first_failure or time.monotonic()
+                    if running and _only_echoes(folder, deaths) and \
+                            time.monotonic() - first_failure < _ECHO_GRACE_S:
+                        continue  # the cause may be a peer not yet seen dead
                     _raise_rank_error(folder, world_size, deaths)
         finally:
             _stop(procs)  # only ours; normally all have exited already

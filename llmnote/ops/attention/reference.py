@@ -38,6 +38,14 @@ the documented limit, not checked (a check would cost a pass over Q and K). fp16
 inputs always lie inside (``65504^2 * 256 << 3.4e38``); bf16 and fp32 ones can
 leave it. The values must keep ``N_k * max|v| < 3.4e38`` (the kernels' running,
 unnormalised ``sum_j p_ij v_j``).
+
+Non-finite values a row cannot see. Under the causal mask the references never
+read the value of a key a query may not see: a NaN or inf there changes no row
+that is masked from it. The kernels multiply the diagonal tile's probabilities by
+its values in one matmul, and a masked probability is 0, so ``0 * NaN = NaN``: a
+non-finite value reaches the rows of its own tile, at most the last
+``max(BLOCK_M, BLOCK_N)`` rows before it (128 with the Hopper configurations).
+Keys a row can see propagate NaN and inf in both, as they must.
 """
 
 from __future__ import annotations
