@@ -276,11 +276,12 @@ def test_chunked_forward_without_residual(dtype, dev, seed):
 
 
 def test_forward_config_adjustments():
-    """fp32 RMSNorm rows of 16384 take the two-pass forward; add_rmsnorm packs short rows
-    four to a 16-warp program; other shapes keep :func:`fwd_config`."""
-    long = rms_fwd_config(16384, 4, False)
-    assert 0 < long.chunk < long.block_n and long.block_n % long.chunk == 0
-    assert rms_fwd_config(16384, 2, False) == fwd_config(16384, 2)
+    """RMSNorm rows of 16384 (fp32 and bf16) take the two-pass forward; add_rmsnorm packs
+    short rows four to a 16-warp program; other shapes keep :func:`fwd_config`."""
+    for size in (2, 4):
+        long = rms_fwd_config(16384, size, False)
+        assert 0 < long.chunk < long.block_n and long.block_n % long.chunk == 0
+    assert rms_fwd_config(8192, 2, False) == fwd_config(8192, 2)
     assert rms_fwd_config(16384, 4, True) == fwd_config(16384, 4)
     short = rms_fwd_config(1024, 2, True)
     assert (short.block_m, short.num_warps, short.per_thread) == (4, 16, 8)

@@ -25,9 +25,11 @@ largest magnitude exceeds ``2**50`` is first divided by a power of two near it
 (exact, and LayerNorm does not change under scaling but for ``eps``, which is
 scaled with it), so ``(x - mean)^2`` cannot overflow: the forward is right for
 every finite row (a row of ``3e38`` gives what fp64 gives, not the bias), and a
-NaN anywhere in a row gives a NaN row, as ``torch`` does. The mean is corrected
-once by the mean of ``x - mean`` (the corrected two-pass algorithm; Chan, Golub
-& LeVeque, 1983), so a constant row gives exactly the bias at any magnitude.
+NaN anywhere in a row gives a NaN row, as ``torch`` does. A row whose spread
+is tiny beside its mean gets its mean summed in fp64, so a constant row gives
+exactly the bias at any magnitude; the reference corrects its mean once by the
+mean of ``x - mean`` instead (the corrected two-pass algorithm; Chan, Golub &
+LeVeque, 1983), which does the same with a third pass over the row.
 
 Sources: J. L. Ba, J. R. Kiros, G. E. Hinton, "Layer Normalization" (2016),
 https://arxiv.org/abs/1607.06450; Triton's layer-norm tutorial,
@@ -76,16 +78,21 @@ def layernorm_ref(
 
 
 @triton.jit
-def _row_stats(x, mask, nf):
-    """Mean (corrected once: the corrected two-pass algorithm), centred rows and their sum
-    of squares, per row of a (BLOCK_M, BLOCK_N) tile. div_rn: IEEE division (a plain `/`
-    compiles to an approximate one on NVIDIA GPUs); with it a constant row's correction d
-    cancels its xc exactly, to 0."""
-    mean = tl.math.div_rn(tl.sum(x, axis=1), nf)  # (BLOCK_M,)
+def _row_stats(x, mask, N, EXACT_MEAN: tl.constexpr):
+    """Mean, centred rows and their sum of squares, per row of a (BLOCK_M, BLOCK_N) tile.
+
+    ``EXACT_MEAN``: the row sum in fp64 (53 bits hold the sum of 2^29 fp32 values of
+    like magnitude exactly), so a constant row's mean is exactly its value, its ``xc``
+    exactly 0 and y exactly the bias (an fp32 sum is off by ulps there, and y by up to
+    ``+-w``). On every tile it cost the H100 up to a sixth of the forward's speed (bf16,
+    N = 8192 and 16384), so only the rare tiles whose spread is tiny beside their mean
+    take it."""
+    if EXACT_MEAN:
+        mean = (tl.sum(x.to(tl.float64), axis=1) / N).to(tl.float32)  # (BLOCK_M,)
+    else:
+        mean = tl.sum(x, axis=1) / N
     xc = tl.where(mask, x - mean[:, None], 0.0)  # padding must not count in the variance
-    d = tl.math.div_rn(tl.sum(xc, axis=1), nf)  # the mean's rounding error
-    xc = tl.where(mask, xc - d[:, None], 0.0)
-    return mean + d, xc, tl.sum(xc * xc, axis=1)
+    return mean, xc, tl.sum(xc * xc, axis=1)
 
 
 @triton.jit
@@ -103,17 +110,23 @@ def _layernorm_fwd_kernel(
         mask = (rows[:, None] < M) & (cols[None, :] < N)  # (BLOCK_M, BLOCK_N)
         x = tl.load(x_ptr + rows[:, None] * stride_xm + cols[None, :] * stride_xn,
                     mask=mask, other=0.0).to(tl.float32)  # read MN
-        nf = tl.cast(N, tl.float32)  # (tl.cast: N == 1 arrives as a constexpr int)
-        mean, xc, ss = _row_stats(x, mask, nf)
+        mean, xc, ss = _row_stats(x, mask, N, False)
         a = tl.full((BLOCK_M,), 1.0, tl.float32)
-        # A tile with a row whose sums overflowed (or a NaN row) is redone with each huge
-        # row divided by a power of two a ~ max|x| (exact), so xc * xc cannot overflow.
-        # Rows that did not overflow need no scaling: dividing a row by a power of two
-        # and eps by its square, as the reference does, leaves y as it is (rounding too,
-        # but for subnormals). The common case thus skips the max |x| reduction.
-        if tl.max(tl.where((tl.abs(mean) <= _FP32_MAX) & (ss <= _FP32_MAX), 0, 1), axis=0) > 0:
+        # Two kinds of tile are redone, the row loaded again (from L2; ".cg" so that it
+        # is not merged with the first load, which would keep the row in registers):
+        # - a row whose sums overflowed (or a NaN row): each huge row is divided by a
+        #   power of two a ~ max|x| (exact), so xc * xc cannot overflow. Rows that did not
+        #   overflow get a = 1 (dividing a row by a power of two and eps by its square, as
+        #   the reference does, leaves y as it is, rounding too, but for subnormals);
+        # - a row whose spread is below 1/32 of its mean (a constant row, for one): the
+        #   fp32 mean's rounding error is no longer small beside the spread, so the mean
+        #   is taken exactly (fp64).
+        ok = (tl.abs(mean) <= _FP32_MAX) & (ss <= _FP32_MAX) & (ss >= mean * mean * N / 1024)
+        if tl.max(tl.where(ok, 0, 1), axis=0) > 0:
+            x = tl.load(x_ptr + rows[:, None] * stride_xm + cols[None, :] * stride_xn,
+                        mask=mask, other=0.0, cache_modifier=".cg").to(tl.float32)
             a, inv_a = row_scale(tl.max(tl.abs(x), axis=1))  # (BLOCK_M,) each
-            mean, xc, ss = _row_stats(x * inv_a[:, None], mask, nf)
+            mean, xc, ss = _row_stats(x * inv_a[:, None], mask, N, True)
         var = ss / N + eps / a / a
         var = tl.where((var == 0) & (eps > 0), _TINY, var)  # eps underflowed: xc is 0 there
         rstd = 1.0 / tl.sqrt(var)
@@ -130,7 +143,7 @@ def _layernorm_fwd_kernel(
 
 @triton.jit
 def _layernorm_bwd_kernel(
-    dy_ptr, x_ptr, w_ptr, mean_ptr, rstd_ptr, dx_ptr, dw_ptr, db_ptr, M, N,
+    dy_ptr, x_ptr, w_ptr, mean_ptr, rstd_ptr, dx_ptr, dw_ptr, db_ptr, M, N, inv_n,
     stride_dym, stride_dyn, stride_xm, stride_xn, stride_wn, stride_dxm, stride_dwg,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NUM_STAGES: tl.constexpr,
     DX_CHUNK: tl.constexpr,
@@ -157,11 +170,10 @@ def _layernorm_bwd_kernel(
         db += dy
         w = tl.load(w_ptr + cols * stride_wn, mask=cols < N, other=0.0).to(tl.float32)  # L1 hit
         g = dy * w[None, :]  # 0 in the padding (dy is)
-        # IEEE division, as in the forward: with `/` (approximate on NVIDIA GPUs) a
-        # 1-element row's c2 = g / 1 need not be g, and dx, exactly 0, came out rstd ulp(g)
-        nf = tl.cast(N, tl.float32)
-        c1 = tl.math.div_rn(tl.sum(xh * g, axis=1), nf)  # (BLOCK_M,)
-        c2 = tl.math.div_rn(tl.sum(g, axis=1), nf)
+        # times 1/N, rounded on the host: a 1-element row's c2 = g * 1 is exactly g, so its
+        # dx is exactly 0 (a `/`, approximate on NVIDIA GPUs, gave rstd ulp(g))
+        c1 = tl.sum(xh * g, axis=1) * inv_n  # (BLOCK_M,)
+        c2 = tl.sum(g, axis=1) * inv_n
         if DX_CHUNK == BLOCK_N:  # dx from the registers: the tile is still there
             dx = (g - xh * c1[:, None] - c2[:, None]) * rstd[:, None]
             tl.store(dx_ptr + rows[:, None] * stride_dxm + cols[None, :],
@@ -242,7 +254,7 @@ def _backward(dy: torch.Tensor, x2: torch.Tensor, weight: torch.Tensor, mean: to
     cfg = config or bwd_config(n, x2.element_size(), arrays=4)  # x_hat, g, dw, db
     constexprs = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, NUM_STAGES=cfg.num_stages,
                       DX_CHUNK=cfg.dx_chunk)
-    args = [dy, x2, weight, mean, rstd, dx, mean, rstd, m, n,  # stand-ins for the partials
+    args = [dy, x2, weight, mean, rstd, dx, mean, rstd, m, n, 1.0 / n,  # partials: stand-ins
             dy.stride(0), dy.stride(1), x2.stride(0), x2.stride(1), weight.stride(0),
             dx.stride(0), n]
     g = min(resident_programs(_layernorm_bwd_kernel, args, constexprs, cfg.num_warps, x2.device),

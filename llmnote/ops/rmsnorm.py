@@ -69,7 +69,7 @@ def add_rmsnorm_ref(
 
 @triton.jit
 def _rmsnorm_fwd_kernel(
-    x_ptr, r_ptr, w_ptr, y_ptr, h_ptr, rstd_ptr, M, N, eps,
+    x_ptr, r_ptr, w_ptr, y_ptr, h_ptr, rstd_ptr, M, N, inv_n, eps,
     stride_xm, stride_xn, stride_rm, stride_rn, stride_wn, stride_ym, stride_hm,
     HAS_RESIDUAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     NUM_STAGES: tl.constexpr, CHUNK: tl.constexpr,
@@ -84,16 +84,22 @@ def _rmsnorm_fwd_kernel(
             mask = (rows[:, None] < M) & (cols[None, :] < N)  # (BLOCK_M, BLOCK_N)
             x = _load_h(x_ptr, r_ptr, h_ptr, rows, cols, mask, stride_xm, stride_xn, stride_rm,
                         stride_rn, stride_hm, HAS_RESIDUAL, True, "")  # read MN (+ MN, write MN)
-            # huge rows: divided by a power of two a ~ max|x| (exact), so x * x cannot overflow
-            _, inv_a = row_scale(tl.max(tl.abs(x), axis=1))  # (BLOCK_M,)
-            x = x * inv_a[:, None]
-            # (div_rn: IEEE division; a plain `/` is an approximate one on NVIDIA GPUs)
-            ms = tl.math.div_rn(tl.sum(x * x, axis=1), tl.cast(N, tl.float32))  # padding adds 0
-            rstd = 1.0 / tl.sqrt(ms + eps * inv_a * inv_a)  # (BLOCK_M,), of x / a
+            ss = tl.sum(x * x, axis=1)  # (BLOCK_M,); padding adds 0
+            inv_a = tl.full((BLOCK_M,), 1.0, tl.float32)
+            # Huge rows are divided by a power of two a ~ max|x| (exact), so their squares
+            # cannot overflow. A row with max |x| above 2^50 has a sum of squares above
+            # 2^100 (a sum of terms >= 0 is never below its largest); under that a = 1
+            # exactly, so the max |x| reduction runs only for a tile past it (rare).
+            if tl.max(ss, axis=0) > _SS_SCALE_ABOVE:
+                _, inv_a = row_scale(tl.max(tl.abs(x), axis=1))  # (BLOCK_M,)
+                xs = x * inv_a[:, None]
+                ss = tl.sum(xs * xs, axis=1)
+            # times 1/N rounded on the host (a `/` is an approximate division on NVIDIA GPUs)
+            rstd = 1.0 / tl.sqrt(ss * inv_n + eps * inv_a * inv_a)  # (BLOCK_M,), of x / a
             # The weight is loaded after the reduction, so it holds no registers while the
             # row sum waits on the other warps (an L1/L2 hit: every program reads it).
             w = tl.load(w_ptr + cols * stride_wn, mask=cols < N, other=0.0).to(tl.float32)
-            y = x * rstd[:, None] * w[None, :]
+            y = (x * inv_a[:, None]) * rstd[:, None] * w[None, :]
             tl.store(y_ptr + rows[:, None] * stride_ym + cols[None, :],
                      y.to(y_ptr.dtype.element_ty), mask=mask)  # write MN
         else:  # long rows, two passes of CHUNK columns: the sum of squares, then y
@@ -127,8 +133,7 @@ def _rmsnorm_fwd_kernel(
                     x = x * inv_a[:, None]
                     ss += x * x
                 total = tl.sum(ss, axis=1)
-            ms = tl.math.div_rn(total, tl.cast(N, tl.float32))
-            rstd = 1.0 / tl.sqrt(ms + eps * inv_a * inv_a)  # of x / a
+            rstd = 1.0 / tl.sqrt(total * inv_n + eps * inv_a * inv_a)  # of x / a
             for c0 in tl.range(0, N, CHUNK):  # the rows again: cache hits, h recomputed
                 cols = c0 + tl.arange(0, CHUNK)
                 mask = (rows[:, None] < M) & (cols[None, :] < N)
@@ -138,9 +143,10 @@ def _rmsnorm_fwd_kernel(
                 y = (x * inv_a[:, None]) * rstd[:, None] * w[None, :]
                 tl.store(y_ptr + rows[:, None] * stride_ym + cols[None, :],
                          y.to(y_ptr.dtype.element_ty), mask=mask)  # write MN
-        # write M (fp32), kept for backward: the rstd of x / a, a normal number even for
-        # huge rows (the backward finds a again from the row)
+        # write 2M (fp32), kept for backward: the rstd of x / a (a normal number even for
+        # huge rows) and 1 / a
         tl.store(rstd_ptr + rows, rstd, mask=rows < M)
+        tl.store(rstd_ptr + M + rows, inv_a, mask=rows < M)
 
 
 @triton.jit
@@ -184,7 +190,7 @@ def _rmsnorm_bwd_kernel(
         dy = tl.load(dy_ptr + rows[:, None] * stride_dym + cols[None, :] * stride_dyn,
                      mask=mask, other=0.0).to(tl.float32)  # read MN
         rstd = tl.load(rstd_ptr + rows, mask=rows < M, other=0.0)  # (BLOCK_M,), of x / a
-        _, inv_a = row_scale(tl.max(tl.abs(x), axis=1))  # the forward's (1 but for huge rows)
+        inv_a = tl.load(rstd_ptr + M + rows, mask=rows < M, other=1.0)  # 1 but for huge rows
         xh = x * inv_a[:, None] * rstd[:, None]
         dw += dy * xh  # masked rows and columns add 0 (dy is 0 there)
         # Loaded here, not once before the loop: kept for the whole loop it would
@@ -221,15 +227,18 @@ def _fwd_config(n: int, element_size: int, residual: bool) -> RowConfig:
     """:func:`fwd_config`, adjusted where an H100 sweep found better shapes
     (figures in ``benchmarks/logs/norms-notes.md``):
 
-    - RMSNorm, 4-byte inputs, N = 16384: two passes over each row in chunks of
-      8192 columns (``chunk``; the second pass re-reads the row from the
-      caches), 16 warps, a program per row: ``torch.compile``'s shape, which
-      holds only the per-lane sums of squares across the row, not the row.
+    - RMSNorm, N = 16384: two passes over each row in chunks of 8192 columns
+      (``chunk``; the second pass re-reads the row from the caches), 16 warps,
+      a program per row: ``torch.compile``'s shape, which holds only the
+      per-lane sums of squares across the row, not the row. With 2-byte inputs
+      the one-pass shape needs two 32-warp programs an SM, 32 registers a
+      thread, and the overflow test for huge rows took it past that (0.82 of
+      the copy rate): two passes keep it.
     - add_rmsnorm, rows up to 1024: 4096 elements and 16 warps a program, since
       each element brings two tensors in and two out.
     """
     cfg = fwd_config(n, element_size)
-    if not residual and element_size == 4 and cfg.block_n == 16384:
+    if not residual and cfg.block_n == 16384:
         return RowConfig(1, cfg.block_n, 16, chunk=8192)
     if residual and cfg.block_n <= 1024:
         return RowConfig(min(16, 4096 // cfg.block_n), cfg.block_n, 16)
@@ -238,19 +247,20 @@ def _fwd_config(n: int, element_size: int, residual: bool) -> RowConfig:
 
 def _forward(x2: torch.Tensor, r2: torch.Tensor | None, weight: torch.Tensor, eps: float,
              config: RowConfig | None = None):
-    """Launch the forward kernel on ``(M, N)`` rows: ``(y, h or None, rstd)``.
+    """Launch the forward kernel on ``(M, N)`` rows: ``(y, h or None, rstd)``, ``rstd``
+    fp32 ``(2, M)``: per row the rstd of ``x / a`` and ``1 / a`` (``a`` = 1 but for huge rows).
 
     ``config`` overrides :func:`_fwd_config` (for tuning sweeps).
     """
     m, n = x2.shape
     y = torch.empty((m, n), dtype=x2.dtype, device=x2.device)
     h = torch.empty_like(y) if r2 is not None else None
-    rstd = torch.empty(m, dtype=torch.float32, device=x2.device)
+    rstd = torch.empty((2, m), dtype=torch.float32, device=x2.device)  # rstd of x / a, 1 / a
     r = r2 if r2 is not None else x2  # unused pointers when HAS_RESIDUAL is off
     cfg = config or _fwd_config(n, x2.element_size(), r2 is not None)
     constexprs = dict(HAS_RESIDUAL=r2 is not None, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
                       NUM_STAGES=cfg.num_stages, CHUNK=cfg.chunk or cfg.block_n)
-    args = (x2, r, weight, y, h if h is not None else y, rstd, m, n, eps,
+    args = (x2, r, weight, y, h if h is not None else y, rstd, m, n, 1.0 / n, eps,
             x2.stride(0), x2.stride(1), r.stride(0), r.stride(1), weight.stride(0),
             y.stride(0), y.stride(0))
     launch_forward(_rmsnorm_fwd_kernel, m, args, constexprs, cfg, x2.device)
