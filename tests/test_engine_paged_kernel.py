@@ -147,3 +147,25 @@ def test_engine_with_paged_kernel(dev):
     got = LLM(copy.deepcopy(m), config=cfg.replace(attention_backend="paged")).generate(
         prompts, p, use_tqdm=False)
     assert [o.token_ids for o in got] == [o.token_ids for o in want]
+
+
+def test_unused_cache_slots_are_never_read(seed, dev):
+    """NaN in every cache slot outside the sequences (the tail of each last block, the
+    blocks no table names): the reference, the paged kernel and the flash backend give
+    exactly what they give on the clean cache."""
+    from llmnote.engine.attention import paged_attention_flash
+
+    lens, new = [37, 1, 20, 16], [5, 1, 20, 1]
+    q, kc, vc, meta = random_batch(lens, new, 4, 2, 16, 16, torch.float32, dev)
+    used = torch.zeros(kc.shape[0] * kc.shape[1], dtype=torch.bool, device=dev)
+    used[meta.slot_mapping.to(dev)] = True
+    dirty = []
+    for cache in (kc, vc):
+        c = cache.clone()
+        c.view(-1, *c.shape[2:])[~used] = float("nan")
+        dirty.append(c)
+    assert (~used).sum() > 16  # the tails and the spare blocks
+    for fn in (paged_attention_ref, paged_attention, paged_attention_flash):
+        clean = fn(q, kc, vc, meta, 0.25)
+        got = fn(q, *dirty, meta, 0.25)
+        assert torch.equal(got, clean), fn.__name__
