@@ -473,6 +473,26 @@ def test_a_stream_gets_every_token_whoever_steps_the_engine(model, alone):
     assert bm.num_free == bm.num_blocks
 
 
+def test_a_stream_ends_each_request_it_did_not_end_itself(model, alone):
+    """A request of the stream aborted from elsewhere, after some tokens or before any,
+    still gets its one finished event (no token: ``token_id`` None, reason "abort")."""
+    llm = make(model)
+    it = llm.stream([[5, 6, 7], [8, 9]], GREEDY)
+    events = [next(it)]
+    while events[-1].index != 0:
+        events.append(next(it))
+    llm.abort(events[-1].request_id)  # after its first token, before its last
+    events += list(it)
+    zero = [e for e in events if e.index == 0]
+    assert zero[-1].finished and zero[-1].finish_reason == "abort"
+    assert zero[-1].token_id is None and sum(e.finished for e in zero) == 1
+    one = [e for e in events if e.index == 1]
+    assert [e.token_id for e in one] == alone([8, 9], GREEDY)
+    assert sum(e.finished for e in one) == 1 and one[-1].finished
+    bm = llm.scheduler.blocks
+    assert bm.num_free == bm.num_blocks
+
+
 def test_a_failed_generate_leaves_none_of_its_requests_queued(model):
     llm = make(model)
     llm.tokenizer.fail_decode = True  # generate's outputs decode the text

@@ -432,10 +432,14 @@ class LLM:
         The engine is shared: a :meth:`generate`, another stream or a :meth:`step` called
         while this iterator waits runs its requests too. Their tokens are not lost: each
         ``next()`` first yields what its requests got since the last one (each request's
-        output past what was yielded), whoever stepped the engine, then steps it itself."""
+        output past what was yielded), whoever stepped the engine, then steps it itself.
+        Every request ends with one event with ``finished`` True; a request that ended
+        without a new token (an ``abort`` from elsewhere, an error) gets one with
+        ``token_id`` None."""
         seqs = self._add_all(prompts, params)
         index = {s.seq_id: i for i, s in enumerate(seqs)}
         sent = dict.fromkeys(index, 0)  # output tokens yielded per request
+        closed: set[int] = set()  # requests whose finished event was yielded
 
         def pending(order: list[Sequence]) -> Iterator[StreamEvent]:
             for s in order:
@@ -444,9 +448,16 @@ class LLM:
                     j = sent[s.seq_id]
                     sent[s.seq_id] = j + 1
                     last = s.is_finished and j == len(out) - 1
+                    if last:
+                        closed.add(s.seq_id)
                     yield StreamEvent(index[s.seq_id], s.seq_id, out[j],
                                       self._decode([out[j]]), last,
                                       s.finish_reason if last else None)
+                done = s.is_finished and sent[s.seq_id] == len(s.output_ids)
+                if done and s.seq_id not in closed:  # ended with no new token to carry
+                    closed.add(s.seq_id)  # its finish (aborted elsewhere, an error)
+                    yield StreamEvent(index[s.seq_id], s.seq_id, None, None, True,
+                                      s.finish_reason)
 
         try:
             while True:

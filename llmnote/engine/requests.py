@@ -37,8 +37,8 @@ class RequestOutput:
 class StreamEvent:
     index: int  # position of the request in the prompts given to stream()
     request_id: int
-    token_id: int
-    text: str | None  # the text of this token (None without a tokenizer)
+    token_id: int | None  # None: the request ended without a new token (aborted elsewhere)
+    text: str | None  # the text of this token (None without a tokenizer, or no token)
     finished: bool
     finish_reason: str | None
 
