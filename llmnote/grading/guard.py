@@ -47,6 +47,14 @@ class Refused(Exception):
     """A graded call used what the assignment forbids, or not the student's kernel."""
 
 
+class _Unchanged(Refused):
+    """No launch of the student's changed a returned tensor; ``out`` is what came back."""
+
+    def __init__(self, message: str, out: Any):
+        super().__init__(message)
+        self.out = out
+
+
 @dataclass(frozen=True)
 class Rules:
     """What the student's functions may not call, and which must run their own kernels.
@@ -234,7 +242,31 @@ _FAILED = object()
 def graded_call(name: str, fn: Callable[..., Any], args: tuple, kwargs: dict[str, Any],
                 rules: Rules = NO_RULES) -> Any:
     """``fn(*args, **kwargs)`` under the assignment's ``rules`` (see the module docstring);
-    raises :class:`Refused` with a message that says why."""
+    raises :class:`Refused` with a message that says why.
+
+    A kernel that wrote its answer into memory that already held it (PyTorch's caching
+    allocator hands back the block that an earlier call with the same inputs freed)
+    changes nothing: before refusing, the call is made once more with the first output
+    kept alive and a block of its size filled with 0xFF bytes and freed, so the new
+    output starts from other contents."""
+    try:
+        return _graded_call(name, fn, args, kwargs, rules)
+    except _Unchanged as first:
+        keep = first.out  # its block stays taken during the second call
+        for t in _tensors(keep):
+            junk = torch.empty(t.untyped_storage().nbytes(), dtype=torch.uint8, device=t.device)
+            junk.fill_(255)
+            del junk  # freed: the next allocation of this size may take it
+        try:
+            return _graded_call(name, fn, args, kwargs, rules)
+        except _Unchanged as again:
+            raise Refused(str(again)) from None
+        finally:
+            del keep
+
+
+def _graded_call(name: str, fn: Callable[..., Any], args: tuple, kwargs: dict[str, Any],
+                 rules: Rules) -> Any:
     global _log
     install()
     if isinstance(fn, type) and rules.modules:
@@ -306,10 +338,10 @@ def graded_call(name: str, fn: Callable[..., Any], args: tuple, kwargs: dict[str
         # an output of zeros written into fresh (zeroed) memory changes nothing: not refused
         if (not any(t.untyped_storage().data_ptr() in changed for t in returned)
                 and any(bool(_storage_bytes(t).any()) for t in returned)):
-            raise Refused(f"refused: your kernel was handed the output of {name} but wrote "
-                          "nothing into it (its contents were the same before and after every "
-                          "launch of your kernels), so the answer was computed some other "
-                          f"way.{why}")
+            raise _Unchanged(f"refused: your kernel was handed the output of {name} but "
+                             "wrote nothing into it (its contents were the same before and "
+                             "after every launch of your kernels), so the answer was computed "
+                             f"some other way.{why}", out)
     return out
 
 
