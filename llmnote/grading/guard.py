@@ -245,10 +245,11 @@ def graded_call(name: str, fn: Callable[..., Any], args: tuple, kwargs: dict[str
     raises :class:`Refused` with a message that says why.
 
     A kernel that wrote its answer into memory that already held it (PyTorch's caching
-    allocator hands back the block that an earlier call with the same inputs freed)
-    changes nothing: before refusing, the call is made once more with the first output
-    kept alive and a block of its size filled with 0xFF bytes and freed, so the new
-    output starts from other contents."""
+    allocator on a GPU may hand back the block that an earlier call with the same inputs
+    freed) changes nothing: before refusing, the call is made once more with the first
+    output kept alive and a block of its size filled with 0xFF bytes and freed, so that
+    the new output is likely to start from other contents (likely, not certain: the
+    allocator decides)."""
     try:
         return _graded_call(name, fn, args, kwargs, rules)
     except _Unchanged as first:
