@@ -130,6 +130,12 @@ def _worker(rank: int, fn: Callable, world_size: int, port: int, folder: str,
     os._exit(code)
 
 
+def _load_error(folder: str, rank: int) -> dict | None:
+    """What :func:`_save_error` wrote for ``rank``, or None when it wrote nothing."""
+    f = Path(folder) / f"rank{rank}.err"
+    return pickle.loads(f.read_bytes()) if f.is_file() else None
+
+
 def _raise_rank_error(folder: str, world_size: int, deaths: dict[int, tuple[float, Any]]
                       ) -> None:
     """Raise the root cause of a failure: the earliest exception a rank recorded (with its
@@ -143,12 +149,8 @@ def _raise_rank_error(folder: str, world_size: int, deaths: dict[int, tuple[floa
     is reported once all its threads are gone). Such a death is reported, then, before
     any record of an error raised inside ``torch.distributed``, and before the other
     records unless they were written before the rank was last seen alive."""
-    records = []  # (time, rank, record)
-    for r in range(world_size):
-        f = Path(folder) / f"rank{r}.err"
-        if f.is_file():
-            rec = pickle.loads(f.read_bytes())
-            records.append((rec["time"], r, rec))
+    records = [(rec["time"], r, rec) for r in range(world_size)
+               if (rec := _load_error(folder, r)) is not None]  # (time, rank, record)
     recorded = {r for _, r, _ in records}
     silent = [(t, 0, r, proc) for r, (t, proc) in deaths.items() if r not in recorded]
     if silent:  # a tie goes to the death
@@ -192,11 +194,8 @@ _ECHO_GRACE_S = 3.0
 
 def _only_echoes(folder: str, ranks) -> bool:
     """Whether each of ``ranks`` recorded an error raised inside torch.distributed."""
-    for r in ranks:
-        f = Path(folder) / f"rank{r}.err"
-        if not f.is_file() or not pickle.loads(f.read_bytes()).get("collective"):
-            return False
-    return True
+    return all((rec := _load_error(folder, r)) is not None and rec.get("collective")
+               for r in ranks)
 
 
 def _stop(procs: list) -> None:
