@@ -16,6 +16,7 @@ eagerly.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import numpy as np
@@ -23,6 +24,7 @@ import torch
 
 from llmnote.engine.scheduler import ScheduledBatch
 from llmnote.engine.step_kernels import StepBuffers, feed_step, greedy_tokens
+from llmnote.ops._compile import NotPrecompilable, compile_only
 from llmnote.ops._pdl import dependent_launches
 
 GRAPH_BATCH_SIZES = tuple(2**i for i in range(16))  # captured: those < max_num_seqs, and it
@@ -144,9 +146,17 @@ class CudaGraphs:
             self._graph(b)
         torch.cuda.synchronize(self.device)
 
+    def _compile_graph(self, b: int, splits: int) -> None:
+        """Compile the kernels of batch size ``b``'s decode forward in parallel, running
+        none (:func:`llmnote.ops._compile.compile_only`; inputs on the scratch block)."""
+        with contextlib.suppress(NotPrecompilable), compile_only(), \
+                dependent_launches(self.config.dependent_launches):
+            self._decode_graph_forward(b, splits)
+
     def _capture(self, b: int, splits: int, pool=None) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
-        """Warm up (Triton compiles, GEMVs tune, outside the capture) and capture the decode
-        forward of batch size ``b``: (graph, its logits)."""
+        """Compile its kernels, warm up (GEMVs tune, outside the capture) and capture the
+        decode forward of batch size ``b``: (graph, its logits)."""
+        self._compile_graph(b, splits)
         with dependent_launches(self.config.dependent_launches):
             for _ in range(2):
                 self.g_step.step.zero_()

@@ -38,6 +38,7 @@ from llmnote.engine.qkv_kernel import qk_norm_rope_write, qk_norm_rope_write_ref
 from llmnote.engine.sampler import sample
 from llmnote.engine.scheduler import ScheduledBatch
 from llmnote.models.llama import Llama
+from llmnote.ops._compile import compile_only
 from llmnote.ops.fused_gemv import add_rmsnorm_gemv
 from llmnote.ops.rope import rope_ref
 
@@ -108,6 +109,7 @@ class ModelRunner(CudaGraphs, GraphTuning, MultiStep, Batch1Paths):
                                       device=self.device)
         if self.use_graphs:
             self._init_graphs()
+        self._cold = self.device.type == "cuda"  # the first step compiles in parallel first
 
     # ------------------------------------------------------------ inputs
     def _long(self, xs: list[int]) -> torch.Tensor:
@@ -297,10 +299,38 @@ class ModelRunner(CudaGraphs, GraphTuning, MultiStep, Batch1Paths):
                      "g_step", "h_tokens", "_rope", "rope_table", "_o_acc", "_zero_row"):
             self.__dict__.pop(name, None)
 
+    def _precompile(self, batch: ScheduledBatch) -> None:
+        """Compile the Triton kernels of the first step (its forward and sampler) and of
+        batch 1's decode graph all at once, in parallel, running nothing
+        (:func:`~llmnote.ops._compile.compile_only`): on a cold kernel cache the first
+        request otherwise compiles them one after another (engine.csv's start-up rows).
+        Best effort: whatever fails here, the step itself compiles and reports."""
+        from llmnote.engine.paged_kernel import decode_splits
+
+        self._cold = False
+        try:
+            with compile_only():
+                if self._graph_size(batch) is None:
+                    ids, pos, meta, last = self.prepare(batch)
+                    logits = self.forward(ids, pos, meta, last)
+                    sampling = [seq for seq, n in batch.items if seq.num_computed + n == len(seq)]
+                    if sampling:  # on zeros (the skipped kernels wrote nothing), own generators
+                        gens = [torch.Generator(self.device) for _ in sampling]
+                        sample(torch.zeros_like(logits), [s.params for s in sampling], gens,
+                               histories=[(s.token_ids, s.num_prompt_tokens) for s in sampling])
+                if self.use_graphs and 1 in self.graph_sizes:
+                    self._scratch_inputs()
+                    hkv = self.model.config.num_key_value_heads
+                    self._compile_graph(1, decode_splits(1, hkv, self.max_model_len, self.device))
+        except Exception:  # noqa: BLE001 (the real step raises it again, where it belongs)
+            pass
+
     def logits(self, batch: ScheduledBatch) -> torch.Tensor:
         """Run one step: the logits ``(rows, vocab)`` of its sequences that sample next (every
         token computed after the step), in batch order; a CUDA graph replay for a step of
         one token per sequence where graphs are captured, else the eager forward."""
+        if self._cold:
+            self._precompile(batch)
         logits = self._replay(batch)
         if logits is None:
             ids, pos, meta, last = self.prepare(batch)

@@ -409,8 +409,13 @@ def _runner(model: Llama, config: EngineConfig, dev: torch.device):
     n = choose_num_blocks(model, config, p.dtype, dev, max_len)
     t = torch.tensor([n], dtype=torch.long, device=dev)
     dist.all_reduce(t, op=dist.ReduceOp.MIN)  # also the first collective: NCCL sets up here
-    return ModelRunner(model, config.replace(num_blocks=int(t.item()), gemv=False,
-                                             tensor_parallel_size=1))
+    runner = ModelRunner(model, config.replace(num_blocks=int(t.item()), gemv=False,
+                                               tensor_parallel_size=1))
+    # no parallel compile of the first step: its compile-only forward would run the
+    # all-reduces too, and a rank whose compile-only pass stopped early would leave its
+    # peers waiting in one; each kernel compiles at its first launch instead
+    runner._cold = False
+    return runner
 
 
 def _mirror(seqs: dict[int, Sequence], item: tuple) -> Sequence:

@@ -37,6 +37,8 @@ from typing import Any
 
 import torch
 
+from llmnote.ops._compile import compiling_only
+
 SHIPPED_DIR = Path(__file__).resolve().parent.parent / "data" / "tuned"
 CACHES: dict[str, TuneCache] = {}  # every cache by name (tools/ship_tuning.py writes them all)
 
@@ -106,7 +108,9 @@ class TuneCache:
         """The config of ``key``: the chosen one, else the fastest of ``candidates`` by timing
         ``launch(config)`` (only when ``timing``, which the caller makes false off the GPU,
         when there is more than one and no CUDA graph is being captured; otherwise the
-        first), remembered from now on."""
+        first), remembered from now on. Inside :func:`llmnote.ops._compile.compile_only`
+        a key with no choice yet launches (compiles) every candidate, returns the first and
+        remembers nothing."""
         self.note(key)
         if key in self.chosen:
             return self.chosen[key]
@@ -115,6 +119,11 @@ class TuneCache:
         shipped = self._shipped_choice(key) if timing else None
         if shipped is not None and shipped in candidates:  # chosen on this GPU model before
             cfg = shipped
+        elif compiling_only():  # every candidate the first real call will time: compiled now
+            for c in candidates[1:] if timing else []:
+                with contextlib.suppress(Exception):  # one that cannot run is skipped then too
+                    launch(c)
+            return candidates[0]  # (nothing chosen)
         elif len(candidates) > 1 and timing and not torch.cuda.is_current_stream_capturing():
             cfg = self._fastest(key, candidates, launch)
         else:

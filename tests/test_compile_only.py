@@ -1,0 +1,115 @@
+"""llmnote.ops._compile.compile_only: launches inside it compile (in parallel) and run
+nothing; the engine's first step uses it without changing what the step computes."""
+
+import pytest
+import torch
+import triton
+import triton.language as tl
+
+from llmnote import device
+from llmnote.ops import _compile
+from llmnote.ops._compile import NotPrecompilable, compile_only, compiling_only
+from llmnote.ops._tuning import TuneCache
+
+gpu = pytest.mark.skipif(not device.on_gpu(), reason="needs a CUDA GPU (compiled kernels)")
+
+
+@triton.jit
+def _add_one_kernel(x_ptr, y_ptr, n, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    tl.store(y_ptr + offs, tl.load(x_ptr + offs, mask=offs < n) + 1, mask=offs < n)
+
+
+@triton.autotune(configs=[triton.Config({"BLOCK": 64}), triton.Config({"BLOCK": 128})], key=["n"])
+@triton.jit
+def _tuned_add_one_kernel(x_ptr, y_ptr, n, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    tl.store(y_ptr + offs, tl.load(x_ptr + offs, mask=offs < n) + 1, mask=offs < n)
+
+
+def _add_one(x, y, block):
+    _add_one_kernel[(triton.cdiv(x.numel(), block),)](x, y, x.numel(), BLOCK=block)
+
+
+def test_a_tuned_launch_compiles_every_candidate_and_chooses_none():
+    cache, launched = TuneCache("t"), []
+    token = _compile._active.set(True)  # as inside compile_only, without a GPU
+    try:
+        assert compiling_only()
+        assert cache.tune("k", ["a", "b", "c"], launched.append, timing=True) == "a"
+    finally:
+        _compile._active.reset(token)
+    assert launched == ["b", "c"]  # the caller launches "a" itself
+    assert cache.get("k") is None  # the first real call times them
+    assert cache.tune("k", ["a"], launched.append, timing=False) == "a" and cache.get("k") == "a"
+
+
+def test_a_candidate_that_fails_to_launch_is_skipped():
+    def launch(c):
+        launched.append(c)
+        if c == "b":
+            raise RuntimeError("out of shared memory")
+
+    cache, launched = TuneCache("t"), []
+    token = _compile._active.set(True)
+    try:
+        assert cache.tune("k", ["a", "b", "c"], launch, timing=True) == "a"
+    finally:
+        _compile._active.reset(token)
+    assert launched == ["b", "c"]
+
+
+@pytest.mark.skipif(not device.interpreting(), reason="Triton's interpreter only")
+def test_the_interpreter_compiles_nothing():
+    with pytest.raises(NotPrecompilable, match="interpreter"), compile_only():
+        pass
+    assert not compiling_only()
+
+
+@pytest.mark.gpu
+@gpu
+def test_a_launch_inside_compiles_and_runs_nothing():
+    x = torch.arange(1000, dtype=torch.float32, device="cuda")
+    y = torch.full_like(x, float("nan"))
+    block = 256  # this kernel's only launches are here: a specialization new to the process
+    cache = _add_one_kernel.device_caches[torch.cuda.current_device()][0]
+    before = len(cache)
+    with compile_only(workers=4):
+        assert compiling_only()
+        _add_one(x, y, block)
+    assert not compiling_only()
+    torch.cuda.synchronize()
+    assert torch.isnan(y).all()  # nothing ran
+    assert len(cache) == before + 1  # compiled, and kept for the real launch
+    _add_one(x, y, block)
+    assert len(cache) == before + 1  # no second compile
+    torch.testing.assert_close(y, x + 1, rtol=0, atol=0)
+
+
+@pytest.mark.gpu
+@gpu
+def test_triton_autotune_inside_is_refused_and_works_after():
+    x = torch.arange(300, dtype=torch.float32, device="cuda")
+    y = torch.zeros_like(x)
+    grid = lambda meta: (triton.cdiv(300, meta["BLOCK"]),)  # noqa: E731
+    with pytest.raises(NotPrecompilable, match="_tuned_add_one_kernel"), compile_only():
+        _tuned_add_one_kernel[grid](x, y, 300)
+    _tuned_add_one_kernel[grid](x, y, 300)  # the autotuner times and runs as usual
+    torch.testing.assert_close(y, x + 1, rtol=0, atol=0)
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_the_engine_first_step_computes_the_same_with_and_without_it(temperature):
+    from llmnote.engine import LLM, SamplingParams
+
+    prompts = [[5, 6, 7, 8, 9], list(range(20, 53))]
+    params = SamplingParams(temperature=temperature, max_tokens=12, seed=3, ignore_eos=True)
+    outs = []
+    for precompile in (True, False):
+        with LLM("shakespeare", max_model_len=128) as llm:
+            llm.runner._cold = precompile
+            outs.append([o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)])
+            assert not llm.runner._cold  # only the first step
+    assert outs[0] == outs[1]
