@@ -92,6 +92,7 @@ class MLAModelRunner(ModelRunner):
         self.graphs, self.num_graph_steps, self.num_decode_runs = {}, 0, 0
         self.absorbed = [absorb_weights(layer.self_attn.kv_b_proj.weight, c.num_attention_heads,
                                         c.qk_nope_head_dim) for layer in model.model.layers]
+        self._cold = self.device.type == "cuda"  # the first step compiles in parallel first
 
     def _attend(self, i: int, q_lat: torch.Tensor, q_rope: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
