@@ -1,6 +1,7 @@
 """Per-chapter wall time: with ``LLMNOTE_TIMINGS=path.csv`` set, the time nbval spends
 in each notebook (the sum of its cells' setup, call and teardown) is written there at
-the end of the run, one row per notebook with the hardware (the columns of
+the end of the run (and, when the notebooks run one after another, as each one ends:
+a run cut short keeps the times of the notebooks it finished), one row per notebook with the hardware (the columns of
 ``llmnote.bench.COLUMNS``). ``make test-gpu`` sets it; ``tools/chapter_times.py`` merges
 such files into ``llmnote/data/results/chapters.csv``."""
 
@@ -12,6 +13,7 @@ from pathlib import Path
 
 _TIMES: dict[str, float] = defaultdict(float)
 _FAILED: set[str] = set()
+_SEQUENTIAL: list[bool] = [False]  # one process runs every notebook, in order
 
 
 def pytest_configure(config):
@@ -21,6 +23,8 @@ def pytest_configure(config):
     2 s alone ran past its 240 s limit beside 11 other test processes on a 16-core GPU
     host.)"""
     workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT") or 0)
+    _SEQUENTIAL[0] = "PYTEST_XDIST_WORKER" not in os.environ and not (
+        config.pluginmanager.hasplugin("xdist") and config.getoption("numprocesses", None))
     if workers > 1:
         share = str(max(1, (os.cpu_count() or 1) // workers))
         os.environ.setdefault("OMP_NUM_THREADS", share)
@@ -32,12 +36,18 @@ def pytest_configure(config):
 def pytest_runtest_logreport(report):
     path = report.nodeid.split("::")[0]
     if path.endswith(".ipynb"):
+        if _SEQUENTIAL[0] and _TIMES and path not in _TIMES:  # the ones before it are done
+            _write()
         _TIMES[path] += report.duration
         if report.failed:
             _FAILED.add(path)
 
 
 def pytest_sessionfinish(session, exitstatus):
+    _write()
+
+
+def _write() -> None:
     out = os.environ.get("LLMNOTE_TIMINGS")
     if not out or not _TIMES:
         return
