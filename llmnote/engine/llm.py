@@ -61,6 +61,7 @@ from llmnote.engine.speculative import SpeculativeConfig, Speculator, check_para
 from llmnote.models.deepseek import DeepseekV3
 from llmnote.models.llama import Llama, LlamaOps
 from llmnote.nvtx import annotate
+from llmnote.ops._compile import warm_up_in_background
 
 
 _LIVE: weakref.WeakSet = weakref.WeakSet()  # the engines of this process not yet closed
@@ -98,6 +99,7 @@ class LLM:
         self.config = config
         self._closed = False
         if torch.cuda.is_available():
+            warm_up_in_background()  # Triton's once-per-process set-up, while the model loads
             gc.collect()  # engines dropped without close() hold reference cycles:
             torch.cuda.empty_cache()  # give their GPU memory back before this one sizes its own
         try:

@@ -5,27 +5,39 @@ specialization (its constexprs, dtypes, and which integer arguments are 1 or mul
 of 16), and it does so one kernel after another: the MLIR passes, ``ptxas``, and (Triton
 3.6) a C compiler run for the kernel's launcher. An engine's first request launches a
 dozen or two such kernels: on an H100 that was 8-10 s of the first request on a fresh
-machine (``engine.csv``'s ``startup-*-cold`` rows), while the same request takes under a
-second once the cache holds them.
+machine, while the same request takes under a second once the cache holds them
+(``engine.csv``'s ``startup-*`` rows).
 
-:func:`compile_only` runs a block with every Triton launch turned into a compile
-(Triton's ``warmup``) submitted to a thread pool through Triton's
-``AsyncCompileMode``; each worker then builds the kernel's launcher as well. PyTorch
-operations in the block run as usual, on buffers the skipped kernels never wrote, so
-the block's results are meaningless: call it with the same shapes as the real work,
-then do the real work. Kernels already compiled are not compiled again, and a tuned
-launch (:class:`llmnote.ops._tuning.TuneCache`) compiles every candidate it would time,
+:func:`compile_only` runs a block with every Triton launch turned into a compile that
+runs elsewhere, and the kernel not launched. Where the operating system can fork
+(Linux), each specialization goes to a pool of forked worker processes through
+Triton's ``jit_cache_hook``: a worker compiles it with ``JITFunction.preload`` (the
+specialization Triton serialises for the hook), builds its launcher, and leaves both
+in Triton's on-disk cache, where the real launch finds them. Workers never touch the
+GPU (a forked process cannot use CUDA), only the compiler. Elsewhere, compiles go to a
+pool of threads through Triton's ``AsyncCompileMode``; threads share Python's lock,
+which much of Triton's compiler holds (15 kernels: 5.1 s one by one, 2.1 s on 16
+threads, on the H100 machine's CPU).
+
+PyTorch operations in the block run as usual, on buffers the skipped kernels never
+wrote, so the block's results are meaningless: call it with the same shapes as the
+real work, then do the real work. A tuned launch
+(:class:`llmnote.ops._tuning.TuneCache`) compiles every candidate it would time,
 choosing none. A block that would run Triton's own autotuner raises
-:class:`NotPrecompilable` (its benchmarks need real launches).
+:class:`NotPrecompilable` (its benchmarks need real launches). Compiles that fail in
+the block are dropped: the real launch compiles again and raises where it belongs.
 """
 
 from __future__ import annotations
 
 import contextlib
 import contextvars
+import multiprocessing
 import os
+import sys
+import threading
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor, wait
 
 _active: contextvars.ContextVar[bool] = contextvars.ContextVar("llmnote_compile_only", default=False)
 
@@ -39,7 +51,62 @@ def compiling_only() -> bool:
     return _active.get()
 
 
-class _Pool(ThreadPoolExecutor):
+def _jit_function(module: str, qualname: str):
+    """The ``JITFunction`` a module defines under ``qualname`` (unwrapping Triton's
+    autotune and heuristics wrappers), or None."""
+    from triton.runtime.jit import JITFunction
+
+    obj = sys.modules.get(module)
+    for part in qualname.split("."):
+        obj = getattr(obj, part, None)
+    while obj is not None and not isinstance(obj, JITFunction):
+        obj = getattr(obj, "fn", None)
+    return obj
+
+
+def _compile_in_worker(module: str, qualname: str, data: str, device: int, target) -> None:
+    """In a forked worker: compile one specialization and build its launcher, both
+    into Triton's on-disk cache. The worker answers Triton's questions about the GPU
+    with the parent's answers (CUDA cannot be used after a fork)."""
+    from triton import knobs
+    from triton.runtime import driver
+
+    knobs.runtime.jit_cache_hook = None  # (inherited from the parent's block, as is:)
+    _active.set(False)
+    d = driver.active
+    d.get_current_device = lambda: device
+    d.get_current_target = lambda: target
+    kernel = _jit_function(module, qualname).preload(data)
+    d.launcher_cls(kernel.src, kernel.metadata)
+
+
+class _Processes:
+    """Specializations sent to forked workers, each once."""
+
+    def __init__(self, workers: int) -> None:
+        from triton.runtime import driver
+
+        self.pool = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("fork"))
+        self.device = driver.active.get_current_device()
+        self.target = driver.active.get_current_target()
+        self.sent: dict[str, object] = {}
+
+    def hook(self, *, fn, compile, **_) -> bool:
+        """Triton's ``jit_cache_hook``: True (skip the in-process compile) once sent."""
+        data = compile["specialization_data"]
+        if data not in self.sent:
+            if _jit_function(fn.module, fn.name) is not fn.jit_function:
+                return False  # not reachable by name in a worker: compiled here
+            self.sent[data] = self.pool.submit(_compile_in_worker, fn.module, fn.name, data,
+                                               self.device, self.target)
+        return True
+
+    def close(self) -> None:
+        wait(list(self.sent.values()))
+        self.pool.shutdown()
+
+
+class _Threads(ThreadPoolExecutor):
     """Compiles a kernel, then builds its launcher (cached by Triton next to the kernel),
     so that the first real launch only loads both."""
 
@@ -54,11 +121,17 @@ class _Pool(ThreadPoolExecutor):
         return super().submit(compile_and_build)
 
 
+def _can_fork() -> bool:
+    return "fork" in multiprocessing.get_all_start_methods() and sys.platform == "linux"
+
+
 @contextlib.contextmanager
-def compile_only(workers: int | None = None) -> Iterator[None]:
-    """Inside the block, Triton launches compile (``workers`` threads, default: the CPU
-    count up to 16) and run nothing; leaving the block waits for every compile and
-    raises the first compile error."""
+def compile_only(workers: int | None = None, processes: bool | None = None) -> Iterator[None]:
+    """Inside the block, Triton launches compile (``workers`` at a time, default: the
+    CPU count up to 16; in forked processes where ``processes`` is True or, by default,
+    where the system forks; else in threads) and run nothing. Leaving the block waits
+    for every compile."""
+    from triton import knobs
     from triton.runtime._async_compile import AsyncCompileMode
     from triton.runtime.autotuner import Autotuner
     from triton.runtime.jit import JITFunction
@@ -70,10 +143,23 @@ def compile_only(workers: int | None = None) -> Iterator[None]:
     if _active.get():  # nested: the outer block compiles
         yield
         return
-    run, tune = JITFunction.run, Autotuner.run
+    run, tune, hook = JITFunction.run, Autotuner.run, knobs.runtime.jit_cache_hook
+    forked = _can_fork() if processes is None else processes
+    n = workers or min(16, os.cpu_count() or 1)
 
     def compile_(self, *args, grid, warmup, **kwargs):
-        return run(self, *args, grid=grid, warmup=warmup or _active.get(), **kwargs)
+        if not _active.get():
+            return run(self, *args, grid=grid, warmup=warmup, **kwargs)
+        if not forked:
+            return run(self, *args, grid=grid, warmup=True, **kwargs)
+        try:
+            return run(self, *args, grid=grid, warmup=True, **kwargs)
+        except TypeError:  # a constexpr Triton cannot serialise for the hook: compile here
+            ours, knobs.runtime.jit_cache_hook = knobs.runtime.jit_cache_hook, hook
+            try:
+                return run(self, *args, grid=grid, warmup=True, **kwargs)
+            finally:
+                knobs.runtime.jit_cache_hook = ours
 
     def refuse(self, *args, **kwargs):
         if _active.get():
@@ -81,12 +167,58 @@ def compile_only(workers: int | None = None) -> Iterator[None]:
                                    f"timed by running them")
         return tune(self, *args, **kwargs)
 
-    n = workers or min(16, os.cpu_count() or 1)
+    wait_warm()  # (no fork while the warm-up thread runs)
     token = _active.set(True)
     JITFunction.run, Autotuner.run = compile_, refuse
     try:
-        with _Pool(n) as pool, AsyncCompileMode(pool):
-            yield
+        if forked:
+            pool = _Processes(n)
+            knobs.runtime.jit_cache_hook = pool.hook
+            try:
+                yield
+            finally:
+                knobs.runtime.jit_cache_hook = hook
+                pool.close()
+        else:
+            with _Threads(n) as threads, AsyncCompileMode(threads):
+                yield
     finally:
         JITFunction.run, Autotuner.run = run, tune
         _active.reset(token)
+
+
+_warmed: dict[str, threading.Thread] = {}
+
+
+def warm_up_in_background() -> None:
+    """Start, in a thread, the work Triton does once per process before its first
+    compile or cache lookup: build (or load) its CUDA helper module and hash its own
+    sources and library into the cache key (0.5-1 s on the H100 machine). An engine
+    calls this while it loads, and :func:`wait_warm` before its first step."""
+    if "t" in _warmed or device_cannot_compile():
+        return
+
+    def warm():
+        with contextlib.suppress(Exception):  # whatever fails, the first launch meets again
+            from triton.runtime import driver
+            from triton.runtime.cache import triton_key
+
+            driver.active.get_current_target()
+            triton_key()
+
+    _warmed["t"] = threading.Thread(target=warm, name="llmnote-triton-warm-up", daemon=True)
+    _warmed["t"].start()
+
+
+def wait_warm() -> None:
+    """Wait for :func:`warm_up_in_background` (no fork while it runs)."""
+    t = _warmed.get("t")
+    if t is not None:
+        t.join()
+
+
+def device_cannot_compile() -> bool:
+    from llmnote import device
+
+    return device.interpreting() or not device.on_gpu()
+
