@@ -113,3 +113,21 @@ def test_the_engine_first_step_computes_the_same_with_and_without_it(temperature
             outs.append([o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)])
             assert not llm.runner._cold  # only the first step
     assert outs[0] == outs[1]
+
+
+@pytest.mark.skipif(not _compile._can_fork(), reason="forked workers (Linux)")
+def test_a_stuck_worker_is_killed_after_the_timeout():
+    import time
+    from concurrent.futures import ProcessPoolExecutor
+    from multiprocessing import get_context
+
+    procs = _compile._Processes.__new__(_compile._Processes)  # no GPU needed to wait
+    procs.pool = ProcessPoolExecutor(1, mp_context=get_context("fork"))
+    procs.sent = {"data": (procs.pool.submit(time.sleep, 600), None)}
+    workers = list(procs.pool._processes.values())
+    t = time.perf_counter()
+    procs.close(timeout=0.5)
+    assert time.perf_counter() - t < 10  # not the 600 s the worker would take
+    for w in workers:
+        w.join(timeout=10)
+        assert not w.is_alive()

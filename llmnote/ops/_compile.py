@@ -107,17 +107,24 @@ class _Processes:
             self.sent[data] = (future, fn.jit_function)
         return True
 
-    def close(self) -> None:
+    def close(self, timeout: float = 120.0) -> None:
         """Wait for the workers, loading each kernel they finish into this process (and
         onto the GPU, with its launcher) while the others still compile; call it with
-        the hook removed."""
+        the hook removed. Workers still busy after ``timeout`` seconds (one stuck, say
+        on a lock that another thread held when the process forked) are killed: their
+        kernels compile here at their first launch, as without this block."""
         jit = {future: (fn, data) for data, (future, fn) in self.sent.items()}
-        for future in as_completed(jit):
-            if future.exception() is None:
-                fn, data = jit[future]
-                with contextlib.suppress(Exception):  # (the real launch tries again)
-                    fn.preload(data)._init_handles()
-        self.pool.shutdown()
+        try:
+            for future in as_completed(jit, timeout=timeout):
+                if future.exception() is None:
+                    fn, data = jit[future]
+                    with contextlib.suppress(Exception):  # (the real launch tries again)
+                        fn.preload(data)._init_handles()
+        except TimeoutError:
+            for process in list((getattr(self.pool, "_processes", None) or {}).values()):
+                process.kill()
+        finally:
+            self.pool.shutdown(wait=False, cancel_futures=True)
 
 
 class _Threads(ThreadPoolExecutor):
@@ -154,6 +161,8 @@ def compile_only(workers: int | None = None, processes: bool | None = None) -> I
 
     if device.interpreting():  # kernels run on the CPU: nothing compiles
         raise NotPrecompilable("Triton's interpreter runs kernels, it does not compile them")
+    if not device.on_gpu():  # (the reference ops: a GPU older than sm_80, or none)
+        raise NotPrecompilable("no Triton kernel is compiled on this device")
     if _active.get():  # nested: the outer block compiles
         yield
         return
@@ -207,9 +216,12 @@ _warmed: dict[str, threading.Thread] = {}
 def warm_up_in_background() -> None:
     """Start, in a thread, the work Triton does once per process before its first
     compile or cache lookup: build (or load) its CUDA helper module and hash its own
-    sources and library into the cache key (0.5-1 s on the H100 machine). An engine
-    calls this while it loads, and :func:`wait_warm` before its first step."""
-    if "t" in _warmed or device_cannot_compile():
+    sources and library into the cache key (the helper's build alone took 0.5 s on an
+    empty cache on the H100 machine). An engine calls this while it loads;
+    :func:`compile_only` waits for it."""
+    from llmnote import device
+
+    if "t" in _warmed or device.interpreting() or not device.on_gpu():
         return
 
     def warm():
@@ -229,10 +241,4 @@ def wait_warm() -> None:
     t = _warmed.get("t")
     if t is not None:
         t.join()
-
-
-def device_cannot_compile() -> bool:
-    from llmnote import device
-
-    return device.interpreting() or not device.on_gpu()
 
