@@ -1,8 +1,8 @@
 """Per-chapter wall time: with ``LLMNOTE_TIMINGS=path.csv`` set, the time nbval spends
 in each notebook (the sum of its cells' setup, call and teardown) is written there at
-the end of the run (and, when the notebooks run one after another, as each one ends:
-a run cut short keeps the times of the notebooks it finished), one row per notebook with the hardware (the columns of
-``llmnote.bench.COLUMNS``). ``make test-gpu`` sets it; ``tools/chapter_times.py`` merges
+the end of the run, one row per notebook with the hardware (the columns of
+``llmnote.bench.COLUMNS``); when the notebooks run one after another, also as each one
+ends, so a run cut short keeps the times of the notebooks it finished. ``make test-gpu`` sets it; ``tools/chapter_times.py`` merges
 such files into ``llmnote/data/results/chapters.csv``."""
 
 from __future__ import annotations

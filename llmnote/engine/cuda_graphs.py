@@ -127,14 +127,11 @@ class CudaGraphs:
         the graph (``EngineConfig.tune_graph``, :meth:`_tune_batch1_graph`)."""
         if b in self.graphs:
             return self.graphs[b]
-        from llmnote.engine.paged_kernel import decode_splits
-
-        hkv = self.model.config.num_key_value_heads
         self._scratch_inputs()  # queued after whatever the GPU still runs: nothing in flight reads it
         if b == 1 and (self.use_gemv or self.use_w4) and self.config.tune_graph:
-            self._tune_batch1_graph(decode_splits(1, hkv, self.max_model_len, self.device))
+            self._tune_batch1_graph(self._splits(1))
             self._scratch_inputs()
-        g, out = self._capture(b, decode_splits(b, hkv, self.max_model_len, self.device), self._pool)
+        g, out = self._capture(b, self._splits(b), self._pool)
         self._pool = g.pool() if self._pool is None else self._pool
         self.graphs[b] = (g, out)
         return g, out
@@ -145,6 +142,13 @@ class CudaGraphs:
         for b in sorted(sizes or self.graph_sizes, reverse=True):
             self._graph(b)
         torch.cuda.synchronize(self.device)
+
+    def _splits(self, b: int) -> int:
+        """The split-KV count of batch size ``b``'s captured paged decode (its longest context)."""
+        from llmnote.engine.paged_kernel import decode_splits
+
+        return decode_splits(b, self.model.config.num_key_value_heads, self.max_model_len,
+                             self.device)
 
     def _compile_graph(self, b: int, splits: int) -> None:
         """Compile the kernels of batch size ``b``'s decode forward in parallel, running

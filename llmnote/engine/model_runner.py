@@ -305,8 +305,6 @@ class ModelRunner(CudaGraphs, GraphTuning, MultiStep, Batch1Paths):
         (:func:`~llmnote.ops._compile.compile_only`): on a cold kernel cache the first
         request otherwise compiles them one after another (engine.csv's start-up rows).
         Best effort: whatever fails here, the step itself compiles and reports."""
-        from llmnote.engine.paged_kernel import decode_splits
-
         self._cold = False
         try:
             with compile_only():
@@ -320,8 +318,7 @@ class ModelRunner(CudaGraphs, GraphTuning, MultiStep, Batch1Paths):
                                histories=[(s.token_ids, s.num_prompt_tokens) for s in sampling])
                 if self.use_graphs and 1 in self.graph_sizes:
                     self._scratch_inputs()
-                    hkv = self.model.config.num_key_value_heads
-                    self._compile_graph(1, decode_splits(1, hkv, self.max_model_len, self.device))
+                    self._compile_graph(1, self._splits(1))
         except Exception:  # noqa: BLE001 (the real step raises it again, where it belongs)
             pass
 
