@@ -10,7 +10,6 @@ interpreters (seconds), so engines are few."""
 
 from __future__ import annotations
 
-import _thread
 import dataclasses
 import math
 import multiprocessing as mp
@@ -203,11 +202,18 @@ def test_interrupted_driver_reads_no_stale_tokens(tiny_llama):
         want = [o.token_ids for o in one.generate(prompts, sp, use_tqdm=False)]
         want_steps = [s["seq_ids"] for s in one.step_log]
     with LLM(m, device="cpu", tensor_parallel_size=2) as llm:
-        timer = threading.Timer(0.3, _thread.interrupt_main)
-        timer.start()
-        with pytest.raises(KeyboardInterrupt):
-            llm.generate([[9, 9, 9, 9]], sp, use_tqdm=False)
-        timer.join()
+        # a real SIGINT, as Ctrl-C sends, to Python's own handler (whatever an earlier test
+        # or library in this process left there: with another one installed the test once
+        # passed through the wait without an interrupt); rank 0 sleeps 1 s in that step
+        old = signal.signal(signal.SIGINT, signal.default_int_handler)
+        timer = threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGINT))
+        try:
+            timer.start()
+            with pytest.raises(KeyboardInterrupt):
+                llm.generate([[9, 9, 9, 9]], sp, use_tqdm=False)
+            timer.join()
+        finally:
+            signal.signal(signal.SIGINT, old)
         llm.step_log.clear()
         got = [o.token_ids for o in llm.generate(prompts, sp, use_tqdm=False)]
         # every step got its own answer: a late one would leave a step without tokens
