@@ -2,14 +2,20 @@
 in each notebook (the sum of its cells' setup, call and teardown) is written there at
 the end of the run, one row per notebook with the hardware (the columns of
 ``llmnote.bench.COLUMNS``); when the notebooks run one after another, also as each one
-ends, so a run cut short keeps the times of the notebooks it finished. ``make test-gpu`` sets it; ``tools/chapter_times.py`` merges
-such files into ``llmnote/data/results/chapters.csv``."""
+ends, so a run cut short keeps the times of the notebooks it finished. ``make test-gpu``
+sets it; ``tools/chapter_times.py`` merges such files into
+``llmnote/data/results/chapters.csv``.
+
+Under pytest-xdist (``-n``), a notebook's cells share one kernel, so they must run in
+one worker: xdist's default distribution (``load``) is replaced by ``loadfile``."""
 
 from __future__ import annotations
 
 import os
 from collections import defaultdict
 from pathlib import Path
+
+import pytest
 
 _TIMES: dict[str, float] = defaultdict(float)
 _FAILED: set[str] = set()
@@ -31,6 +37,19 @@ def pytest_configure(config):
         import torch
 
         torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+
+
+@pytest.hookimpl(optionalhook=True)  # (a hook of xdist's, which may not be installed)
+def pytest_xdist_make_scheduler(config, log):
+    """``-n`` alone (``--dist load``) would send a notebook's cells to different workers,
+    each with its own kernel, where a cell misses the names the cells before it defined:
+    each file (notebook or test module) goes to one worker instead. Other ``--dist``
+    modes are kept."""
+    if config.getvalue("dist") == "load":
+        from xdist.scheduler import LoadFileScheduling
+
+        return LoadFileScheduling(config, log)
+    return None
 
 
 def pytest_runtest_logreport(report):
