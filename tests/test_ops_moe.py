@@ -9,8 +9,10 @@ from llmnote.testing import assert_close_lowp
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 # (tokens, experts, top-k): odd token counts, E in {4, 8}, k from 1 to E
-# (161, 4, 2): 80 pairs an expert, the prefill tiles on a GPU
-CASES = [(1, 4, 1), (7, 8, 2), (13, 4, 4), (33, 8, 8), (5, 8, 3), (161, 4, 2)]
+# (161, 4, 2): 80 pairs an expert, the prefill tiles on a GPU; one token takes its own
+# path (moe_one_token.py): k = 1, 3 and 8, E up to Qwen3-30B-A3B's 128
+CASES = [(1, 4, 1), (7, 8, 2), (13, 4, 4), (33, 8, 8), (5, 8, 3), (161, 4, 2), (1, 8, 3),
+         (1, 128, 8)]
 
 
 def moe_atol(ref_hi, dtype, h, i):
@@ -146,6 +148,64 @@ def test_an_id_out_of_range_adds_nothing(bad_id, dev, seed, monkeypatch):
     assert float((got.double() - ref).abs().max()) < 1e-4
 
 
+def test_one_token_takes_the_path_without_a_sort(dev, seed, monkeypatch):
+    """One token: no align (its k slots name k different experts, nothing to share); two
+    tokens: the sorted path."""
+    from llmnote.ops import moe as M
+
+    calls = []
+    align = M.moe_align
+    monkeypatch.setattr(M, "moe_align", lambda *a, **kw: calls.append(1) or align(*a, **kw))
+    x, w13, w2, w, ids = make(2, 8, 2, torch.float32, dev)
+    ref = fused_moe_ref(x.double(), w13.double(), w2.double(), w, ids)
+    assert float((fused_moe(x[:1], w13, w2, w[:1], ids[:1]).double() - ref[:1]).abs().max()) < 1e-5
+    assert calls == []
+    assert float((fused_moe(x, w13, w2, w, ids).double() - ref).abs().max()) < 1e-5
+    assert calls == [1]
+
+
+@pytest.mark.parametrize("bad_id", [-1, 4, 1000])
+def test_one_token_slot_out_of_range_adds_nothing(bad_id, dev, seed, monkeypatch):
+    """As test_an_id_out_of_range_adds_nothing, on the one-token path (the last slot and
+    the first out of range; new float buffers NaN)."""
+    from llmnote.ops import moe_one_token as M1
+
+    empty = torch.empty
+
+    def nan_empty(*args, **kw):
+        t = empty(*args, **kw)
+        return t.fill_(float("nan")) if t.is_floating_point() else t
+
+    x, w13, w2, w, ids = make(1, 4, 3, torch.float32, dev)
+    bad, keep = ids.clone(), w.clone()
+    bad[0, 0], bad[0, 2], keep[0, 0], keep[0, 2] = bad_id, bad_id, 0, 0
+    ref = fused_moe_ref(x.double(), w13.double(), w2.double(), keep, ids)
+    monkeypatch.setattr(torch, "empty", nan_empty)
+    tile = M1.TILES[0] if dev.type == "cuda" else M1.INTERPRETER_TILE
+    got = M1._forward(x, w13.contiguous(), w2.contiguous(), w, bad, tile)
+    assert float((got.double() - ref).abs().max()) < 1e-5
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_one_token_gpu_tiles_in_the_interpreter(dtype, dev, seed):
+    """Every one-token tile a GPU may choose, in the interpreter, on sizes that leave a
+    part tile in every dimension (H and I not multiples of any tile's BLOCK_N or
+    BLOCK_K, H past 512 so that every tile's K loop runs more than once)."""
+    from llmnote.ops import moe_one_token as M1
+
+    if dev.type == "cuda":
+        pytest.skip("on a GPU the other tests run the chosen tile compiled")
+    h, i = 531, 77
+    x, w13, w2, w, ids = make(1, 16, 4, dtype, dev, h=h, i=i)
+    hi = torch.float64 if dtype == torch.float32 else torch.float32
+    ref_hi = fused_moe_ref(x.to(hi), w13.to(hi), w2.to(hi), w, ids)
+    lowp = fused_moe_ref(x, w13, w2, w, ids)
+    atol = moe_atol(ref_hi, dtype, h, i)
+    for tile in M1.TILES:
+        assert_close_lowp(M1._forward(x, w13, w2, w, ids, tile), ref_hi, lowp, atol=atol,
+                          name=f"tile {tile}")
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
 @pytest.mark.parametrize("t,e,k", [(3, 4, 2), (40, 4, 2), (150, 4, 2)])
 def test_gpu_tiles_in_the_interpreter(t, e, k, dtype, dev, seed, monkeypatch):
@@ -171,10 +231,12 @@ def test_gpu_tiles_in_the_interpreter(t, e, k, dtype, dev, seed, monkeypatch):
 
 @pytest.mark.skipif(not torch.cuda.is_available() or device.interpreting(),
                     reason="needs a GPU (CUDA graphs)")
-def test_fused_moe_replays_in_a_cuda_graph(seed):
-    """No host sync anywhere (align included): the call is captured once and replayed with
-    new tokens and a new routing written into the same buffers."""
-    t, e, k = 37, 8, 2
+@pytest.mark.parametrize("t", [1, 37])
+def test_fused_moe_replays_in_a_cuda_graph(t, seed):
+    """No host sync anywhere (align included; one token takes the path without it): the
+    call is captured once and replayed with new tokens and a new routing written into
+    the same buffers."""
+    e, k = 8, 2
     x, w13, w2, w, ids = make(t, e, k, torch.bfloat16, torch.device("cuda"))
     fused_moe(x, w13, w2, w, ids)  # compile outside the capture
     torch.cuda.synchronize()

@@ -1,0 +1,127 @@
+"""The MoE block for one token (batch-1 decode): two GEMV launches, no align.
+
+:func:`llmnote.ops.moe.fused_moe` sorts the ``T k`` (token, slot) pairs by expert so
+that each expert's weights are read once for all the tokens routed to it. With one
+token there is nothing to share: its ``k`` slots name ``k`` different experts, and
+each is read once however the work is split. The sort, its padding to 16-row tiles
+and the sum over the slots are then fixed costs around 75 MB of weight reads (Qwen3-
+30B-A3B), so this path drops them:
+
+1. **gate/up** (``_one_token_gate_up_kernel``): one program a (slot, column tile):
+   ``BLOCK_N`` rows of its expert's gate and of its up matrix times ``x``, a GEMV
+   (products summed in fp32, no ``tl.dot``: one row of ``x`` would fill a 16-row MMA
+   tile with 15 rows of padding), written as ``silu(gate) * up`` for that slot.
+2. **down** (``_one_token_down_kernel``): one program a tile of the ``H`` outputs:
+   for each slot, the rows of its expert's ``w2`` times that slot's ``silu(gate) *
+   up``, scaled by the router weight and summed over the slots in fp32: the output
+   is rounded once (the sorted path rounds each slot's row, then the sum).
+
+A slot whose expert id lies outside ``[0, E)`` adds nothing (its gate/up program reads
+expert 0 and the down kernel skips it), as in the sorted path. No host sync: the call
+is captured in a CUDA graph with the rest of a decode step.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from llmnote import device
+from llmnote.ops._tuning import TuneCache
+
+# (BLOCK_N of gate/up, BLOCK_N of down, BLOCK_K, num_warps). Narrow column tiles give
+# enough programs at Qwen3-30B-A3B's shapes (8 slots x 768 / 16 = 384 gate/up programs,
+# 2048 / 8 = 256 down programs on 132 SMs); BLOCK_K elements of a weight row are one
+# contiguous read (512 bytes in bf16 at 256). The first is the choice off the GPU and
+# inside a graph capture; on a GPU the first call of each shape times them all.
+TILES = [(16, 8, 256, 4), (32, 16, 256, 8), (16, 16, 128, 4), (8, 8, 512, 4)]
+INTERPRETER_TILE = (16, 8, 32, 4)
+TUNING = TuneCache("fused_moe_one_token")
+
+
+@triton.jit
+def _one_token_gate_up_kernel(
+    x_ptr, w_ptr, out_ptr, ids_ptr, num_experts, H, I, stride_we, stride_wn,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    # silu(gate) * up of one slot's expert, BLOCK_N of its I columns
+    j, pid_n = tl.program_id(0), tl.program_id(1)
+    e = tl.load(ids_ptr + j).to(tl.int64)
+    e = tl.where((e >= 0) & (e < num_experts), e, 0)  # out of range: the down step skips it
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    n_ok = offs_n < I
+    g_ptrs = w_ptr + e * stride_we + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :]
+    u_ptrs = g_ptrs + I * stride_wn  # up rows follow the gate rows
+    acc_g = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    acc_u = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    for k0 in range(0, H, BLOCK_K):
+        k_ok = offs_k < H - k0
+        xk = tl.load(x_ptr + k0 + offs_k, mask=k_ok, other=0.0).to(tl.float32)
+        g = tl.load(g_ptrs, mask=n_ok[:, None] & k_ok[None, :], other=0.0)  # the weights
+        u = tl.load(u_ptrs, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+        acc_g += g.to(tl.float32) * xk[None, :]
+        acc_u += u.to(tl.float32) * xk[None, :]
+        g_ptrs += BLOCK_K
+        u_ptrs += BLOCK_K
+    gate = tl.sum(acc_g, axis=1)
+    y = gate * tl.sigmoid(gate) * tl.sum(acc_u, axis=1)  # SwiGLU in fp32
+    tl.store(out_ptr + j * I + offs_n, y.to(out_ptr.dtype.element_ty), mask=n_ok)
+
+
+@triton.jit
+def _one_token_down_kernel(
+    a_ptr, w_ptr, out_ptr, weights_ptr, ids_ptr, top_k, num_experts, H, I,
+    stride_we, stride_wn, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    # BLOCK_N of the H outputs: sum over slots of weight * (w2[e] @ a[slot])
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    n_ok = offs_n < H
+    out = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    for j in range(0, top_k):
+        e = tl.load(ids_ptr + j).to(tl.int64)
+        if (e >= 0) & (e < num_experts):  # a slot out of range adds nothing
+            b_ptrs = (w_ptr + e * stride_we + offs_n[:, None].to(tl.int64) * stride_wn
+                      + offs_k[None, :])
+            acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+            for k0 in range(0, I, BLOCK_K):
+                k_ok = offs_k < I - k0
+                a = tl.load(a_ptr + j * I + k0 + offs_k, mask=k_ok, other=0.0).to(tl.float32)
+                b = tl.load(b_ptrs, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+                acc += b.to(tl.float32) * a[None, :]
+                b_ptrs += BLOCK_K
+            w = tl.load(weights_ptr + j).to(tl.float32)  # the router weight
+            out += w * tl.sum(acc, axis=1)
+    tl.store(out_ptr + offs_n, out.to(out_ptr.dtype.element_ty), mask=n_ok)
+
+
+def _forward(x, w13, w2, topk_weights, topk_ids, tile: tuple) -> torch.Tensor:
+    """The two launches with one tile; ``x (1, H)``, contiguous weights."""
+    (_, h), (e, two_i, _), k = x.shape, w13.shape, topk_ids.shape[1]
+    i = two_i // 2
+    bn1, bn2, bk, warps = tile
+    ids = topk_ids.reshape(-1)
+    weights = topk_weights.reshape(-1)
+    inter = torch.empty((k, i), dtype=x.dtype, device=x.device)  # silu(gate) * up per slot
+    out = torch.empty((1, h), dtype=x.dtype, device=x.device)
+    _one_token_gate_up_kernel[(k, triton.cdiv(i, bn1))](
+        x, w13, inter, ids, e, h, i, w13.stride(0), w13.stride(1),
+        BLOCK_N=bn1, BLOCK_K=bk, num_warps=warps)
+    _one_token_down_kernel[(triton.cdiv(h, bn2),)](
+        inter, w2, out, weights, ids, k, e, h, i, w2.stride(0), w2.stride(1),
+        BLOCK_N=bn2, BLOCK_K=bk, num_warps=warps)
+    return out
+
+
+def fused_moe_one_token(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+                        topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+    """:func:`llmnote.ops.moe.fused_moe` for ``x`` of one row, its inputs already checked
+    and made contiguous there (which calls this for one token)."""
+    (_, h), (e, two_i, _) = x.shape, w13.shape
+    tiles = [INTERPRETER_TILE] if device.interpreting() else TILES
+    key = (e, h, two_i // 2, topk_ids.shape[1], x.dtype)
+    tile = TUNING.tune(key, tiles, lambda c: _forward(x, w13, w2, topk_weights, topk_ids, c),
+                       timing=device.on_gpu())
+    return _forward(x, w13, w2, topk_weights, topk_ids, tile)
