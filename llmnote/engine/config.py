@@ -1,39 +1,31 @@
 """The engine's settings, one frozen dataclass (``EngineConfig``).
 
-Build one with keyword arguments and pass it to the engine; ``replace`` returns
-a changed copy. Every field is checked in ``__post_init__`` (``ValueError``).
+Build one with keyword arguments and pass it to the engine; ``replace`` returns a changed copy.
+Every field is checked in ``__post_init__`` (``ValueError``).
 
-- **KV cache**: ``num_blocks`` blocks of ``block_size`` token slots per layer.
-  ``num_blocks=None`` sizes it on a GPU from ``gpu_memory_utilization`` (in
-  (0, 1]) of the memory free after the weights load; on the CPU it is
-  ``cpu_num_blocks``.
-- **Work per step**: at most ``max_num_seqs`` sequences and
-  ``max_num_batched_tokens`` tokens (prefill chunks plus one per decoding
-  sequence). Without chunked prefill a prompt must fit the budget in one step,
-  so the budget must be at least ``max_model_len``.
-- **CUDA graphs** (``cuda_graphs``): ``None`` captures the decode step when the
-  model is on a CUDA GPU, else runs eagerly; ``True`` is refused
-  (``ValueError`` at build) off a CUDA GPU; ``False`` is always eager. Graphs
-  exist for batch 1, 2, 4, 8, ... below ``max_num_seqs`` and for it; a step of
-  ``B`` sequences replays the smallest graph of at least ``B`` (padded rows
-  write to a scratch block).
-- **Multi-step decoding** (``decode_steps``): when every running sequence
-  decodes and none waits, up to ``decode_steps`` steps run back to back on the
-  device, tokens read by the host once at the end (vLLM's multi-step
-  scheduling); tokens after a sequence's stop are dropped. ``None``: 8 with
-  CUDA graphs, else 1 (off). ``async_scheduling`` also queues the next run
-  before reading the one in flight, so the GPU never waits for the host; the
-  tokens are the same either way (tested).
-- ``tune_graph`` (GPU, batch-1 GEMV path, off by default) times the captured
-  batch-1 graph once per GEMV tile candidate and keeps the fastest: seconds at
-  start-up (once per process and model shape) for a few per cent of batch-1
-  decode time.
-- ``dependent_launches``: programmatic dependent launch between the graph's
-  kernels (Hopper and later, :mod:`llmnote.ops._pdl`); ignored where unsupported.
-- **Tensor parallelism** (``tensor_parallel_size > 1``): sharded over worker
-  processes (:mod:`llmnote.engine.tp_driver`) over ``distributed_backend``
-  (``None``: NCCL, one GPU per rank, when CUDA is available and the engine is
-  not asked for the CPU, else gloo); a step longer than
+* **KV cache**: ``num_blocks`` blocks of ``block_size`` token slots per layer. ``num_blocks=None``
+  sizes it on a GPU from ``gpu_memory_utilization`` (in (0, 1]) of the memory free after the
+  weights load; on the CPU it is ``cpu_num_blocks``.
+* **Work per step**: at most ``max_num_seqs`` sequences and ``max_num_batched_tokens`` tokens
+  (prefill chunks plus one per decoding sequence). Without chunked prefill a prompt must fit the
+  budget in one step, so the budget must be at least ``max_model_len``.
+* **CUDA graphs** (``cuda_graphs``): ``None`` captures the decode step when the model is on a CUDA
+  GPU, else runs eagerly; ``True`` is refused (``ValueError`` at build) off one; ``False``: always
+  eager. Graphs exist for batch 1, 2, 4, 8, ... below ``max_num_seqs`` and for it; a ``B``-sequence
+  step replays the smallest graph of at least ``B``, padded rows writing to a scratch block.
+* **Multi-step decoding** (``decode_steps``): when every running sequence decodes and none waits,
+  up to ``decode_steps`` steps run back to back on the device, tokens read by the host once at the
+  end (vLLM's multi-step scheduling); tokens after a sequence's stop are dropped. ``None``: 8 with
+  CUDA graphs, else 1 (off). ``async_scheduling`` also queues the next run before reading the one
+  in flight, so the GPU never waits for the host; the tokens are the same either way (tested).
+* ``tune_graph`` (GPU, batch-1 GEMV path, off by default) times the captured batch-1 graph once per
+  GEMV tile candidate and keeps the fastest: seconds at start-up (once per process and model shape)
+  for a few per cent of batch-1 decode time. ``dependent_launches``: programmatic dependent launch
+  between the graph's kernels (Hopper and later, :mod:`llmnote.ops._pdl`), ignored where
+  unsupported.
+* **Tensor parallelism** (``tensor_parallel_size > 1``): sharded over worker processes
+  (:mod:`llmnote.engine.tp_driver`) over ``distributed_backend`` (``None``: NCCL, one GPU per rank,
+  when CUDA is available and the engine is not asked for the CPU, else gloo); a step longer than
   ``distributed_timeout_s`` stops the engine with ``TimeoutError``.
 """
 

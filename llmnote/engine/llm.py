@@ -1,40 +1,32 @@
 """The entry point: ``LLM(model).generate(prompts, SamplingParams(...))``.
 
-``model`` is a folder with a Hugging Face checkpoint (its ``tokenizer.json``
-is loaded when present), ``"shakespeare"`` (the book's small model), the name
-of a preset of :mod:`llmnote.models.presets` (random weights), or a loaded
-:class:`~llmnote.models.llama.Llama` (or a
-:class:`~llmnote.models.deepseek.DeepseekV3`, served from a latent cache by
-:mod:`llmnote.engine.mla_runner`). Each call of :meth:`LLM.step` asks the scheduler
-for a batch, runs it and appends the sampled tokens;
-:meth:`LLM.generate` steps until its requests finish, :meth:`LLM.stream`
-yields tokens as they come. On a CUDA GPU the defaults are the fast path (the GPU,
-bf16, llmnote's kernels; ``device=``, ``dtype=``, ``ops=`` choose otherwise), and
-:meth:`LLM.close` (or a ``with`` block) gives the engine's GPU memory back.
+``model`` is a Hugging Face checkpoint folder (its ``tokenizer.json`` is loaded when present),
+``"shakespeare"`` (the book's small model), a preset name from :mod:`llmnote.models.presets`
+(random weights), or a loaded :class:`~llmnote.models.llama.Llama` or
+:class:`~llmnote.models.deepseek.DeepseekV3` (the latter served from a latent cache by
+:mod:`llmnote.engine.mla_runner`). Each :meth:`LLM.step` asks the scheduler for a batch, runs it
+and appends the sampled tokens; :meth:`LLM.generate` steps until its requests finish,
+:meth:`LLM.stream` yields tokens as they come. On a CUDA GPU the defaults are the fast path (the
+GPU, bf16, llmnote's kernels; ``device=``, ``dtype=``, ``ops=`` choose otherwise), and
+:meth:`LLM.close` (or a ``with`` block) gives the engine's GPU memory back. Stop strings
+(``SamplingParams.stop``) are looked for in the decoded tail of the output after every token, so
+they need a tokenizer; the returned text ends before the stop string.
 
-Requests are checked when submitted: an empty prompt, a prompt that leaves no
-room to generate within ``max_model_len``, token ids outside the vocabulary
-(those a tokenizer returns too), or a request whose prompt plus ``max_tokens``
-could not fit in the whole KV cache raise ``ValueError`` naming the request;
-requests already submitted are unaffected. Stop strings (``SamplingParams.stop``)
-are looked for in the decoded tail of the output after every token, so they need
-a tokenizer; the returned text ends before the stop string.
-
-Failures leave the engine usable. :meth:`LLM.abort` ends a request
-(``finish_reason == "abort"``) and frees its KV blocks. An exception raised
-inside :meth:`LLM.step` (the model, the sampler, a ``KeyboardInterrupt``)
-fails the requests of the batch that step was running (``finish_reason ==
-"error"``, blocks freed, their unwritten blocks dropped from the prefix cache)
-and is re-raised; the other requests go on unchanged. :meth:`LLM.generate` and
-:meth:`LLM.stream` abort their own unfinished requests when they are left by an
-exception, and a stream closed or dropped before its end (``close()``, garbage
-collection) aborts the requests it still had running.
+Requests are checked when submitted: an empty prompt, a prompt that leaves no room to generate
+within ``max_model_len``, token ids outside the vocabulary (those a tokenizer returns too), or a
+request whose prompt plus ``max_tokens`` could not fit in the whole KV cache raise ``ValueError``
+naming the request; requests already submitted are unaffected. :meth:`LLM.abort` ends a request
+(``finish_reason == "abort"``) and frees its KV blocks. Failures leave the engine usable: an
+exception inside :meth:`LLM.step` (the model, the sampler, a ``KeyboardInterrupt``) fails the
+requests of the batch it was running (``finish_reason == "error"``, blocks freed, unwritten ones
+dropped from the prefix cache) and is re-raised; the others go on unchanged. :meth:`LLM.generate`
+and :meth:`LLM.stream` abort their own unfinished requests when an exception leaves them; a stream
+closed or dropped early (``close()``, garbage collection) aborts those still running.
 
 Speculative decoding: ``LLM(model, speculative=SpeculativeConfig(...))`` (see
-:mod:`llmnote.engine.speculative`) lets decode-only steps verify several guessed tokens
-per sequence in one forward; streams then get the kept tokens of a step together. It
-runs one step per host read (``decode_steps`` 1) and refuses requests whose sampling
-it could not keep exact.
+:mod:`llmnote.engine.speculative`) lets decode-only steps verify several guessed tokens per
+sequence in one forward; streams then get the kept tokens of a step together. It runs one step per
+host read (``decode_steps`` 1) and refuses requests whose sampling it could not keep exact.
 """
 
 from __future__ import annotations

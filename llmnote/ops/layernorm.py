@@ -1,35 +1,28 @@
 """LayerNorm over the last dimension, forward and backward.
 
-For a row ``x`` of length N, weight ``w`` and bias ``b`` (Ba, Kiros & Hinton, 2016)::
+For a row ``x`` of length N, weight ``w`` and bias ``b`` (Ba, Kiros & Hinton, 2016), with the
+biased variance (as PyTorch's ``F.layer_norm``), ``xh = (x - mean) * rstd`` and ``g = w * dy``::
 
     mean = mean_j(x_j)    rstd = 1 / sqrt(mean_j((x_j - mean)^2) + eps)
     y = (x - mean) * rstd * w + b
-
-(the biased variance, as ``torch.nn.functional.layer_norm``). Backward, with
-``xh = (x - mean) * rstd`` and ``g = w * dy``::
-
     dx = rstd * (g - xh * mean_j(xh_j * g_j) - mean_j(g_j))
     dw = sum over rows of dy * xh        db = sum over rows of dy
 
-Memory traffic, in elements of ``x``'s dtype: forward reads MN and writes MN
-(plus ``mean`` and ``rstd``, M fp32 values each, kept for the backward);
-backward reads ``x`` and ``dy`` (2MN) and writes ``dx`` (MN), plus two small
-``(G, N)`` fp32 partial sums for ``dw`` and ``db`` (see
-:mod:`llmnote.ops._rowwise`). The eager reference (``layernorm_ref``) takes
-about seven passes forward; PyTorch's own ``F.layer_norm`` is a fused kernel
-too, so it is the peer to beat.
+Memory traffic, in elements of ``x``'s dtype: forward reads MN and writes MN (plus ``mean`` and
+``rstd``, M fp32 values each, kept for the backward); backward reads ``x`` and ``dy`` (2MN) and
+writes ``dx`` (MN), plus two small ``(G, N)`` fp32 partial sums for ``dw`` and ``db`` (see
+:mod:`llmnote.ops._rowwise`). The eager reference (``layernorm_ref``) takes about seven passes
+forward; PyTorch's own ``F.layer_norm`` is a fused kernel too, so it is the peer to beat.
 
-Math is fp32 whatever the input dtype; ``y`` has ``x``'s dtype, ``dw``/``db``
-those of ``weight``/``bias``. Rows up to ``MAX_N`` = 65536 elements. A row whose
-largest magnitude exceeds ``2**50`` is first divided by a power of two near it
-(exact, and LayerNorm does not change under scaling but for ``eps``, which is
-scaled with it), so ``(x - mean)^2`` cannot overflow: the forward is right for
-every finite row (a row of ``3e38`` gives what fp64 gives, not the bias), and a
-NaN anywhere in a row gives a NaN row, as ``torch`` does. A row whose spread
-is tiny beside its mean gets its mean summed in fp64, so a constant row gives
-exactly the bias at any magnitude; the reference corrects its mean once by the
-mean of ``x - mean`` instead (the corrected two-pass algorithm; Chan, Golub &
-LeVeque, 1983), which does the same with a third pass over the row.
+Math is fp32 whatever the input dtype; ``y`` has ``x``'s dtype, ``dw``/``db`` those of
+``weight``/``bias``. Rows up to ``MAX_N`` = 65536 elements. A row whose largest magnitude exceeds
+``2**50`` is first divided by a power of two near it (exact, and LayerNorm does not change under
+scaling but for ``eps``, which is scaled with it), so ``(x - mean)^2`` cannot overflow: the forward
+is right for every finite row (a row of ``3e38`` gives what fp64 gives, not the bias), and a NaN
+anywhere in a row gives a NaN row, as ``torch`` does. A row whose spread is tiny beside its mean
+gets its mean summed in fp64, so a constant row gives exactly the bias at any magnitude; the
+reference corrects its mean once by the mean of ``x - mean`` instead (the corrected two-pass
+algorithm; Chan, Golub & LeVeque, 1983), which does the same with a third pass over the row.
 
 Sources: J. L. Ba, J. R. Kiros, G. E. Hinton, "Layer Normalization" (2016),
 https://arxiv.org/abs/1607.06450; Triton's layer-norm tutorial,

@@ -1,41 +1,31 @@
 """RoPE's frequencies, and the context-extension schemes real checkpoints use.
 
-RoPE (Su et al., 2021, "RoFormer") rotates pair ``i`` of every query and key
-head vector (``i = 0 .. d/2 - 1`` for head dimension ``d``) by the angle
-``position * inv_freq[i]``, with
+RoPE (Su et al., 2021, "RoFormer") rotates pair ``i`` of every query and key head vector
+(``i = 0 .. d/2 - 1`` for head dimension ``d``) by the angle ``position * inv_freq[i]``, with
+``inv_freq[i] = theta ** (-2 i / d)`` (``theta = 10000`` in the paper), so pair 0 turns once every
+2*pi tokens and the last pair takes about ``2*pi*theta`` tokens per turn (its *wavelength*). A
+model trained on ``L0 = original_max_position_embeddings`` tokens has never seen the slow pairs
+turn far; the schemes below change ``inv_freq`` so that longer contexts stay in the range it was
+trained on:
 
-    inv_freq[i] = theta ** (-2 i / d)        (theta = 10000 in the paper)
+* ``default``: ``inv_freq`` as above.
+* ``linear``: position interpolation (Chen et al., 2023): every ``inv_freq`` divided by ``factor``,
+  i.e. positions squeezed ``factor`` times.
+* ``dynamic``: dynamic NTK-aware scaling (bloc97 and emozilla, 2023, as in Hugging Face
+  transformers): no change up to ``L0`` tokens; past it, with ``L`` the current length, the base
+  grows to ``theta * (factor*L/L0 - (factor-1)) ** (d/(d-2))``. ``L`` is ``max(position) + 1`` of
+  the call, so ``inv_freq`` depends on it.
+* ``llama3``: Llama 3.1's per-frequency rule: pairs whose wavelength is shorter than
+  ``L0/high_freq_factor`` are kept, longer than ``L0/low_freq_factor`` are divided by ``factor``,
+  and in between blended linearly in ``L0/wavelength``.
+* ``yarn``: YaRN (Peng et al., 2023), "NTK-by-parts": a pair making more than ``beta_fast`` turns
+  in ``L0`` tokens is kept, fewer than ``beta_slow`` is divided by ``factor``, with a linear ramp
+  over the pair index in between; and cos and sin are multiplied by ``attention_factor`` (default
+  ``0.1*ln(factor) + 1``), which sharpens the attention softmax.
 
-so pair 0 turns once every 2*pi tokens and the last pair takes about
-``2*pi*theta`` tokens per turn (its *wavelength*). A model trained on
-``L0 = original_max_position_embeddings`` tokens has never seen the slow pairs
-turn far; the schemes below change ``inv_freq`` so that longer contexts stay
-in the range it was trained on:
-
-``default``
-    ``inv_freq`` as above.
-``linear``
-    Position interpolation (Chen et al., 2023): every ``inv_freq`` divided by
-    ``factor``, i.e. positions squeezed ``factor`` times.
-``dynamic``
-    Dynamic NTK-aware scaling (bloc97 and emozilla, 2023, as in Hugging Face
-    transformers): no change up to ``L0`` tokens; past it, with ``L`` the current
-    length, the base grows to ``theta * (factor*L/L0 - (factor-1)) ** (d/(d-2))``.
-    ``L`` is ``max(position) + 1`` of the call, so ``inv_freq`` depends on it.
-``llama3``
-    Llama 3.1's per-frequency rule: pairs whose wavelength is shorter than
-    ``L0/high_freq_factor`` are kept, longer than ``L0/low_freq_factor`` are
-    divided by ``factor``, and in between blended linearly in ``L0/wavelength``.
-``yarn``
-    YaRN (Peng et al., 2023), "NTK-by-parts": a pair making more than
-    ``beta_fast`` turns in ``L0`` tokens is kept, fewer than ``beta_slow`` is
-    divided by ``factor``, with a linear ramp over the pair index in between;
-    and cos and sin are multiplied by ``attention_factor`` (default
-    ``0.1*ln(factor) + 1``), which sharpens the attention softmax.
-
-These follow the definitions Hugging Face transformers uses for the same
-config fields (``rope_scaling`` / ``rope_parameters`` in ``config.json``), so a
-checkpoint's numbers come out the same; the tests compare against it.
+These follow the definitions Hugging Face transformers uses for the same config fields
+(``rope_scaling`` / ``rope_parameters`` in ``config.json``), so a checkpoint's numbers come out the
+same; the tests compare against it.
 """
 
 from __future__ import annotations

@@ -1,11 +1,9 @@
 """FlashAttention-2: the forward kernel, the autograd function and the public ops.
 
-For one head, with ``S = scale * Q K^T`` (``N_q x N_k``), ``P = softmax(S)``
-row-wise and ``O = P V``: the naive version writes ``S`` and ``P`` to memory
-(``O(N^2)`` bytes); FlashAttention never does. A program owns ``BLOCK_M``
-query rows and keeps ``Q_i`` (``BLOCK_M x D``), the output accumulator and
-two per-row statistics on chip while it streams the key/value blocks
-``K_j, V_j`` (``BLOCK_N x D``) past them::
+For one head, ``O = P V`` with ``P = softmax(S)`` row-wise, ``S = scale * Q K^T`` (``N_q x N_k``).
+The naive version writes ``S`` and ``P`` to memory (``O(N^2)`` bytes); FlashAttention never does: a
+program keeps ``BLOCK_M`` query rows ``Q_i`` (``BLOCK_M x D``), the output accumulator and two
+per-row statistics on chip, streaming key/value blocks ``K_j, V_j`` (``BLOCK_N x D``) past them::
 
     S_ij  = scale * Q_i K_j^T                      # tensor cores, fp32
     m_new = max(m, rowmax(S_ij))
@@ -14,30 +12,21 @@ two per-row statistics on chip while it streams the key/value blocks
     acc   = acc * exp(m - m_new) + P_ij V_j         # tensor cores, P rounded to Q's dtype
     m     = m_new
 
-and writes ``O_i = acc / l`` and the log-sum-exp ``m + log(l)`` once at the
-end. HBM traffic per head: read Q once and K, V once per query block, write O:
-``O(N^2 D / BLOCK_M)`` instead of ``O(N^2)``. Exponentials use ``exp2`` with
-``log2(e)`` folded into the scale.
+then writes ``O_i = acc / l`` and the log-sum-exp ``m + log(l)`` once, at the end. Per head, Q is
+read once, K and V once per query block and O written once: ``O(N^2 D / BLOCK_M)`` HBM traffic
+instead of ``O(N^2)``. Exponentials use ``exp2``, with ``log2(e)`` folded into the scale.
 
-What makes it version 2 (Dao, 2023) rather than 1 (Dao et al., 2022; see
-``flash1.py``): the query blocks are the outer loop and run in parallel, one
-program each (grid ``(query blocks, batch * heads)``), so even batch 1 fills
-the GPU; the output is divided by ``l`` once, not at every step; causal masking
-work is spent only on the blocks that cross the diagonal: each program first
-runs the key blocks its rows see completely without any mask, then the few
-diagonal (and sequence-edge) blocks with one. Under causal masking programs
-start with the longest rows (query blocks in reverse order), so the heavy work
-is scheduled first.
-
-Variants, all in one kernel: GQA/MQA (query head ``h`` reads key/value head
-``h // group``), head dims 16 to 256, fp16/bf16/fp32, variable-length batches
-(``cu_seqlens``, packed ``(tokens, heads, head_dim)`` tensors as in
-``flash_attn_varlen_func``), bottom-right-aligned causal masking, rows
-with no key (output 0, lse ``-inf``): see ``reference.py`` for the conventions.
-The backward pass is in ``flash2_bwd.py``.
-
-Sources: Dao et al. 2022 (FlashAttention), Dao 2023 (FlashAttention-2), the
-fused attention tutorial of Triton (``06-fused-attention.py``).
+Version 2 (Dao, 2023) versus 1 (Dao et al., 2022; ``flash1.py``): the query blocks are the outer
+loop and run in parallel, one program each (grid ``(query blocks, batch * heads)``), so even batch
+1 fills the GPU; the output is divided by ``l`` once, not at every step; causal-masking work is
+spent only on blocks crossing the diagonal (a program runs the key blocks its rows see completely
+without a mask, then the few diagonal and sequence-edge ones with it). Causal programs start with
+the longest rows (query blocks in reverse order), so the heavy work is scheduled first. One kernel
+covers GQA/MQA (query head ``h`` reads key/value head ``h // group``), head dims 16 to 256,
+fp16/bf16/fp32, variable-length batches (``cu_seqlens``, packed ``(tokens, heads, head_dim)``
+tensors as in ``flash_attn_varlen_func``), bottom-right-aligned causal masking and rows with no key
+(output 0, lse ``-inf``); ``reference.py`` gives the conventions, ``flash2_bwd.py`` the backward
+pass. Sources: the two papers; Triton's fused attention tutorial (``06-fused-attention.py``).
 """
 
 from __future__ import annotations

@@ -1,51 +1,32 @@
 """Plain-PyTorch references of the attention ops, with the kernels' signatures.
 
-Each computes the textbook formula and materialises the ``(N_q, N_k)`` score
-matrix: ``O = softmax(scale * Q K^T + mask) V``. The matrix products run in the
-inputs' dtype (so a bf16 call is "PyTorch's own bf16 result" of the tolerance
-rule in :mod:`llmnote.testing`) and the softmax in fp32; called on fp32 inputs
-they are the fp32 references the kernels are checked against. fp16 scores are
-the exception: ``Q K^T`` is computed in fp32 from the fp16 inputs, as the
-kernels accumulate it, since an fp16 score overflows past 65504. Cache slots a
-kernel does not read (past ``seq_lens``) are not read here either, and a causally
-masked key's value adds nothing to a row that cannot see it: garbage there (NaN,
-inf) changes nothing.
-
-Conventions shared with the kernels:
+Each computes ``O = softmax(scale * Q K^T + mask) V`` naively, materialising the ``(N_q, N_k)``
+scores. Products run in the inputs' dtype (so a bf16 call is "PyTorch's own bf16 result" of the
+tolerance rule in :mod:`llmnote.testing`; on fp32 inputs, the fp32 references the kernels are
+checked against); the softmax, and fp16's ``Q K^T`` (as the kernels accumulate it: an fp16 score
+overflows past 65504), run in fp32. Masked values are not read (:func:`flash_attention_ref`,
+:func:`decode_attention_ref`). Conventions shared with the kernels:
 
 * GQA/MQA: query head ``h`` uses key/value head ``h // (heads // kv_heads)``.
-* Causal masking is aligned to the bottom-right corner, as in flash-attn 2.1+:
-  query ``i`` sees keys ``j <= i + (N_k - N_q)``. With ``N_q == N_k`` this is
-  the usual lower triangle; with ``N_q < N_k`` (new tokens after a cached
-  prefix) the last query sees every key. (``torch`` SDPA's ``is_causal`` aligns
-  to the top-left instead; the two agree when ``N_q == N_k``.)
-* A query row with no key to attend to (``N_k = 0``, or causal with
-  ``N_k < N_q`` for the first ``N_q - N_k`` rows) gets output 0 and
-  log-sum-exp ``-inf``; its gradients are 0. Never NaN.
-* ``lse`` (log-sum-exp of the scaled, masked scores of a row, natural log) is
-  fp32 of shape ``(batch, heads, N_q)``, or ``(heads, total_q)`` for varlen.
+* Causal masking is bottom-right aligned, as in flash-attn 2.1+: query ``i`` sees keys
+  ``j <= i + (N_k - N_q)``; with ``N_q < N_k`` (new tokens after a cached prefix) the last query
+  sees every key. ``torch`` SDPA's ``is_causal`` is top-left aligned; the two agree (the usual
+  lower triangle) when ``N_q == N_k``.
+* A query row with no key to attend to (``N_k = 0``, or causal with ``N_k < N_q`` for the first
+  ``N_q - N_k`` rows) gets output 0, log-sum-exp ``-inf`` and gradients 0. Never NaN.
+* ``lse`` (log-sum-exp of a row's scaled, masked scores, natural log) is fp32 of shape
+  ``(batch, heads, N_q)``, or ``(heads, total_q)`` for varlen.
 
-Range of the inputs (kernels and references alike). Every score ``q_i . k_j``, and
-each partial sum of its products, must be finite in fp32, whose largest value is
-about ``3.4e38`` (2^128): guaranteed when ``|q_i| |k_j| < 3.4e38`` for every pair
-(Euclidean norms; Cauchy-Schwarz bounds every partial sum by it), and when
-``sm_scale * log2(e) * |q_i| |k_j|`` is too (the kernels fold ``log2(e)`` into the
-scale). So entries up to about ``1e18`` at ``head_dim`` 128, ``4e18`` at 16; one
-product alone overflows once both factors pass ``sqrt(3.4e38) ~ 1.8e19``. Past the
-range ``q . k`` is ``+-inf`` in fp32 and the softmax's ``s - max`` is ``inf - inf
-= NaN``: the kernels and these references return NaN where fp64 is finite. This is
-the documented limit, not checked (a check would cost a pass over Q and K). fp16
-inputs always lie inside (``65504^2 * 256 << 3.4e38``); bf16 and fp32 ones can
-leave it. The values must keep ``N_k * max|v| < 3.4e38`` (the kernels' running,
-unnormalised ``sum_j p_ij v_j``).
-
-Non-finite values a row cannot see. Under the causal mask the references never
-read the value of a key a query may not see: a NaN or inf there changes no row
-that is masked from it. The kernels multiply the diagonal tile's probabilities by
-its values in one matmul, and a masked probability is 0, so ``0 * NaN = NaN``: a
-non-finite value reaches the rows of its own tile, at most the last
-``max(BLOCK_M, BLOCK_N)`` rows before it (128 with the Hopper configurations).
-Keys a row can see propagate NaN and inf in both, as they must.
+Range of the inputs (kernels and references alike). Every score ``q_i . k_j``, and each partial sum
+of its products, must be finite in fp32 (largest value about ``3.4e38``, 2^128): guaranteed when
+``|q_i| |k_j| < 3.4e38`` for every pair (Euclidean norms; Cauchy-Schwarz bounds every partial sum
+by it) and ``sm_scale * log2(e) * |q_i| |k_j|`` is too (the kernels fold ``log2(e)`` into the
+scale). So entries up to about ``1e18`` at ``head_dim`` 128, ``4e18`` at 16; one product alone
+overflows once both factors pass ``sqrt(3.4e38) ~ 1.8e19``. Past the range ``q . k`` is ``+-inf``
+in fp32 and the softmax's ``s - max`` is ``inf - inf = NaN``: kernels and references return NaN
+where fp64 is finite. This documented limit is not checked (a check would cost a pass over Q and
+K). fp16 inputs always lie inside (``65504^2 * 256 << 3.4e38``); bf16 and fp32 ones can leave it.
+Values must keep ``N_k * max|v| < 3.4e38`` (the kernels' running, unnormalised ``sum_j p_ij v_j``).
 """
 
 from __future__ import annotations
@@ -127,6 +108,13 @@ def flash_attention_ref(
     """Attention on ``(batch, heads, seq, head_dim)`` tensors, the naive way.
 
     Memory: the ``(batch, heads, N_q, N_k)`` scores in fp32, several times over.
+
+    Non-finite values a row cannot see. Under the causal mask the references never read the
+    value of a key a query may not see: a NaN or inf there changes no row that is masked from
+    it. The kernels multiply the diagonal tile's probabilities by its values in one matmul, and
+    a masked probability is 0, so ``0 * NaN = NaN``: a non-finite value reaches the rows of its
+    own tile, at most the last ``max(BLOCK_M, BLOCK_N)`` rows before it (128 with the Hopper
+    configurations). Keys a row can see propagate NaN and inf in both, as they must.
     """
     scale = 1.0 / math.sqrt(q.shape[-1]) if sm_scale is None else sm_scale
     kk = _expand_kv(k, q.shape[1], 1)
@@ -173,7 +161,11 @@ def decode_attention_ref(
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """One query token per sequence, ``q (batch, heads, head_dim)``, against the cache
     ``(batch, kv_heads, capacity, head_dim)`` of which the first ``seq_lens[b]`` positions
-    are valid. ``num_splits`` is the kernel's tuning knob and changes nothing here."""
+    are valid. ``num_splits`` is the kernel's tuning knob and changes nothing here.
+
+    Cache slots the kernel does not read (past ``seq_lens``) are not read here either: garbage
+    there (NaN, inf) changes nothing.
+    """
     scale = 1.0 / math.sqrt(q.shape[-1]) if sm_scale is None else sm_scale
     kk = _expand_kv(k_cache, q.shape[1], 1)
     vv = _expand_kv(v_cache, q.shape[1], 1)
