@@ -125,12 +125,15 @@ def test_bad_input(dev):
         fused_moe(x, w13, w2[:, :, :-1], w, ids)
 
 
+@pytest.mark.parametrize("path", ["sorted", "one token"])
 @pytest.mark.parametrize("bad_id", [-1, 4, 1000])
-def test_an_id_out_of_range_adds_nothing(bad_id, dev, seed, monkeypatch):
+def test_an_id_out_of_range_adds_nothing(path, bad_id, dev, seed, monkeypatch):
     """The kernels unchecked (a GPU does not read the ids back): a pair routed outside
     [0, E) adds 0 to its token, and every row the top-k sum reads is written. New float
-    buffers start as NaN here, so a row left unwritten would show."""
+    buffers start as NaN here, so a row left unwritten would show. The sorted path on 5
+    tokens, and the one-token path (moe_one_token.py) with its first and last slot out."""
     from llmnote.ops import moe as M
+    from llmnote.ops import moe_one_token as M1
 
     empty = torch.empty
 
@@ -138,14 +141,19 @@ def test_an_id_out_of_range_adds_nothing(bad_id, dev, seed, monkeypatch):
         t = empty(*args, **kw)
         return t.fill_(float("nan")) if t.is_floating_point() else t
 
-    x, w13, w2, w, ids = make(5, 4, 2, torch.float32, dev)
+    t, k, slots = (5, 2, [(0, 0), (3, 1)]) if path == "sorted" else (1, 3, [(0, 0), (0, 2)])
+    x, w13, w2, w, ids = make(t, 4, k, torch.float32, dev)
     bad, keep = ids.clone(), w.clone()
-    bad[0, 0], bad[3, 1], keep[0, 0], keep[3, 1] = bad_id, bad_id, 0, 0
+    for r, c in slots:
+        bad[r, c], keep[r, c] = bad_id, 0
     ref = fused_moe_ref(x.double(), w13.double(), w2.double(), keep, ids)
     monkeypatch.setattr(torch, "empty", nan_empty)
-    tile = M._tiles(10, 4, 4)[0] if dev.type == "cuda" else M.INTERPRETER_TILE
-    got = M._forward(x, w13, w2, w, bad, tile)
-    assert float((got.double() - ref).abs().max()) < 1e-4
+    gpu = dev.type == "cuda"
+    if path == "sorted":
+        got = M._forward(x, w13, w2, w, bad, M._tiles(10, 4, 4)[0] if gpu else M.INTERPRETER_TILE)
+    else:
+        got = M1._forward(x, w13, w2, w, bad, M1.TILES[0] if gpu else M1.INTERPRETER_TILE)
+    assert float((got.double() - ref).abs().max()) < (1e-4 if path == "sorted" else 1e-5)
 
 
 def test_one_token_takes_the_path_without_a_sort(dev, seed, monkeypatch):
@@ -162,28 +170,6 @@ def test_one_token_takes_the_path_without_a_sort(dev, seed, monkeypatch):
     assert calls == []
     assert float((fused_moe(x, w13, w2, w, ids).double() - ref).abs().max()) < 1e-5
     assert calls == [1]
-
-
-@pytest.mark.parametrize("bad_id", [-1, 4, 1000])
-def test_one_token_slot_out_of_range_adds_nothing(bad_id, dev, seed, monkeypatch):
-    """As test_an_id_out_of_range_adds_nothing, on the one-token path (the last slot and
-    the first out of range; new float buffers NaN)."""
-    from llmnote.ops import moe_one_token as M1
-
-    empty = torch.empty
-
-    def nan_empty(*args, **kw):
-        t = empty(*args, **kw)
-        return t.fill_(float("nan")) if t.is_floating_point() else t
-
-    x, w13, w2, w, ids = make(1, 4, 3, torch.float32, dev)
-    bad, keep = ids.clone(), w.clone()
-    bad[0, 0], bad[0, 2], keep[0, 0], keep[0, 2] = bad_id, bad_id, 0, 0
-    ref = fused_moe_ref(x.double(), w13.double(), w2.double(), keep, ids)
-    monkeypatch.setattr(torch, "empty", nan_empty)
-    tile = M1.TILES[0] if dev.type == "cuda" else M1.INTERPRETER_TILE
-    got = M1._forward(x, w13.contiguous(), w2.contiguous(), w, bad, tile)
-    assert float((got.double() - ref).abs().max()) < 1e-5
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
