@@ -130,7 +130,7 @@ class TPRunner:
                                   "ops": _portable(model.ops),
                                   "dtype": next(model.parameters()).dtype})
         else:
-            from llmnote.models.loader import read_config
+            from llmnote.models.hf_config import read_config
             from llmnote.models.presets import MOE_PRESETS, PRESETS
 
             if not isinstance(model, (str, Path)):

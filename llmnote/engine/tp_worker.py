@@ -270,7 +270,7 @@ def load_shard(source: tuple, rank: int, world_size: int, comm: Comm, device: to
     read slice by slice, random weights made layer by layer."""
     from llmnote.device import placement
     from llmnote.engine.loading import load_model
-    from llmnote.models.loader import read_config
+    from llmnote.models.hf_config import read_config
     from llmnote.models.presets import PRESETS
 
     kind, what = source
