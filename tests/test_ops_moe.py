@@ -176,7 +176,7 @@ def test_one_token_takes_the_path_without_a_sort(dev, seed, monkeypatch):
 def test_one_token_gpu_tiles_in_the_interpreter(dtype, dev, seed):
     """Every one-token tile a GPU may choose, in the interpreter, on sizes that leave a
     part tile in every dimension (H and I not multiples of any tile's BLOCK_N or
-    BLOCK_K, H past 512 so that every tile's K loop runs more than once)."""
+    BLOCK_K; H past 512, so the gate/up K loop of a 512-wide tile runs twice)."""
     from llmnote.ops import moe_one_token as M1
 
     if dev.type == "cuda":

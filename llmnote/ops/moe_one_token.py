@@ -8,8 +8,8 @@ and the sum over the slots are then fixed costs around 75 MB of weight reads (Qw
 30B-A3B), so this path drops them:
 
 1. **gate/up** (``_one_token_gate_up_kernel``): one program a (slot, column tile):
-   ``BLOCK_N`` rows of its expert's gate and of its up matrix times ``x``, a GEMV
-   (products summed in fp32, no ``tl.dot``: one row of ``x`` would fill a 16-row MMA
+   ``BLOCK_N`` rows of its expert's gate and of its up matrix times ``x``, a GEMV as in
+   :mod:`llmnote.ops.gemv` (products summed in fp32, no ``tl.dot``: one row of ``x`` would fill a 16-row MMA
    tile with 15 rows of padding), written as ``silu(gate) * up`` for that slot.
 2. **down** (``_one_token_down_kernel``): one program a tile of the ``H`` outputs:
    for each slot, the rows of its expert's ``w2`` times that slot's ``silu(gate) *
@@ -30,12 +30,13 @@ import triton.language as tl
 from llmnote import device
 from llmnote.ops._tuning import TuneCache
 
-# (BLOCK_N of gate/up, BLOCK_N of down, BLOCK_K, num_warps). Narrow column tiles give
-# enough programs at Qwen3-30B-A3B's shapes (8 slots x 768 / 16 = 384 gate/up programs,
-# 2048 / 8 = 256 down programs on 132 SMs); BLOCK_K elements of a weight row are one
-# contiguous read (512 bytes in bf16 at 256). The first is the choice off the GPU and
+# (BLOCK_N of gate/up, BLOCK_N of down, BLOCK_K, num_warps): shaped like the batch-1
+# GEMV tiles that won on the H100 (llmnote.ops.gemv.M1_CANDIDATES: a few weight rows, a
+# K chunk of 512-2048 elements, one contiguous read of each row's chunk), which also give
+# many programs at Qwen3-30B-A3B's shapes (8 slots x 768 / 4 = 1536 gate/up programs,
+# 2048 / 4 = 512 down programs on 132 SMs). The first is the choice off the GPU and
 # inside a graph capture; on a GPU the first call of each shape times them all.
-TILES = [(16, 8, 256, 4), (32, 16, 256, 8), (16, 16, 128, 4), (8, 8, 512, 4)]
+TILES = [(4, 4, 1024, 4), (8, 8, 1024, 4), (2, 4, 2048, 4), (8, 8, 512, 4), (4, 8, 2048, 8)]
 INTERPRETER_TILE = (16, 8, 32, 4)
 TUNING = TuneCache("fused_moe_one_token")
 
@@ -54,19 +55,18 @@ def _one_token_gate_up_kernel(
     n_ok = offs_n < I
     g_ptrs = w_ptr + e * stride_we + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :]
     u_ptrs = g_ptrs + I * stride_wn  # up rows follow the gate rows
-    acc_g = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-    acc_u = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    gate = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    up = tl.zeros((BLOCK_N,), dtype=tl.float32)
     for k0 in range(0, H, BLOCK_K):
         k_ok = offs_k < H - k0
         xk = tl.load(x_ptr + k0 + offs_k, mask=k_ok, other=0.0).to(tl.float32)
         g = tl.load(g_ptrs, mask=n_ok[:, None] & k_ok[None, :], other=0.0)  # the weights
         u = tl.load(u_ptrs, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-        acc_g += g.to(tl.float32) * xk[None, :]
-        acc_u += u.to(tl.float32) * xk[None, :]
+        gate += tl.sum(g.to(tl.float32) * xk[None, :], axis=1)
+        up += tl.sum(u.to(tl.float32) * xk[None, :], axis=1)
         g_ptrs += BLOCK_K
         u_ptrs += BLOCK_K
-    gate = tl.sum(acc_g, axis=1)
-    y = gate * tl.sigmoid(gate) * tl.sum(acc_u, axis=1)  # SwiGLU in fp32
+    y = gate * tl.sigmoid(gate) * up  # SwiGLU in fp32
     tl.store(out_ptr + j * I + offs_n, y.to(out_ptr.dtype.element_ty), mask=n_ok)
 
 
@@ -80,20 +80,20 @@ def _one_token_down_kernel(
     offs_k = tl.arange(0, BLOCK_K)
     n_ok = offs_n < H
     out = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    for j in range(0, top_k):
+    for j in range(top_k):
         e = tl.load(ids_ptr + j).to(tl.int64)
         if (e >= 0) & (e < num_experts):  # a slot out of range adds nothing
             b_ptrs = (w_ptr + e * stride_we + offs_n[:, None].to(tl.int64) * stride_wn
                       + offs_k[None, :])
-            acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+            acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
             for k0 in range(0, I, BLOCK_K):
                 k_ok = offs_k < I - k0
                 a = tl.load(a_ptr + j * I + k0 + offs_k, mask=k_ok, other=0.0).to(tl.float32)
                 b = tl.load(b_ptrs, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-                acc += b.to(tl.float32) * a[None, :]
+                acc += tl.sum(b.to(tl.float32) * a[None, :], axis=1)
                 b_ptrs += BLOCK_K
             w = tl.load(weights_ptr + j).to(tl.float32)  # the router weight
-            out += w * tl.sum(acc, axis=1)
+            out += w * acc
     tl.store(out_ptr + offs_n, out.to(out_ptr.dtype.element_ty), mask=n_ok)
 
 
