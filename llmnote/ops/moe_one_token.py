@@ -9,8 +9,9 @@ and the sum over the slots are then fixed costs around 75 MB of weight reads (Qw
 
 1. **gate/up** (``_one_token_gate_up_kernel``): one program a (slot, column tile):
    ``BLOCK_N`` rows of its expert's gate and of its up matrix times ``x``, a GEMV as in
-   :mod:`llmnote.ops.gemv` (products summed in fp32, no ``tl.dot``: one row of ``x`` would fill a 16-row MMA
-   tile with 15 rows of padding), written as ``silu(gate) * up`` for that slot.
+   :mod:`llmnote.ops.gemv` (products summed in fp32, no ``tl.dot``: one row of ``x``
+   would fill a 16-row MMA tile with 15 rows of padding), written as ``silu(gate) * up``
+   for that slot.
 2. **down** (``_one_token_down_kernel``): one program a tile of the ``H`` outputs:
    for each slot, the rows of its expert's ``w2`` times that slot's ``silu(gate) *
    up``, scaled by the router weight and summed over the slots in fp32: the output
