@@ -14,8 +14,8 @@ runs elsewhere, and the kernel not launched. Where the operating system can fork
 Triton's ``jit_cache_hook``: a worker compiles it with ``JITFunction.preload`` (the
 specialization Triton serialises for the hook), builds its launcher, and leaves both
 in Triton's on-disk cache; as each one finishes, this process loads it (and puts it
-on the GPU) while the others still compile, so the real launch finds it in memory. Workers never touch the
-GPU (a forked process cannot use CUDA), only the compiler. Elsewhere, compiles go to a
+on the GPU) while the others still compile, so the real launch finds it in memory.
+Workers never touch the GPU (a forked process cannot use CUDA), only the compiler. Elsewhere, compiles go to a
 pool of threads through Triton's ``AsyncCompileMode``; threads share Python's lock,
 which much of Triton's compiler holds (15 kernels: 5.1 s one by one, 2.1 s on 16
 threads, on the H100 machine's CPU).
@@ -173,11 +173,11 @@ def compile_only(workers: int | None = None, processes: bool | None = None) -> I
     def compile_(self, *args, grid, warmup, **kwargs):
         if not _active.get():
             return run(self, *args, grid=grid, warmup=warmup, **kwargs)
-        if not forked:
-            return run(self, *args, grid=grid, warmup=True, **kwargs)
         try:
             return run(self, *args, grid=grid, warmup=True, **kwargs)
         except TypeError:  # a constexpr Triton cannot serialise for the hook: compile here
+            if not forked:
+                raise
             ours, knobs.runtime.jit_cache_hook = knobs.runtime.jit_cache_hook, hook
             try:
                 return run(self, *args, grid=grid, warmup=True, **kwargs)
