@@ -1,12 +1,10 @@
 """Compile the Triton kernels a block of code would launch, in parallel, running none.
 
-On a cold cache Triton compiles a kernel the first time it is launched with a new
-specialization (its constexprs, dtypes, and which integer arguments are 1 or multiples
-of 16), and it does so one kernel after another: the MLIR passes, ``ptxas``, and (Triton
-3.6) a C compiler run for the kernel's launcher. An engine's first request launches a
-dozen or two such kernels: on an H100 that was 8-10 s of the first request on a fresh
-machine, while the same request takes under a second once the cache holds them
-(``engine.csv``'s ``startup-*`` rows).
+On a cold cache Triton compiles a kernel at its first launch with a new specialization
+(constexprs, dtypes, which integers are 1 or multiples of 16), one kernel after another:
+MLIR passes, ``ptxas`` and (Triton 3.6) a C compiler for its launcher. An engine's first
+request launches a dozen or two: 8-10 s on a fresh H100 machine, under a second once the
+cache holds them (``engine.csv``'s ``startup-*`` rows).
 
 :func:`compile_only` runs a block with every Triton launch turned into a compile that
 runs elsewhere, and the kernel not launched. Where the operating system can fork
@@ -15,10 +13,14 @@ Triton's ``jit_cache_hook``: a worker compiles it with ``JITFunction.preload`` (
 specialization Triton serialises for the hook), builds its launcher, and leaves both
 in Triton's on-disk cache; as each one finishes, this process loads it (and puts it
 on the GPU) while the others still compile, so the real launch finds it in memory.
-Workers never touch the GPU (a forked process cannot use CUDA), only the compiler. Elsewhere, compiles go to a
-pool of threads through Triton's ``AsyncCompileMode``; threads share Python's lock,
-which much of Triton's compiler holds (15 kernels: 5.1 s one by one, 2.1 s on 16
-threads, on the H100 machine's CPU).
+The worker files the kernel under this process's ``JITFunction.cache_key``, sent with
+the work: for ``_fused_gemv_kernel`` a forked worker computed a key of its own that
+differed from its parent's (same source, same callees' keys; the cause is not found),
+so the parent found nothing and compiled all five of the Shakespeare engine's fused
+GEMVs again, one after another: 1.7 s of its 4 s cold start on the H100 machine.
+Workers never touch the GPU (a forked process cannot use CUDA). Elsewhere, compiles go
+to threads through Triton's ``AsyncCompileMode``; they share Python's lock, which much
+of Triton's compiler holds (15 kernels: 5.1 s one by one, 2.1 s on 16 threads).
 
 PyTorch operations in the block run as usual, on buffers the skipped kernels never
 wrote, so the block's results are meaningless: call it with the same shapes as the
@@ -66,10 +68,13 @@ def _jit_function(module: str, qualname: str):
     return obj
 
 
-def _compile_in_worker(module: str, qualname: str, data: str, device: int, target) -> None:
+def _compile_in_worker(module: str, qualname: str, data: str, device: int, target,
+                       fn_key: str) -> str:
     """In a forked worker: compile one specialization and build its launcher, both
-    into Triton's on-disk cache. The worker answers Triton's questions about the GPU
-    with the parent's answers (CUDA cannot be used after a fork)."""
+    into Triton's on-disk cache, under the parent's ``fn_key`` (the kernel's
+    ``JITFunction.cache_key`` there). The worker answers Triton's questions about the
+    GPU with the parent's answers (CUDA cannot be used after a fork). Returns the key
+    the worker computed itself (it is not always the parent's: module docstring)."""
     from triton import knobs
     from triton.runtime import driver
 
@@ -78,8 +83,12 @@ def _compile_in_worker(module: str, qualname: str, data: str, device: int, targe
     d = driver.active
     d.get_current_device = lambda: device
     d.get_current_target = lambda: target
-    kernel = _jit_function(module, qualname).preload(data)
+    fn = _jit_function(module, qualname)
+    own = fn.cache_key  # (also sets what Triton records beside it)
+    fn.hash = fn_key  # the parent looks the kernel up under its key: store it there
+    kernel = fn.preload(data)
     d.launcher_cls(kernel.src, kernel.metadata)
+    return own
 
 
 class _Processes:
@@ -103,7 +112,7 @@ class _Processes:
                 warnings.filterwarnings(  # thread of this process holds is theirs to take
                     "ignore", r"This process .* is multi-threaded", DeprecationWarning)
                 future = self.pool.submit(_compile_in_worker, fn.module, fn.name, data,
-                                          self.device, self.target)
+                                          self.device, self.target, fn.jit_function.cache_key)
             self.sent[data] = (future, fn.jit_function)
         return True
 
