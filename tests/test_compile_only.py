@@ -124,6 +124,7 @@ def test_a_stuck_worker_is_killed_after_the_timeout():
     procs = _compile._Processes.__new__(_compile._Processes)  # no GPU needed to wait
     procs.pool = ProcessPoolExecutor(1, mp_context=get_context("fork"))
     procs.sent = {"data": (procs.pool.submit(time.sleep, 600), None)}
+    procs.pending = []
     pids = [w.pid for w in procs.pool._processes.values()]
     assert pids
     t = time.perf_counter()
@@ -144,3 +145,72 @@ def test_a_stuck_worker_is_killed_after_the_timeout():
     while any(running(p) for p in pids) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not any(running(p) for p in pids), "a stuck worker outlived its kill"
+
+
+def _fake_compile(*args):
+    return args
+
+
+@pytest.mark.skipif(not _compile._can_fork(), reason="forked workers (Linux)")
+def test_nothing_forks_while_the_warm_up_thread_runs(monkeypatch):
+    import threading
+    from concurrent.futures import ProcessPoolExecutor
+    from multiprocessing import get_context
+
+    release = threading.Event()
+    warm = threading.Thread(target=release.wait, daemon=True)
+    warm.start()
+    monkeypatch.setitem(_compile._warmed, "t", warm)
+    monkeypatch.setattr(_compile, "_compile_in_worker", _fake_compile)
+    procs = _compile._Processes.__new__(_compile._Processes)  # (no GPU: no driver asked)
+    procs.pool = ProcessPoolExecutor(2, mp_context=get_context("fork"))
+    procs.device, procs.target = 0, "target"
+    procs.sent, procs.pending = {"spec": (None, "fn")}, [("mod", "name", "spec", "parent key")]
+    try:
+        procs.submit(wait=False)  # the thread still runs: kept pending, no worker forked
+        assert procs.pending and procs.sent["spec"][0] is None
+        assert not procs.pool._processes
+        release.set()
+        warm.join()
+        procs.submit(wait=False)
+        assert not procs.pending
+        future, fn = procs.sent["spec"]
+        assert fn == "fn"  # the worker gets the parent's cache key with the work
+        assert future.result(timeout=60) == ("mod", "name", "spec", 0, "target", "parent key")
+    finally:
+        procs.pool.shutdown()
+
+
+@pytest.mark.gpu
+@gpu
+def test_the_parent_finds_every_kernel_its_workers_compiled(tmp_path, monkeypatch):
+    """Each specialization the engine's first step sends to the workers is compiled once:
+    a worker that filed a kernel under a key other than this process's would leave the
+    parent to compile it again (a second cubin). Seen for ``_fused_gemv_kernel``."""
+    import sys
+    from collections import Counter
+
+    from triton.runtime.jit import JITFunction
+
+    from llmnote.engine import LLM, SamplingParams
+
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))  # an empty kernel cache
+    for module in [m for name, m in sys.modules.items() if name.startswith("llmnote.")]:
+        for fn in vars(module).values():  # and none in memory (earlier tests' engines)
+            if isinstance(fn, JITFunction):
+                fn.device_caches.clear()
+    sent: Counter = Counter()
+    close = _compile._Processes.close
+
+    def spy(self, *args, **kwargs):
+        sent.update(fn.__name__ for _, fn in self.sent.values())
+        return close(self, *args, **kwargs)
+
+    monkeypatch.setattr(_compile._Processes, "close", spy)
+    with LLM("shakespeare", max_model_len=128) as llm:
+        # one step: the prefill (and the batch-1 decode graph's kernels, compiled with it)
+        llm.generate([list(range(1, 17))], SamplingParams(temperature=0, max_tokens=1),
+                     use_tqdm=False)
+    assert sent["_fused_gemv_kernel"] > 0
+    cubins = Counter(p.name.removesuffix(".cubin") for p in tmp_path.rglob("*.cubin"))
+    assert {name: cubins[name] for name in sent} == dict(sent)

@@ -9,10 +9,10 @@ from llmnote.testing import assert_close_lowp
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 # (tokens, experts, top-k): odd token counts, E in {4, 8}, k from 1 to E
-# (161, 4, 2): 80 pairs an expert, the prefill tiles on a GPU; one token takes its own
-# path (moe_one_token.py): k = 1, 3 and 8, E up to Qwen3-30B-A3B's 128
+# (161, 4, 2): 80 pairs an expert, the prefill tiles on a GPU; up to 4 tokens take their
+# own path (moe_few_tokens.py): k = 1 to 8, E up to Qwen3-30B-A3B's 128
 CASES = [(1, 4, 1), (7, 8, 2), (13, 4, 4), (33, 8, 8), (5, 8, 3), (161, 4, 2), (1, 8, 3),
-         (1, 128, 8)]
+         (1, 128, 8), (2, 8, 2), (3, 4, 4), (4, 128, 8)]
 
 
 def moe_atol(ref_hi, dtype, h, i):
@@ -125,15 +125,15 @@ def test_bad_input(dev):
         fused_moe(x, w13, w2[:, :, :-1], w, ids)
 
 
-@pytest.mark.parametrize("path", ["sorted", "one token"])
+@pytest.mark.parametrize("path", ["sorted", "few tokens"])
 @pytest.mark.parametrize("bad_id", [-1, 4, 1000])
 def test_an_id_out_of_range_adds_nothing(path, bad_id, dev, seed, monkeypatch):
     """The kernels unchecked (a GPU does not read the ids back): a pair routed outside
     [0, E) adds 0 to its token, and every row the top-k sum reads is written. New float
     buffers start as NaN here, so a row left unwritten would show. The sorted path on 5
-    tokens, and the one-token path (moe_one_token.py) with its first and last slot out."""
+    tokens, and the few-token path (moe_few_tokens.py) on 3, its first and last slot out."""
     from llmnote.ops import moe as M
-    from llmnote.ops import moe_one_token as M1
+    from llmnote.ops import moe_few_tokens as M1
 
     empty = torch.empty
 
@@ -141,7 +141,7 @@ def test_an_id_out_of_range_adds_nothing(path, bad_id, dev, seed, monkeypatch):
         t = empty(*args, **kw)
         return t.fill_(float("nan")) if t.is_floating_point() else t
 
-    t, k, slots = (5, 2, [(0, 0), (3, 1)]) if path == "sorted" else (1, 3, [(0, 0), (0, 2)])
+    t, k, slots = (5, 2, [(0, 0), (3, 1)]) if path == "sorted" else (3, 3, [(0, 0), (2, 2)])
     x, w13, w2, w, ids = make(t, 4, k, torch.float32, dev)
     bad, keep = ids.clone(), w.clone()
     for r, c in slots:
@@ -156,33 +156,38 @@ def test_an_id_out_of_range_adds_nothing(path, bad_id, dev, seed, monkeypatch):
     assert float((got.double() - ref).abs().max()) < (1e-4 if path == "sorted" else 1e-5)
 
 
-def test_one_token_takes_the_path_without_a_sort(dev, seed, monkeypatch):
-    """One token: no align (its k slots name k different experts, nothing to share); two
-    tokens: the sorted path."""
+def test_a_few_tokens_take_the_path_without_a_sort(dev, seed, monkeypatch):
+    """Up to FEW_TOKENS tokens: no align (little to share); one more: the sorted path."""
     from llmnote.ops import moe as M
+    from llmnote.ops.moe_few_tokens import FEW_TOKENS
 
     calls = []
     align = M.moe_align
     monkeypatch.setattr(M, "moe_align", lambda *a, **kw: calls.append(1) or align(*a, **kw))
-    x, w13, w2, w, ids = make(2, 8, 2, torch.float32, dev)
+    n = FEW_TOKENS + 1
+    x, w13, w2, w, ids = make(n, 8, 2, torch.float32, dev)
     ref = fused_moe_ref(x.double(), w13.double(), w2.double(), w, ids)
-    assert float((fused_moe(x[:1], w13, w2, w[:1], ids[:1]).double() - ref[:1]).abs().max()) < 1e-5
+    for t in range(1, n):
+        got = fused_moe(x[:t], w13, w2, w[:t], ids[:t])
+        assert float((got.double() - ref[:t]).abs().max()) < 1e-5
     assert calls == []
     assert float((fused_moe(x, w13, w2, w, ids).double() - ref).abs().max()) < 1e-5
     assert calls == [1]
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_one_token_gpu_tiles_in_the_interpreter(dtype, dev, seed):
-    """Every one-token tile a GPU may choose, in the interpreter, on sizes that leave a
+def test_few_tokens_gpu_tiles_in_the_interpreter(dtype, dev, seed):
+    """Every few-token tile a GPU may choose, in the interpreter, on sizes that leave a
     part tile in every dimension (H and I not multiples of any tile's BLOCK_N or
-    BLOCK_K; H past 512, so the gate/up K loop of a 512-wide tile runs twice)."""
-    from llmnote.ops import moe_one_token as M1
+    BLOCK_K; H past 512, so the gate/up K loop of a 512-wide tile runs twice), for 3
+    tokens whose rows lie apart in memory (a stride past H)."""
+    from llmnote.ops import moe_few_tokens as M1
 
     if dev.type == "cuda":
         pytest.skip("on a GPU the other tests run the chosen tile compiled")
     h, i = 531, 77
-    x, w13, w2, w, ids = make(1, 16, 4, dtype, dev, h=h, i=i)
+    x, w13, w2, w, ids = make(3, 16, 4, dtype, dev, h=h, i=i)
+    x = torch.cat([x, torch.full_like(x[:, :5], float("nan"))], dim=1)[:, :h]  # rows apart
     hi = torch.float64 if dtype == torch.float32 else torch.float32
     ref_hi = fused_moe_ref(x.to(hi), w13.to(hi), w2.to(hi), w, ids)
     lowp = fused_moe_ref(x, w13, w2, w, ids)
@@ -217,9 +222,9 @@ def test_gpu_tiles_in_the_interpreter(t, e, k, dtype, dev, seed, monkeypatch):
 
 @pytest.mark.skipif(not torch.cuda.is_available() or device.interpreting(),
                     reason="needs a GPU (CUDA graphs)")
-@pytest.mark.parametrize("t", [1, 37])
+@pytest.mark.parametrize("t", [1, 3, 37])
 def test_fused_moe_replays_in_a_cuda_graph(t, seed):
-    """No host sync anywhere (align included; one token takes the path without it): the
+    """No host sync anywhere (align included; 1 and 3 tokens take the path without it): the
     call is captured once and replayed with new tokens and a new routing written into
     the same buffers."""
     e, k = 8, 2

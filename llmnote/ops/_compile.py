@@ -92,7 +92,10 @@ def _compile_in_worker(module: str, qualname: str, data: str, device: int, targe
 
 
 class _Processes:
-    """Specializations sent to forked workers, each once."""
+    """Specializations sent to forked workers, each once. Those met while the warm-up
+    thread still hashes Triton (:func:`warm_up_in_background`) wait in ``pending``: no
+    fork while another thread runs, and a worker forked before the hash is known would
+    compute it again itself."""
 
     def __init__(self, workers: int) -> None:
         from triton.runtime import driver
@@ -100,7 +103,8 @@ class _Processes:
         self.pool = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("fork"))
         self.device = driver.active.get_current_device()
         self.target = driver.active.get_current_target()
-        self.sent: dict[str, object] = {}
+        self.sent: dict[str, tuple] = {}  # specialization -> (future or None, JITFunction)
+        self.pending: list[tuple] = []  # (module, name, specialization, cache key)
 
     def hook(self, *, fn, compile, **_) -> bool:
         """Triton's ``jit_cache_hook``: True (skip the in-process compile) once sent."""
@@ -108,13 +112,25 @@ class _Processes:
         if data not in self.sent:
             if _jit_function(fn.module, fn.name) is not fn.jit_function:
                 return False  # not reachable by name in a worker: compiled here
-            with warnings.catch_warnings():  # the workers only compile: no lock another
-                warnings.filterwarnings(  # thread of this process holds is theirs to take
-                    "ignore", r"This process .* is multi-threaded", DeprecationWarning)
-                future = self.pool.submit(_compile_in_worker, fn.module, fn.name, data,
-                                          self.device, self.target, fn.jit_function.cache_key)
-            self.sent[data] = (future, fn.jit_function)
+            self.sent[data] = (None, fn.jit_function)
+            self.pending.append((fn.module, fn.name, data, fn.jit_function.cache_key))
+            self.submit(wait=False)
         return True
+
+    def submit(self, wait: bool) -> None:
+        """Send the pending specializations to the workers, once the warm-up thread is done
+        (``wait``: wait for it; else leave them pending while it runs)."""
+        if not self.pending or (not wait and _warming()):
+            return
+        wait_warm()
+        with warnings.catch_warnings():  # the workers only compile: no lock another
+            warnings.filterwarnings(  # thread of this process holds is theirs to take
+                "ignore", r"This process .* is multi-threaded", DeprecationWarning)
+            for module, name, data, key in self.pending:
+                future = self.pool.submit(_compile_in_worker, module, name, data, self.device,
+                                          self.target, key)
+                self.sent[data] = (future, self.sent[data][1])
+        self.pending.clear()
 
     def close(self, timeout: float = 120.0) -> None:
         """Wait for the workers, loading each kernel they finish into this process (and
@@ -122,7 +138,8 @@ class _Processes:
         the hook removed. Workers still busy after ``timeout`` seconds (one stuck, say
         on a lock that another thread held when the process forked) are killed: their
         kernels compile here at their first launch, as without this block."""
-        jit = {future: (fn, data) for data, (future, fn) in self.sent.items()}
+        self.submit(wait=True)
+        jit = {future: (fn, data) for data, (future, fn) in self.sent.items() if future}
         try:
             for future in as_completed(jit, timeout=timeout):
                 if future.exception() is None:
@@ -199,7 +216,7 @@ def compile_only(workers: int | None = None, processes: bool | None = None) -> I
                                    f"timed by running them")
         return tune(self, *args, **kwargs)
 
-    wait_warm()  # (no fork while the warm-up thread runs)
+    wait_warm(until_driver=forked)  # (then forks wait for the rest: _Processes.submit)
     token = _active.set(True)
     JITFunction.run, Autotuner.run = compile_, refuse
     try:
@@ -219,35 +236,51 @@ def compile_only(workers: int | None = None, processes: bool | None = None) -> I
         _active.reset(token)
 
 
-_warmed: dict[str, threading.Thread] = {}
+_warmed: dict[str, object] = {}  # "t": the warm-up thread, "driver": set once it has the driver
 
 
 def warm_up_in_background() -> None:
     """Start, in a thread, the work Triton does once per process before its first
     compile or cache lookup: build (or load) its CUDA helper module and hash its own
-    sources and library into the cache key (the helper's build alone took 0.5 s on an
-    empty cache on the H100 machine). An engine calls this while it loads;
-    :func:`compile_only` waits for it."""
+    sources and library into the cache key (0.5 s each on the H100 machine, the first on
+    an empty cache). An engine calls this while it loads; :func:`compile_only` waits for
+    the helper, and its forked workers for the whole (the block's launches meanwhile
+    find the specializations to compile, which needs the helper but not the hash)."""
     from llmnote import device
 
     if "t" in _warmed or device.interpreting() or not device.on_gpu():
         return
+
+    driver_ready = threading.Event()
 
     def warm():
         with contextlib.suppress(Exception):  # whatever fails, the first launch meets again
             from triton.runtime import driver
             from triton.runtime.cache import triton_key
 
-            driver.active.get_current_target()
+            try:
+                driver.active.get_current_target()
+            finally:
+                driver_ready.set()
             triton_key()
 
+    _warmed["driver"] = driver_ready
     _warmed["t"] = threading.Thread(target=warm, name="llmnote-triton-warm-up", daemon=True)
     _warmed["t"].start()
 
 
-def wait_warm() -> None:
-    """Wait for :func:`warm_up_in_background` (no fork while it runs)."""
+def wait_warm(until_driver: bool = False) -> None:
+    """Wait for :func:`warm_up_in_background` (no fork while it runs), or with
+    ``until_driver`` only until it has Triton's driver (two threads would both build it)."""
     t = _warmed.get("t")
     if t is not None:
-        t.join()
+        if until_driver:
+            _warmed["driver"].wait()
+        else:
+            t.join()
+
+
+def _warming() -> bool:
+    t = _warmed.get("t")
+    return t is not None and t.is_alive()
 

@@ -22,9 +22,9 @@ every token row and every expert it touches once per expert. The fused version:
    weight; the ``k`` rows of a token are then summed (in fp32, one rounding).
 
 Each expert's weights are read once per row block that routes to it: at decode, the
-bytes of the experts touched, which sets the speed limit (the chapter's roofline). One
-token has nothing to share between its slots and takes a path of two GEMV launches
-without the sort (:mod:`llmnote.ops.moe_one_token`).
+bytes of the experts touched, which sets the speed limit (the chapter's roofline). A few
+tokens (decode at batch 1-4) have little to share and take a path of two GEMV launches
+without the sort (:mod:`llmnote.ops.moe_few_tokens`).
 Interpreter: bf16 tiles are upcast to fp32 (its bf16 ``tl.dot`` is wrong). fp32 dots
 use IEEE precision, not TF32.
 
@@ -42,7 +42,7 @@ import triton.language as tl
 from llmnote import device
 from llmnote.ops._tuning import TuneCache
 from llmnote.ops._validate import FLOAT_DTYPES, check_tensor
-from llmnote.ops.moe_one_token import fused_moe_one_token
+from llmnote.ops.moe_few_tokens import FEW_TOKENS, fused_moe_few_tokens
 
 __all__ = ["fused_moe", "fused_moe_ref", "moe_align", "moe_align_ref", "route"]
 
@@ -396,8 +396,8 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
         return fused_moe_ref(x, w13, w2, topk_weights, topk_ids)
     x = x if x.stride(1) == 1 else x.contiguous()
     w13, w2 = w13.contiguous(), w2.contiguous()
-    if t_ == 1:  # decode at batch 1: nothing to share, no sort (moe_one_token.py)
-        return fused_moe_one_token(x, w13, w2, topk_weights, topk_ids)
+    if t_ <= FEW_TOKENS:  # decode at batch 1-4: little to share, no sort (moe_few_tokens.py)
+        return fused_moe_few_tokens(x, w13, w2, topk_weights, topk_ids)
     pairs = t_ * topk_ids.shape[1]
     key = (triton.next_power_of_2(triton.cdiv(pairs, e)), e, h, i, x.dtype)
     tile = TUNING.tune(key, _tiles(pairs, e, x.element_size()),

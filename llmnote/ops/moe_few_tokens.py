@@ -1,21 +1,23 @@
-"""The MoE block for one token (batch-1 decode): two GEMV launches, no align.
+"""The MoE block for a few tokens (decode at batch 1-4): two GEMV launches, no sort.
 
 :func:`llmnote.ops.moe.fused_moe` sorts the ``T k`` (token, slot) pairs by expert so
 that each expert's weights are read once for all the tokens routed to it. With one
-token there is nothing to share: its ``k`` slots name ``k`` different experts, and
-each is read once however the work is split. The sort, its padding to 16-row tiles
-and the sum over the slots are then fixed costs around 75 MB of weight reads (Qwen3-
-30B-A3B), so this path drops them:
+token there is nothing to share: its ``k`` slots name ``k`` different experts. With a
+few tokens little is: 4 tokens of Qwen3-30B-A3B (k = 8 of 128 experts) name about 28
+different experts in their 32 slots, and two slots of one expert read its rows at the
+same moment, mostly from L2. The sort, its padding to 16-row tiles and the separate sum
+over the slots are then fixed costs around 75-270 MB of weight reads, so this path
+(``T <=`` :data:`FEW_TOKENS`) drops them:
 
-1. **gate/up** (``_one_token_gate_up_kernel``): one program a (slot, column tile):
-   ``BLOCK_N`` rows of its expert's gate and of its up matrix times ``x``, a GEMV as in
-   :mod:`llmnote.ops.gemv` (products summed in fp32, no ``tl.dot``: one row of ``x``
-   would fill a 16-row MMA tile with 15 rows of padding), written as ``silu(gate) * up``
-   for that slot.
-2. **down** (``_one_token_down_kernel``): one program a tile of the ``H`` outputs:
-   for each slot, the rows of its expert's ``w2`` times that slot's ``silu(gate) *
-   up``, scaled by the router weight and summed over the slots in fp32: the output
-   is rounded once (the sorted path rounds each slot's row, then the sum).
+1. **gate/up** (``_few_tokens_gate_up_kernel``): one program a (slot, column tile):
+   ``BLOCK_N`` rows of its expert's gate and of its up matrix times its token's ``x``,
+   a GEMV as in :mod:`llmnote.ops.gemv` (products summed in fp32, no ``tl.dot``: one
+   row of ``x`` would fill a 16-row MMA tile with 15 rows of padding), written as
+   ``silu(gate) * up`` for that slot.
+2. **down** (``_few_tokens_down_kernel``): one program a (token, tile of the ``H``
+   outputs): for each of the token's slots, the rows of its expert's ``w2`` times that
+   slot's ``silu(gate) * up``, scaled by the router weight and summed in fp32: the
+   output is rounded once (the sorted path rounds each slot's row, then the sum).
 
 A slot whose expert id lies outside ``[0, E)`` adds nothing (its gate/up program reads
 expert 0 and the down kernel skips it), as in the sorted path. No host sync: the call
@@ -34,21 +36,23 @@ from llmnote.ops._tuning import TuneCache
 # (BLOCK_N of gate/up, BLOCK_N of down, BLOCK_K, num_warps): shaped like the batch-1
 # GEMV tiles that won on the H100 (llmnote.ops.gemv.M1_CANDIDATES: a few weight rows, a
 # K chunk of 512-2048 elements, one contiguous read of each row's chunk), which also give
-# many programs at Qwen3-30B-A3B's shapes (8 slots x 768 / 4 = 1536 gate/up programs,
-# 2048 / 4 = 512 down programs on 132 SMs). The first is the choice off the GPU and
+# many programs at Qwen3-30B-A3B's shapes (one token: 8 slots x 768 / 4 = 1536 gate/up
+# programs, 2048 / 4 = 512 down programs on 132 SMs). The first is the choice off the GPU and
 # inside a graph capture; on a GPU the first call of each shape times them all.
 TILES = [(4, 4, 1024, 4), (8, 8, 1024, 4), (2, 4, 2048, 4), (8, 8, 512, 4), (4, 8, 2048, 8)]
 INTERPRETER_TILE = (16, 8, 32, 4)
-TUNING = TuneCache("fused_moe_one_token")
+TUNING = TuneCache("fused_moe_few_tokens")
+FEW_TOKENS = 4  # fused_moe takes this path up to this many tokens
 
 
 @triton.jit
-def _one_token_gate_up_kernel(
-    x_ptr, w_ptr, out_ptr, ids_ptr, num_experts, H, I, stride_we, stride_wn,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+def _few_tokens_gate_up_kernel(
+    x_ptr, w_ptr, out_ptr, ids_ptr, top_k, num_experts, H, I, stride_xm, stride_we,
+    stride_wn, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     # silu(gate) * up of one slot's expert, BLOCK_N of its I columns
-    j, pid_n = tl.program_id(0), tl.program_id(1)
+    j, pid_n = tl.program_id(0), tl.program_id(1)  # slot j of token j // top_k
+    x_ptr += (j // top_k).to(tl.int64) * stride_xm
     e = tl.load(ids_ptr + j).to(tl.int64)
     e = tl.where((e >= 0) & (e < num_experts), e, 0)  # out of range: the down step skips it
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -72,16 +76,18 @@ def _one_token_gate_up_kernel(
 
 
 @triton.jit
-def _one_token_down_kernel(
+def _few_tokens_down_kernel(
     a_ptr, w_ptr, out_ptr, weights_ptr, ids_ptr, top_k, num_experts, H, I,
     stride_we, stride_wn, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
-    # BLOCK_N of the H outputs: sum over slots of weight * (w2[e] @ a[slot])
-    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    # BLOCK_N of token t's H outputs: sum over its slots of weight * (w2[e] @ a[slot])
+    t = tl.program_id(0)
+    out_ptr += t.to(tl.int64) * H
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
     n_ok = offs_n < H
     out = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    for j in range(top_k):
+    for j in range(t * top_k, t * top_k + top_k):
         e = tl.load(ids_ptr + j).to(tl.int64)
         if (e >= 0) & (e < num_experts):  # a slot out of range adds nothing
             b_ptrs = (w_ptr + e * stride_we + offs_n[:, None].to(tl.int64) * stride_wn
@@ -99,30 +105,30 @@ def _one_token_down_kernel(
 
 
 def _forward(x, w13, w2, topk_weights, topk_ids, tile: tuple) -> torch.Tensor:
-    """The two launches with one tile; ``x (1, H)``, contiguous weights."""
-    (_, h), (e, two_i, _), k = x.shape, w13.shape, topk_ids.shape[1]
+    """The two launches with one tile; ``x (T, H)``, contiguous weights."""
+    (t, h), (e, two_i, _), k = x.shape, w13.shape, topk_ids.shape[1]
     i = two_i // 2
     bn1, bn2, bk, warps = tile
     ids = topk_ids.reshape(-1)
     weights = topk_weights.reshape(-1)
-    inter = torch.empty((k, i), dtype=x.dtype, device=x.device)  # silu(gate) * up per slot
-    out = torch.empty((1, h), dtype=x.dtype, device=x.device)
-    _one_token_gate_up_kernel[(k, triton.cdiv(i, bn1))](
-        x, w13, inter, ids, e, h, i, w13.stride(0), w13.stride(1),
+    inter = torch.empty((t * k, i), dtype=x.dtype, device=x.device)  # silu(gate) * up a slot
+    out = torch.empty((t, h), dtype=x.dtype, device=x.device)
+    _few_tokens_gate_up_kernel[(t * k, triton.cdiv(i, bn1))](
+        x, w13, inter, ids, k, e, h, i, x.stride(0), w13.stride(0), w13.stride(1),
         BLOCK_N=bn1, BLOCK_K=bk, num_warps=warps)
-    _one_token_down_kernel[(triton.cdiv(h, bn2),)](
+    _few_tokens_down_kernel[(t, triton.cdiv(h, bn2))](
         inter, w2, out, weights, ids, k, e, h, i, w2.stride(0), w2.stride(1),
         BLOCK_N=bn2, BLOCK_K=bk, num_warps=warps)
     return out
 
 
-def fused_moe_one_token(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
-                        topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
-    """:func:`llmnote.ops.moe.fused_moe` for ``x`` of one row, its inputs already checked
-    and made contiguous there (which calls this for one token)."""
-    (_, h), (e, two_i, _) = x.shape, w13.shape
+def fused_moe_few_tokens(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+                         topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+    """:func:`llmnote.ops.moe.fused_moe` for ``x`` of a few rows, its inputs already
+    checked and made contiguous there (which calls this up to :data:`FEW_TOKENS`)."""
+    (t, h), (e, two_i, _) = x.shape, w13.shape
     tiles = [INTERPRETER_TILE] if device.interpreting() else TILES
-    key = (e, h, two_i // 2, topk_ids.shape[1], x.dtype)
+    key = (t, e, h, two_i // 2, topk_ids.shape[1], x.dtype)
     tile = TUNING.tune(key, tiles, lambda c: _forward(x, w13, w2, topk_weights, topk_ids, c),
                        timing=device.on_gpu())
     return _forward(x, w13, w2, topk_weights, topk_ids, tile)
