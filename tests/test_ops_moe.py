@@ -157,15 +157,19 @@ def test_an_id_out_of_range_adds_nothing(path, bad_id, dev, seed, monkeypatch):
 
 
 def test_a_few_tokens_take_the_path_without_a_sort(dev, seed, monkeypatch):
-    """Up to FEW_TOKENS tokens: no align (little to share); one more: the sorted path."""
+    """Up to FEW_TOKENS tokens of few slots against the experts: no align (little to share);
+    one more: the sorted path."""
     from llmnote.ops import moe as M
-    from llmnote.ops.moe_few_tokens import FEW_TOKENS
+    from llmnote.ops.moe_few_tokens import FEW_TOKENS, takes_few_tokens_path
 
+    assert [t for t in range(1, 9) if takes_few_tokens_path(t, 8, 128)] == [1, 2, 3, 4]
+    assert [t for t in range(1, 9) if takes_few_tokens_path(t, 2, 8)] == [1]  # Mixtral
+    assert [t for t in range(1, 9) if takes_few_tokens_path(t, 6, 64)] == [1, 2]
     calls = []
     align = M.moe_align
     monkeypatch.setattr(M, "moe_align", lambda *a, **kw: calls.append(1) or align(*a, **kw))
     n = FEW_TOKENS + 1
-    x, w13, w2, w, ids = make(n, 8, 2, torch.float32, dev)
+    x, w13, w2, w, ids = make(n, 32, 2, torch.float32, dev)  # t k <= 32 / 4 up to 4 tokens
     ref = fused_moe_ref(x.double(), w13.double(), w2.double(), w, ids)
     for t in range(1, n):
         got = fused_moe(x[:t], w13, w2, w[:t], ids[:t])

@@ -23,8 +23,8 @@ every token row and every expert it touches once per expert. The fused version:
 
 Each expert's weights are read once per row block that routes to it: at decode, the
 bytes of the experts touched, which sets the speed limit (the chapter's roofline). A few
-tokens (decode at batch 1-4) have little to share and take a path of two GEMV launches
-without the sort (:mod:`llmnote.ops.moe_few_tokens`).
+tokens (decode at small batch) have little to share and take a path of two GEMV
+launches without the sort (:mod:`llmnote.ops.moe_few_tokens`).
 Interpreter: bf16 tiles are upcast to fp32 (its bf16 ``tl.dot`` is wrong). fp32 dots
 use IEEE precision, not TF32.
 
@@ -42,7 +42,7 @@ import triton.language as tl
 from llmnote import device
 from llmnote.ops._tuning import TuneCache
 from llmnote.ops._validate import FLOAT_DTYPES, check_tensor
-from llmnote.ops.moe_few_tokens import FEW_TOKENS, fused_moe_few_tokens
+from llmnote.ops.moe_few_tokens import fused_moe_few_tokens, takes_few_tokens_path
 
 __all__ = ["fused_moe", "fused_moe_ref", "moe_align", "moe_align_ref", "route"]
 
@@ -396,7 +396,7 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
         return fused_moe_ref(x, w13, w2, topk_weights, topk_ids)
     x = x if x.stride(1) == 1 else x.contiguous()
     w13, w2 = w13.contiguous(), w2.contiguous()
-    if t_ <= FEW_TOKENS:  # decode at batch 1-4: little to share, no sort (moe_few_tokens.py)
+    if takes_few_tokens_path(t_, topk_ids.shape[1], e):  # little to share: no sort
         return fused_moe_few_tokens(x, w13, w2, topk_weights, topk_ids)
     pairs = t_ * topk_ids.shape[1]
     key = (triton.next_power_of_2(triton.cdiv(pairs, e)), e, h, i, x.dtype)

@@ -1,4 +1,4 @@
-"""The MoE block for a few tokens (decode at batch 1-4): two GEMV launches, no sort.
+"""The MoE block for a few tokens (decode at small batch): two GEMV launches, no sort.
 
 :func:`llmnote.ops.moe.fused_moe` sorts the ``T k`` (token, slot) pairs by expert so
 that each expert's weights are read once for all the tokens routed to it. With one
@@ -7,7 +7,7 @@ few tokens little is: 4 tokens of Qwen3-30B-A3B (k = 8 of 128 experts) name abou
 different experts in their 32 slots, and two slots of one expert read its rows at the
 same moment, mostly from L2. The sort, its padding to 16-row tiles and the separate sum
 over the slots are then fixed costs around 75-270 MB of weight reads, so this path
-(``T <=`` :data:`FEW_TOKENS`) drops them:
+(:func:`takes_few_tokens_path`) drops them:
 
 1. **gate/up** (``_few_tokens_gate_up_kernel``): one program a (slot, column tile):
    ``BLOCK_N`` rows of its expert's gate and of its up matrix times its token's ``x``,
@@ -42,7 +42,16 @@ from llmnote.ops._tuning import TuneCache
 TILES = [(4, 4, 1024, 4), (8, 8, 1024, 4), (2, 4, 2048, 4), (8, 8, 512, 4), (4, 8, 2048, 8)]
 INTERPRETER_TILE = (16, 8, 32, 4)
 TUNING = TuneCache("fused_moe_few_tokens")
-FEW_TOKENS = 4  # fused_moe takes this path up to this many tokens
+FEW_TOKENS = 4  # the most tokens fused_moe sends here (Qwen3-30B-A3B's 4 x 8 slots = 128 / 4)
+
+
+def takes_few_tokens_path(t: int, k: int, e: int) -> bool:
+    """Whether ``fused_moe`` runs ``t`` tokens of ``k`` slots over ``e`` experts here: one
+    token always (its slots name different experts), more while their slots are few
+    against the experts (``t k <= e / 4``: routed at random, about 88% of them then name
+    different experts), so that an expert's weights are seldom read twice. Mixtral's 8
+    experts of 352 MB, k = 2: one token only; Qwen3-30B-A3B's 128, k = 8: up to 4."""
+    return t == 1 or (t <= FEW_TOKENS and t * k <= e // 4)
 
 
 @triton.jit
@@ -125,7 +134,8 @@ def _forward(x, w13, w2, topk_weights, topk_ids, tile: tuple) -> torch.Tensor:
 def fused_moe_few_tokens(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                          topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
     """:func:`llmnote.ops.moe.fused_moe` for ``x`` of a few rows, its inputs already
-    checked and made contiguous there (which calls this up to :data:`FEW_TOKENS`)."""
+    checked and made contiguous there (which calls this where
+    :func:`takes_few_tokens_path`)."""
     (t, h), (e, two_i, _) = x.shape, w13.shape
     tiles = [INTERPRETER_TILE] if device.interpreting() else TILES
     key = (t, e, h, two_i // 2, topk_ids.shape[1], x.dtype)
