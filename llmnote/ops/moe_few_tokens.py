@@ -15,9 +15,9 @@ over the slots are then fixed costs around 75-270 MB of weight reads, so this pa
    row of ``x`` would fill a 16-row MMA tile with 15 rows of padding), written as
    ``silu(gate) * up`` for that slot.
 2. **down** (``_few_tokens_down_kernel``): one program a (token, tile of the ``H``
-   outputs): for each of the token's slots, the rows of its expert's ``w2`` times that
-   slot's ``silu(gate) * up``, scaled by the router weight and summed in fp32: the
-   output is rounded once (the sorted path rounds each slot's row, then the sum).
+   outputs): the rows of each of the token's slots' ``w2`` (all slots loaded at once)
+   times that slot's ``silu(gate) * up``, scaled by the router weight and summed in
+   fp32: the output is rounded once (the sorted path rounds each slot's row, then the sum).
 
 A slot whose expert id lies outside ``[0, E)`` adds nothing (its gate/up program reads
 expert 0 and the down kernel skips it), as in the sorted path. No host sync: the call
@@ -33,14 +33,17 @@ import triton.language as tl
 from llmnote import device
 from llmnote.ops._tuning import TuneCache
 
-# (BLOCK_N of gate/up, BLOCK_N of down, BLOCK_K, num_warps): shaped like the batch-1
-# GEMV tiles that won on the H100 (llmnote.ops.gemv.M1_CANDIDATES: a few weight rows, a
-# K chunk of 512-2048 elements, one contiguous read of each row's chunk), which also give
-# many programs at Qwen3-30B-A3B's shapes (one token: 8 slots x 768 / 4 = 1536 gate/up
-# programs, 2048 / 4 = 512 down programs on 132 SMs). The first is the choice off the GPU and
-# inside a graph capture; on a GPU the first call of each shape times them all.
-TILES = [(4, 4, 1024, 4), (8, 8, 1024, 4), (2, 4, 2048, 4), (8, 8, 512, 4), (4, 8, 2048, 8)]
-INTERPRETER_TILE = (16, 8, 32, 4)
+# ((BLOCK_N, BLOCK_K, num_warps) of gate/up, the same of down). Gate/up: shaped like the
+# batch-1 GEMV tiles that won on the H100 (llmnote.ops.gemv.M1_CANDIDATES: a few weight
+# rows, a K chunk of 1024-2048 elements), which give many programs at Qwen3-30B-A3B's
+# shapes (one token: 8 slots x 768 / 2 = 3072). Down: BLOCK_K for 8 slots (scaled down for
+# more), small tiles: all slots' loads at once (K_PAD x BLOCK_N x BLOCK_K elements a
+# program) made it 1.4x faster than one slot after another on the H100 at 1 token. The
+# first is the choice off the GPU and inside a graph capture; on a GPU the first call of
+# each shape times them all.
+TILES = [((2, 2048, 4), (2, 256, 2)), ((4, 1024, 4), (2, 256, 2)), ((2, 2048, 4), (4, 256, 4)),
+         ((4, 1024, 4), (8, 128, 4)), ((8, 1024, 4), (1, 512, 4))]
+INTERPRETER_TILE = ((16, 32, 4), (8, 32, 4))
 TUNING = TuneCache("fused_moe_few_tokens")
 FEW_TOKENS = 4  # the most tokens fused_moe sends here (Qwen3-30B-A3B's 4 x 8 slots = 128 / 4)
 
@@ -87,47 +90,53 @@ def _few_tokens_gate_up_kernel(
 @triton.jit
 def _few_tokens_down_kernel(
     a_ptr, w_ptr, out_ptr, weights_ptr, ids_ptr, top_k, num_experts, H, I,
-    stride_we, stride_wn, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    stride_we, stride_wn, K_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
-    # BLOCK_N of token t's H outputs: sum over its slots of weight * (w2[e] @ a[slot])
+    # BLOCK_N of token t's H outputs: sum over its slots of weight * (w2[e] @ a[slot]),
+    # all of its k slots' rows loaded at once (a (K_PAD, BLOCK_N, BLOCK_K) tile)
     t = tl.program_id(0)
-    out_ptr += t.to(tl.int64) * H
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
+    js = tl.arange(0, K_PAD)
+    slot = t * top_k + js
+    e = tl.load(ids_ptr + slot, mask=js < top_k, other=-1).to(tl.int64)
+    e_ok = (js < top_k) & (e >= 0) & (e < num_experts)  # a slot out of range adds nothing
+    e = tl.where(e_ok, e, 0)
+    router_w = tl.load(weights_ptr + slot, mask=e_ok, other=0.0).to(tl.float32)
     n_ok = offs_n < H
-    out = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    for j in range(t * top_k, t * top_k + top_k):
-        e = tl.load(ids_ptr + j).to(tl.int64)
-        if (e >= 0) & (e < num_experts):  # a slot out of range adds nothing
-            b_ptrs = (w_ptr + e * stride_we + offs_n[:, None].to(tl.int64) * stride_wn
-                      + offs_k[None, :])
-            acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
-            for k0 in range(0, I, BLOCK_K):
-                k_ok = offs_k < I - k0
-                a = tl.load(a_ptr + j * I + k0 + offs_k, mask=k_ok, other=0.0).to(tl.float32)
-                b = tl.load(b_ptrs, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-                acc += tl.sum(b.to(tl.float32) * a[None, :], axis=1)
-                b_ptrs += BLOCK_K
-            w = tl.load(weights_ptr + j).to(tl.float32)  # the router weight
-            out += w * acc
-    tl.store(out_ptr + offs_n, out.to(out_ptr.dtype.element_ty), mask=n_ok)
+    b_ptrs = (w_ptr + e[:, None, None] * stride_we
+              + offs_n[None, :, None].to(tl.int64) * stride_wn + offs_k[None, None, :])
+    a_ptrs = a_ptr + slot[:, None].to(tl.int64) * I + offs_k[None, :]
+    acc = tl.zeros((K_PAD, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, I, BLOCK_K):
+        k_ok = offs_k < I - k0
+        a = tl.load(a_ptrs, mask=e_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
+        b = tl.load(b_ptrs, mask=e_ok[:, None, None] & n_ok[None, :, None] & k_ok[None, None, :],
+                    other=0.0)  # the weights
+        acc += tl.sum(b.to(tl.float32) * a[:, None, :], axis=2)
+        a_ptrs += BLOCK_K
+        b_ptrs += BLOCK_K
+    out = tl.sum(acc * router_w[:, None], axis=0)  # the slots' sum, in fp32
+    tl.store(out_ptr + t.to(tl.int64) * H + offs_n, out.to(out_ptr.dtype.element_ty), mask=n_ok)
 
 
 def _forward(x, w13, w2, topk_weights, topk_ids, tile: tuple) -> torch.Tensor:
     """The two launches with one tile; ``x (T, H)``, contiguous weights."""
     (t, h), (e, two_i, _), k = x.shape, w13.shape, topk_ids.shape[1]
     i = two_i // 2
-    bn1, bn2, bk, warps = tile
+    (bn1, bk1, warps1), (bn2, bk2, warps2) = tile
+    k_pad = triton.next_power_of_2(k)
+    bk2 = max(16, bk2 * 8 // max(k_pad, 8))  # (K_PAD, BLOCK_N, BLOCK_K) as for 8 slots
     ids = topk_ids.reshape(-1)
     weights = topk_weights.reshape(-1)
     inter = torch.empty((t * k, i), dtype=x.dtype, device=x.device)  # silu(gate) * up a slot
     out = torch.empty((t, h), dtype=x.dtype, device=x.device)
     _few_tokens_gate_up_kernel[(t * k, triton.cdiv(i, bn1))](
         x, w13, inter, ids, k, e, h, i, x.stride(0), w13.stride(0), w13.stride(1),
-        BLOCK_N=bn1, BLOCK_K=bk, num_warps=warps)
+        BLOCK_N=bn1, BLOCK_K=bk1, num_warps=warps1)
     _few_tokens_down_kernel[(t, triton.cdiv(h, bn2))](
         inter, w2, out, weights, ids, k, e, h, i, w2.stride(0), w2.stride(1),
-        BLOCK_N=bn2, BLOCK_K=bk, num_warps=warps)
+        K_PAD=k_pad, BLOCK_N=bn2, BLOCK_K=bk2, num_warps=warps2)
     return out
 
 
