@@ -14,6 +14,9 @@ tokens afresh from one of 8 precomputed routings, so the experts it reads are
 rarely the ones the call before left in L2. Metrics: ``time``; ``weight_bandwidth``
 = bytes of the experts the call's tokens touch / time; ``roofline_fraction`` = that
 over the copy bandwidth (``ceiling`` row ``copy``, measured in the same run).
+**Read** (``bench = "moe-read"``, GPU, 1..16 tokens): one kernel reading as many bytes
+as those experts (``torch.sum`` of a bf16 tensor), timed the same way: how close a call
+that small can come to the copy rate at all.
 
 **Engine** (``bench = "moe-engine"``, ``x_name = "workload"``): a Qwen3-30B-A3B-shaped
 model with random bf16 weights and :data:`ENGINE_LAYERS` of its 48 layers (a copy for
@@ -162,6 +165,13 @@ def _layer_rows(model: str, shape: tuple[int, int, int, int], tokens: list[int],
             rows += rows_for(BENCH, name, "tokens", t, timing, metrics, extra, env)
             print(f"{model} T={t} {name}: {timing.p50 * 1e3:.1f} us, "
                   f"{wbytes / (timing.p50 * 1e-3) / 1e9:.0f} GB/s of touched weights")
+        if device.on_gpu() and t <= 16:  # the same bytes, one plain read
+            flat = torch.randn(int(wbytes) // 2, device=dev, dtype=dtype, generator=g)
+            timing = measure(flat.sum, warmup_ms=10, rep_ms=50)
+            rows += rows_for(f"{BENCH}-read", "torch.sum", "tokens", t, timing, metrics, extra,
+                             env)
+            print(f"{model} T={t} read of the same bytes: {timing.p50 * 1e3:.1f} us")
+            del flat
     return rows
 
 
