@@ -24,6 +24,8 @@ Qwen3-0.6B shapes of :data:`llmnote.models.presets.PRESETS`.
   tokens, 64 new tokens each, prefix caching on and off: TTFT and throughput.
 * ``hf-check``: the Shakespeare model in fp32, 8 prompts, 32 greedy tokens:
   the fraction of requests whose tokens equal transformers ``generate``.
+* ``startup``: an engine's start in a fresh process, cold and warm Triton cache
+  (:mod:`llmnote.bench.suites.engine_startup`).
 
 CUDA graphs are on for every engine row on a GPU except the ``-eager`` rows.
 """
@@ -33,7 +35,6 @@ from __future__ import annotations
 import gc
 import time
 
-import numpy as np
 import pandas as pd
 import torch
 
@@ -41,6 +42,7 @@ from llmnote import device
 from llmnote.bench.ceilings import copy_bandwidth
 from llmnote.bench.harness import Timing, rows_for
 from llmnote.bench.results import COLUMNS, environment
+from llmnote.bench.suites.engine_startup import startup_rows
 
 BENCH = "engine"
 MODEL = "qwen3-0.6b"
@@ -306,77 +308,6 @@ def quant_decode(bw: float, max_len: int = 1024, quick: bool = False,
     return rows
 
 
-_STARTUP = """
-import json, sys, time
-t0 = time.perf_counter()
-import torch
-from llmnote.engine import LLM, SamplingParams
-if torch.cuda.is_available():  # the CUDA context, as a notebook's setup cell makes it
-    torch.zeros(1, device="cuda")
-    torch.cuda.synchronize()
-t1 = time.perf_counter()
-llm = LLM(sys.argv[1], **json.loads(sys.argv[2]))
-t2 = time.perf_counter()
-params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
-llm.generate([list(range(1, 17))], params, use_tqdm=False)
-t3 = time.perf_counter()
-print(json.dumps(dict(import_and_cuda=t1 - t0, build=t2 - t1, first_request=t3 - t2)))
-"""
-
-
-def startup_rows(model_name: str = MODEL, repeats: int = 3) -> list[dict]:
-    """Start-up of an engine as a notebook meets it, each in a fresh process once CUDA is up:
-    ``LLM(...)`` built, then its first request (16 prompt tokens, 8 new) served, which
-    compiles and captures what that request needs. ``cold``: Triton's kernel cache empty
-    (a new Colab runtime), ``repeats`` processes each on a new cache; ``warm``: the cache
-    the first cold run filled (a second run), ``repeats`` processes. The row is the median
-    process (its parts; p20/p80 over the processes): one process varied by a second and
-    more from run to run on the H100 machine."""
-    import json
-    import os
-    import subprocess
-    import sys
-    import tempfile
-
-    def start(cache: str) -> dict:
-        env = {**os.environ, "TRITON_CACHE_DIR": cache}
-        r = subprocess.run([sys.executable, "-c", _STARTUP, model, json.dumps(kw)],
-                           capture_output=True, text=True, env=env, timeout=900)
-        if r.returncode != 0:
-            raise RuntimeError(r.stderr[-2000:])
-        t = json.loads(r.stdout.strip().splitlines()[-1])
-        return {**t, "total": t["build"] + t["first_request"]}
-
-    rows: list[dict] = []
-    engines = [("shakespeare", "shakespeare", {}), (model_name, model_name, {"max_model_len": 4096})]
-    with tempfile.TemporaryDirectory() as cache:
-        for label, model, kw in engines:
-            try:
-                runs = {"cold": [start(os.path.join(cache, f"{label}-{i}")) for i in range(repeats)]}
-                runs["warm"] = [start(os.path.join(cache, f"{label}-0")) for _ in range(repeats)]
-            except (RuntimeError, subprocess.TimeoutExpired) as e:
-                print(f"startup {label}: failed: {e}")
-                continue
-            for state, ts in runs.items():
-                ts = sorted(ts, key=lambda t: t["total"])
-                t = ts[len(ts) // 2]
-                totals = np.array([u["total"] for u in ts])
-                print(f"startup {label} ({state} Triton cache, median of {len(ts)}): "
-                      f"{t['total']:.2f} s = build {t['build']:.2f} + first request "
-                      f"{t['first_request']:.2f} (import + CUDA context "
-                      f"{t['import_and_cuda']:.2f} s before it); every run: "
-                      + ", ".join(f"{x:.2f}" for x in totals))
-                p20, p80 = (float(np.percentile(totals, q)) * 1e3 for q in (20, 80))
-                rows += rows_for(BENCH, "llmnote", "workload", f"startup-{label}-{state}",
-                                 Timing(t["total"] * 1e3, p20, p80),
-                                 {"startup": ("s", lambda x, ms: ms / 1e3),  # (p20/p80 too)
-                                  **{k: ("s", (lambda x, ms, v=t[k]: v))  # the median run's
-                                     for k in ("build", "first_request", "import_and_cuda")}},
-                                 {"model": label, "triton_cache": state, "runs": len(ts)},
-                                 environment())
-    return rows
-
-
 def run(quick: bool = False, *, model_name: str = MODEL, max_len: int = 1024,
         num_requests: int | None = None, hf_batches: tuple[int, ...] = (64, 128),
         check: tuple[int, int] = (8, 32), backends: tuple[str, ...] | None = None,
@@ -415,7 +346,7 @@ def run(quick: bool = False, *, model_name: str = MODEL, max_len: int = 1024,
                       {"hf_match_fraction": ("", frac)})
 
     if "startup" in parts:
-        rows += startup_rows(model_name, repeats=1 if quick else 3)
+        rows += startup_rows(model_name, repeats=1 if quick else 3, bench=BENCH)
     from llmnote.models import get_preset
 
     vocab = min(10000, get_preset(model_name).vocab_size)
