@@ -69,12 +69,12 @@ def _jit_function(module: str, qualname: str):
 
 
 def _compile_in_worker(module: str, qualname: str, data: str, device: int, target,
-                       fn_key: str) -> str:
+                       fn_key: str) -> None:
     """In a forked worker: compile one specialization and build its launcher, both
     into Triton's on-disk cache, under the parent's ``fn_key`` (the kernel's
     ``JITFunction.cache_key`` there). The worker answers Triton's questions about the
-    GPU with the parent's answers (CUDA cannot be used after a fork). Returns the key
-    the worker computed itself (it is not always the parent's: module docstring)."""
+    GPU with the parent's answers (CUDA cannot be used after a fork). The worker's own
+    key is not always the parent's (module docstring)."""
     from triton import knobs
     from triton.runtime import driver
 
@@ -84,11 +84,10 @@ def _compile_in_worker(module: str, qualname: str, data: str, device: int, targe
     d.get_current_device = lambda: device
     d.get_current_target = lambda: target
     fn = _jit_function(module, qualname)
-    own = fn.cache_key  # (also sets what Triton records beside it)
+    _ = fn.cache_key  # the worker's own key, computed: it sets what Triton records beside it
     fn.hash = fn_key  # the parent looks the kernel up under its key: store it there
     kernel = fn.preload(data)
     d.launcher_cls(kernel.src, kernel.metadata)
-    return own
 
 
 class _Processes:
