@@ -132,3 +132,15 @@ def test_host_padding_keeps_the_host_ahead():
     # GPU-heavy calls (the host at most a third of the GPU's time) are not padded
     assert bench.harness.host_padding_ms(0.09, 0.3) == 0.0
     assert bench.harness.host_padding_ms(0.01, 5.0) == 0.0
+
+
+@pytest.mark.parametrize("how", ["write", "read"])
+def test_measure_takes_either_flush(how):
+    t = bench.measure(lambda: torch.ones(1000).sum(), rep_ms=5, l2_flush=how)
+    assert 0 < t.p20 <= t.p50 <= t.p80
+
+
+def test_measure_rejects_an_unknown_flush():
+    with pytest.raises(ValueError, match=r"l2_flush: expected one of .*, got 'none'"):
+        bench.measure(lambda: None, l2_flush="none")
+

@@ -21,6 +21,10 @@ def test_tiny_layer_sweep_records_every_metric():
         {"torch._grouped_mm"} if device.on_gpu() else set())
     assert set(layer.metric) == {"time", "weight_bandwidth", "roofline_fraction"}
     assert set(layer.x_value) == {1, 5} and (layer.p50 > 0).all()
+    # every provider after the reading flush; on a GPU llmnote after the writing one too
+    assert set(layer[layer.provider != "llmnote"].l2_flush) <= {"read"}
+    assert set(layer[layer.provider == "llmnote"].l2_flush) == (
+        {"read", "write"} if device.on_gpu() else {"read"})
     assert set(df[df.bench == "ceiling"].provider) == {"copy"}
     assert len(S.summary(df)) == 4  # per size: speed-up over the best peer, roofline fraction
 

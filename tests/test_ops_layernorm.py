@@ -170,3 +170,28 @@ def test_long_rows_take_the_chunked_pass():
         assert cfg.num_stages == 1 and cfg.per_thread <= 64
     assert bwd_config(16384, 2, arrays=4).num_warps == 16  # 128 registers a thread
     assert bwd_config(16384, 2, arrays=3).chunk == 0 and bwd_config(32768, 4).chunk > 0
+
+
+@pytest.mark.skipif(not device.on_gpu(), reason="register caps apply to compiled kernels only")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("n", [1000, 1024, 4096])
+def test_register_caps_change_no_output(n, dtype, seed):
+    """The forward's default shapes up to N = 4096 cap the registers (``maxnreg``) so that
+    the rare fp64 branch does not lower the occupancy of every tile. The cap only moves
+    values between registers and local memory: on rows that take the branch (constant,
+    huge, nearly constant, a NaN) and rows that do not, every output equals the same
+    launch uncapped, bit for bit."""
+    import dataclasses
+
+    from llmnote.ops.layernorm import _fwd_config
+    cfg = _fwd_config(n, torch.tensor([], dtype=dtype).element_size())
+    assert cfg.maxnreg > 0
+    x, w, b = _inputs((67, n), dtype, "cuda")
+    x[0], x[1], x[2] = 3.7, 3e38, float("nan")
+    x[3, ::7] = 3e38
+    x[4] = 1000.0 + torch.randn(n, device="cuda") * 1e-3
+    got = ln_forward(x, w, b, 1e-5, config=cfg)
+    want = ln_forward(x, w, b, 1e-5, config=dataclasses.replace(cfg, maxnreg=0))
+    for name, g, ref in zip(["y", "mean", "rstd"], got, want):
+        assert torch.equal(g.isnan(), ref.isnan()), name
+        assert torch.equal(g.nan_to_num(), ref.nan_to_num()), name

@@ -16,6 +16,17 @@ a third of the GPU's time per call, queues a GPU-side wait before each start
 event, long enough that the host is always several calls ahead.
 Without a GPU it falls back to wall-clock timing, which is only good for
 checking that a benchmark runs, never for a figure in the book.
+
+**The flush** (``l2_flush``). ``do_bench`` empties the L2 by *writing* 256 MB
+(``"write"``, the default). That leaves the L2 full of dirty lines, and the call
+timed next pays for writing them back to memory as its own reads evict them:
+on the H100 about 9 us, so that a 75 MB read measured 0.60 of the copy rate,
+against 0.76 after a flush that *reads* 256 MB (``"read"``: the L2 as cold for
+the call's data, but clean; ``moe.csv``'s ``moe-read`` rows hold both). Over a
+large call (the norms' 256 MB and more) the difference is a few percent. A decode step's kernels meet
+the clean kind, L2 holding the weights the previous kernel read, so a benchmark
+that compares a small weight-reading call with a roofline uses ``"read"``, and
+records which it used.
 """
 
 from __future__ import annotations
@@ -86,16 +97,31 @@ def _sleep_cycles_per_ms() -> float:
     return _SLEEP_CYCLES_PER_MS[0]
 
 
-def _gpu_timing(fn: Callable[[], Any], warmup_ms: float, rep_ms: float) -> Timing:
-    """``do_bench``'s loop (same L2 flush, warm-up and repeat counts), with the
-    GPU-side wait of :func:`host_padding_ms` before each start event."""
+L2_FLUSHES = ("write", "read")
+
+
+def _flusher(how: str) -> Callable[[], Any]:
+    """Empty the L2 by writing 256 MB (``"write"``, do_bench's) or reading it (``"read"``)."""
     import torch
     from triton import runtime
 
     driver = runtime.driver.active
+    cache = driver.get_empty_cache_for_benchmark()
+    if how == "write":
+        return lambda: driver.clear_cache(cache)
+    sink = torch.empty((), dtype=torch.int64, device=cache.device)
+    return lambda: torch.sum(cache, dim=0, out=sink)
+
+
+def _gpu_timing(fn: Callable[[], Any], warmup_ms: float, rep_ms: float,
+                l2_flush: str = "write") -> Timing:
+    """``do_bench``'s loop (its L2 flush by default, warm-up and repeat counts), with
+    the GPU-side wait of :func:`host_padding_ms` before each start event."""
+    import torch
+
+    flush = _flusher(l2_flush)
     fn()
     torch.cuda.synchronize()
-    cache = driver.get_empty_cache_for_benchmark()
     t0 = time.perf_counter()
     for _ in range(5):  # host cost of a call: 5 calls queue without waiting on the GPU
         fn()
@@ -104,7 +130,7 @@ def _gpu_timing(fn: Callable[[], Any], warmup_ms: float, rep_ms: float) -> Timin
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
     for _ in range(5):  # GPU time of a flush and a call
-        driver.clear_cache(cache)
+        flush()
         fn()
     end.record()
     torch.cuda.synchronize()
@@ -115,7 +141,7 @@ def _gpu_timing(fn: Callable[[], Any], warmup_ms: float, rep_ms: float) -> Timin
     starts = [torch.cuda.Event(enable_timing=True) for _ in range(n_repeat)]
     ends = [torch.cuda.Event(enable_timing=True) for _ in range(n_repeat)]
     for i in range(n_warmup + n_repeat):  # the warm-up calls put the host ahead
-        driver.clear_cache(cache)
+        flush()
         if cycles:
             torch.cuda._sleep(cycles)
         if i >= n_warmup:
@@ -129,11 +155,14 @@ def _gpu_timing(fn: Callable[[], Any], warmup_ms: float, rep_ms: float) -> Timin
     return Timing(float(p50), float(p20), float(p80))
 
 
-def measure(fn: Callable[[], Any], *, warmup_ms: float = 25, rep_ms: float = 100) -> Timing:
-    """Time ``fn()``: on a GPU, the GPU work it queues (see the module's docstring);
-    wall clock on the CPU."""
+def measure(fn: Callable[[], Any], *, warmup_ms: float = 25, rep_ms: float = 100,
+            l2_flush: str = "write") -> Timing:
+    """Time ``fn()``: on a GPU, the GPU work it queues, the L2 emptied before each call
+    as ``l2_flush`` says (see the module's docstring); wall clock on the CPU."""
+    if l2_flush not in L2_FLUSHES:
+        raise ValueError(f"l2_flush: expected one of {L2_FLUSHES}, got {l2_flush!r}")
     if device.on_gpu():
-        return _gpu_timing(fn, warmup_ms, rep_ms)
+        return _gpu_timing(fn, warmup_ms, rep_ms, l2_flush)
     fn()  # warm-up: compilation, allocator
     times: list[float] = []
     start = time.perf_counter()

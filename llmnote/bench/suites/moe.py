@@ -9,13 +9,16 @@ by a softmax over random logits. Providers: ``llmnote`` (:func:`llmnote.ops.moe.
 shapes), ``torch._grouped_mm`` (where the installed torch has it: tokens sorted by
 expert, two grouped GEMMs, a weighted scatter-add). Each is checked against the
 loop before timing (low-precision rule of :mod:`llmnote.testing`), then timed with
-``do_bench``'s method (L2 flushed before each call). Each timed call routes its
-tokens afresh from one of 8 precomputed routings, so the experts it reads are
-rarely the ones the call before left in L2. Metrics: ``time``; ``weight_bandwidth``
+``do_bench``'s method, the L2 emptied before each call by a flush that reads
+(``l2_flush = "read"``: a decode step meets an L2 of clean lines, see
+:mod:`llmnote.bench.harness`); on a GPU llmnote's block at 1..16 tokens is timed after
+``do_bench``'s writing flush as well (rows ``l2_flush = "write"``). Each timed call
+routes its tokens afresh from one of 8 precomputed routings, so the experts it reads
+are rarely the ones the call before left in L2. Metrics: ``time``; ``weight_bandwidth``
 = bytes of the experts the call's tokens touch / time; ``roofline_fraction`` = that
 over the copy bandwidth (``ceiling`` row ``copy``, measured in the same run).
 **Read** (``bench = "moe-read"``, GPU, 1..16 tokens): one kernel reading as many bytes
-as those experts (``torch.sum`` of a bf16 tensor), timed the same way: how close a call
+as those experts (``torch.sum`` of a bf16 tensor), after either flush: how close a call
 that small can come to the copy rate at all.
 
 **Engine** (``bench = "moe-engine"``, ``x_name = "workload"``): a Qwen3-30B-A3B-shaped
@@ -161,16 +164,22 @@ def _layer_rows(model: str, shape: tuple[int, int, int, int], tokens: list[int],
                 state["n"] += 1
                 return fn(x, w13, w2, wr, idr)
 
-            timing = measure(call, warmup_ms=10, rep_ms=50 if device.on_gpu() else 5)
-            rows += rows_for(BENCH, name, "tokens", t, timing, metrics, extra, env)
-            print(f"{model} T={t} {name}: {timing.p50 * 1e3:.1f} us, "
-                  f"{wbytes / (timing.p50 * 1e-3) / 1e9:.0f} GB/s of touched weights")
+            both = device.on_gpu() and t <= 16 and name == "llmnote"
+            for flush in ("read", "write") if both else ("read",):
+                timing = measure(call, warmup_ms=10, rep_ms=50 if device.on_gpu() else 5,
+                                 l2_flush=flush)
+                rows += rows_for(BENCH, name, "tokens", t, timing, metrics,
+                                 {**extra, "l2_flush": flush}, env)
+                print(f"{model} T={t} {name} ({flush} flush): {timing.p50 * 1e3:.1f} us, "
+                      f"{wbytes / (timing.p50 * 1e-3) / 1e9:.0f} GB/s of touched weights")
         if device.on_gpu() and t <= 16:  # the same bytes, one plain read
             flat = torch.randn(int(wbytes) // 2, device=dev, dtype=dtype, generator=g)
-            timing = measure(flat.sum, warmup_ms=10, rep_ms=50)
-            rows += rows_for(f"{BENCH}-read", "torch.sum", "tokens", t, timing, metrics, extra,
-                             env)
-            print(f"{model} T={t} read of the same bytes: {timing.p50 * 1e3:.1f} us")
+            for flush in ("read", "write"):
+                timing = measure(flat.sum, warmup_ms=10, rep_ms=50, l2_flush=flush)
+                rows += rows_for(f"{BENCH}-read", "torch.sum", "tokens", t, timing, metrics,
+                                 {**extra, "l2_flush": flush}, env)
+                print(f"{model} T={t} read of the same bytes ({flush} flush): "
+                      f"{timing.p50 * 1e3:.1f} us")
             del flat
     return rows
 
@@ -349,7 +358,9 @@ def run(quick: bool = False, parts: tuple[str, ...] = ("layer", "engine"),
 
 def summary(df: pd.DataFrame) -> pd.DataFrame:
     """Per model and token count: llmnote's speed-up over the best peer (target 1.0 from
-    64 tokens) and its roofline fraction (target 0.7 at 1..16 tokens)."""
+    64 tokens) and its roofline fraction (target 0.7 at 1..16 tokens), after the reading
+    flush."""
+    df = df[df.l2_flush == "read"] if "l2_flush" in df else df
     g = df[(df.bench == BENCH) & (df.metric == "time")]
     out = []
     for (model, t), part in g.groupby(["model", "x_value"], sort=False):
