@@ -18,6 +18,7 @@ def test_engine_bench_smoke(tmp_path):
     got = df.set_index(["provider", "x_value", "metric"])["p50"]
     assert got[(f"llmnote-{be}", "hf-check", "hf_match_fraction")] == 1.0
     assert got[(f"llmnote-{be}", "throughput", "throughput")] > 0
+    assert got[(f"llmnote-{be}", "throughput", "first_run_throughput")] > 0
     assert got[("hf-static-4", "throughput", "throughput")] > 0
     assert 0 < got[(f"llmnote-{be}", "throughput", "kv_live_fraction")] <= 1
     assert got[(f"llmnote-{be}", "throughput", "contiguous_live_fraction")] <= 1
@@ -53,3 +54,14 @@ def test_decode_latency_engine_rows_prefill_over_several_steps():
     rows = engine_rows("qwen3-tiny", [4], context=20, env=environment(), reps=6, budget=24)
     assert [r["x_value"] for r in rows] == [4]
     assert all(r["provider"] == "llmnote-engine" and r["p50"] > 0 for r in rows)
+
+
+def test_the_first_run_shares_no_prompt_with_the_timed_one():
+    """The throughput run comes after a run of the same sizes with other tokens: none of
+    its prompts' blocks can then be in the prefix cache."""
+    from llmnote.bench.suites.engine import nano_vllm_requests, other_tokens
+    reqs = nano_vllm_requests(16, 20, 64, vocab=1000)
+    first = other_tokens(reqs, 1000)
+    assert [(len(p), o) for p, o in first] == [(len(p), o) for p, o in reqs]
+    timed_blocks = {tuple(p[:16]) for p, _ in reqs}
+    assert not timed_blocks & {tuple(p[:16]) for p, _ in first}

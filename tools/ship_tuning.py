@@ -9,6 +9,13 @@ model's engine with the defaults (so that it meets the shapes a reader's engine 
 batch 1 and the batched CUDA graphs), then writes every cache's choices to
 ``llmnote/data/tuned/<gpu>.json``, merged with what is there. On a GPU of that name
 the caches take those choices without timing; commit the file.
+
+The batch-1 GEMV tiles a kernel wins timed alone are not always the graph's best:
+for Qwen3-0.6B on the H100 they decoded at 1158 tok/s against 1312 with the set
+now in the file, which was measured end to end and written by hand
+(``benchmarks/logs/prefix_caching.md``). A run of this script replaces such
+entries with its own choices: compare the engine's batch-1 decode before
+committing.
 """
 
 from __future__ import annotations

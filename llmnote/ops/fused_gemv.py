@@ -35,7 +35,7 @@ import triton.language as tl
 
 from llmnote import device
 from llmnote.ops._pdl import wait_and_release
-from llmnote.ops._rowwise import check_eps, row_scale
+from llmnote.ops._rowwise import _SS_SCALE_ABOVE, check_eps, row_scale
 from llmnote.ops._validate import check_same, check_tensor
 from llmnote.ops.gemv import (
     GemvConfig, _check_weight, _check_x, _empty_result, _gemv_acc, _gemv_store, _key, _meta, _tuned, _weight_tile,
@@ -128,20 +128,28 @@ def _fused_gemv_kernel(
     wait_and_release(USE_PDL)  # (programmatic dependent launch: llmnote.ops._pdl)
     if PROLOGUE == 1:  # 1/rms of h = x + residual over the full row, as _rmsnorm_fwd_kernel
         ss = tl.zeros((BLOCK_M, BLOCK_K), tl.float32)
-        am = tl.zeros((BLOCK_M, BLOCK_K), tl.float32)  # per lane: max |h|
         for k0 in range(0, K, BLOCK_K):
             hv = _h_chunk(x_ptr, r_ptr, ms, m_ok, k0, K, stride_xm, stride_rm, BLOCK_K, ROUND_X,
                           dtype)
             ss += hv * hv
-            am = tl.maximum(am, tl.abs(hv))
-        _, inv_a = row_scale(tl.max(am, axis=1))  # (BLOCK_M,): 1 but for huge rows
-        if tl.min(inv_a, axis=0) < 1.0:  # rare: a row whose squares may have overflowed:
+        total = tl.sum(ss, axis=1)  # (BLOCK_M,)
+        inv_a = tl.full((BLOCK_M,), 1.0, tl.float32)
+        # As rmsnorm's kernel: a row with max |h| above 2^50 has a sum of squares above
+        # 2^100, so under that bound a = 1 exactly and the max |h| is needed only past it.
+        if tl.max(total, axis=0) > _SS_SCALE_ABOVE:  # rare: squares may have overflowed
+            am = tl.zeros((BLOCK_M, BLOCK_K), tl.float32)  # per lane: max |h|
+            for k0 in range(0, K, BLOCK_K):
+                hv = _h_chunk(x_ptr, r_ptr, ms, m_ok, k0, K, stride_xm, stride_rm, BLOCK_K,
+                              ROUND_X, dtype)
+                am = tl.maximum(am, tl.abs(hv))
+            _, inv_a = row_scale(tl.max(am, axis=1))  # (BLOCK_M,): 1 but for huge rows
             ss = tl.zeros((BLOCK_M, BLOCK_K), tl.float32)  # the sums again, of h / a
             for k0 in range(0, K, BLOCK_K):
-                hv = _h_chunk(x_ptr, r_ptr, ms, m_ok, k0, K, stride_xm, stride_rm, BLOCK_K, ROUND_X,
-                              dtype) * inv_a[:, None]
+                hv = _h_chunk(x_ptr, r_ptr, ms, m_ok, k0, K, stride_xm, stride_rm, BLOCK_K,
+                              ROUND_X, dtype) * inv_a[:, None]
                 ss += hv * hv
-        rstd = 1.0 / tl.sqrt(tl.math.div_rn(tl.sum(ss, axis=1), tl.cast(K, tl.float32))
+            total = tl.sum(ss, axis=1)
+        rstd = 1.0 / tl.sqrt(tl.math.div_rn(total, tl.cast(K, tl.float32))
                              + eps * inv_a * inv_a)  # (BLOCK_M,), of h / a
     acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
     for k0 in range(0, K, BLOCK_K):

@@ -27,7 +27,8 @@ transformers must fit beside it on one GPU, and the run must stay short):
 ``decode-b1`` (128-token prompt, 256 new tokens: tok/s and the fraction of the
 roofline of the weights a step reads, attention and embeddings plus top-k experts
 per layer) and ``throughput`` (nano-vllm's workload, :data:`ENGINE_REQUESTS` requests
-of 100..1024 prompt and output tokens, timed on its second run) for ``llmnote`` (``LLM(model)``, the defaults)
+of 100..1024 prompt and output tokens, timed after a run of the same sizes with other
+tokens) for ``llmnote`` (``LLM(model)``, the defaults)
 and ``hf`` (transformers ``generate`` on the same weights; throughput on the first
 :data:`HF_REQUESTS` requests in one static batch, outputs cut to :data:`HF_MAX_TOKENS`,
 the loop over experts being slow).
@@ -238,7 +239,7 @@ def decode_roofline(bandwidth_gb_s: float, nbytes: int) -> float:
 
 
 def _engine_rows(bw: float | None, quick: bool) -> list[dict]:
-    from llmnote.bench.suites.engine import nano_vllm_requests, run_engine
+    from llmnote.bench.suites.engine import nano_vllm_requests, other_tokens, run_engine
     from llmnote.engine import LLM, SamplingParams
     from llmnote.models import Llama, get_preset
 
@@ -276,11 +277,11 @@ def _engine_rows(bw: float | None, quick: bool) -> list[dict]:
     rows += one("llmnote", "decode-b1", out.tpot * new, {
         "decode_rate": ("tok/s", rate), "roofline_fraction": ("", rate / roofline),
         "tpot": ("s", out.tpot)}, {"step_bytes": sb, "cuda_graphs": bool(llm.runner.graphs)})
-    # warm-up: the workload once. fused_moe times its candidate tiles on the first call of
-    # each size bucket, and the engine captures a batch size's graph when it first runs;
-    # after a short warm-up the timed run paid for both (4,060 tok/s on the H100, 12,748
-    # on the workload's second run)
-    run_engine(llm, requests)
+    # warm-up: the workload's sizes once, with other tokens (the timed prompts must not be
+    # in the prefix cache). fused_moe times its candidate tiles on the first call of each
+    # size bucket, and the engine captures a batch size's graph when it first runs: after a
+    # short warm-up the timed run paid for both (4,060 tok/s on the H100)
+    run_engine(llm, other_tokens(requests, 10000))
     outs, wall = run_engine(llm, requests)
     tokens = sum(len(o.token_ids) for o in outs)
     print(f"llmnote throughput: {tokens} tokens in {wall:.1f} s = {tokens / wall:.0f} tok/s")

@@ -20,7 +20,7 @@ import triton
 import triton.language as tl
 
 from llmnote.ops._pdl import wait_and_release
-from llmnote.ops._rowwise import row_scale
+from llmnote.ops._rowwise import _SS_SCALE_ABOVE, row_scale
 from llmnote.ops.fused_gemv import _normed, _swiglu_x
 from llmnote.quant.kernels.w4_decode import decode_pair, word_sum
 from llmnote.quant.kernels.w4a16_tiles import _w4_program, _w4_slice, _w4_step_load, _w4_store_tile
@@ -172,18 +172,22 @@ def _w4_rstd(x_row, r_row, K, eps, DT: tl.constexpr, BLOCK: tl.constexpr = 1024)
     length K, ``a`` its scale (1 but for huge rows), as
     :func:`llmnote.ops.fused_gemv.add_rmsnorm_gemv` computes them."""
     ss = tl.zeros((BLOCK,), tl.float32)
-    am = tl.zeros((BLOCK,), tl.float32)  # per lane: max |h|
     for k0 in range(0, K, BLOCK):
         hv = _w4_h(x_row, r_row, k0, K, DT, BLOCK)
         ss += hv * hv
-        am = tl.maximum(am, tl.abs(hv))
-    _, inv_a = row_scale(tl.max(am, axis=0))
-    if inv_a < 1.0:  # rare: a huge row, whose squares may have overflowed: again, of h / a
-        ss = tl.zeros((BLOCK,), tl.float32)
+    total = tl.sum(ss, axis=0)
+    inv_a = tl.cast(1.0, tl.float32)
+    if total > _SS_SCALE_ABOVE:  # rare: max |h| may exceed 2^50 (rmsnorm's bound): scale
+        am = tl.zeros((BLOCK,), tl.float32)  # per lane: max |h|
+        for k0 in range(0, K, BLOCK):
+            am = tl.maximum(am, tl.abs(_w4_h(x_row, r_row, k0, K, DT, BLOCK)))
+        _, inv_a = row_scale(tl.max(am, axis=0))
+        ss = tl.zeros((BLOCK,), tl.float32)  # the sums again, of h / a
         for k0 in range(0, K, BLOCK):
             hv = _w4_h(x_row, r_row, k0, K, DT, BLOCK) * inv_a
             ss += hv * hv
-    ms = tl.math.div_rn(tl.sum(ss, axis=0), tl.cast(K, tl.float32))  # IEEE division, as rmsnorm
+        total = tl.sum(ss, axis=0)
+    ms = tl.math.div_rn(total, tl.cast(K, tl.float32))  # IEEE division, as rmsnorm
     return inv_a, 1.0 / tl.sqrt(ms + eps * inv_a * inv_a)
 
 
