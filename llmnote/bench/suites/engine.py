@@ -216,7 +216,8 @@ def _throughput_and_decode(model_name: str, backend: str, requests, vocab: int, 
           f"{llm.runner.num_graph_steps} graph steps, "
           f"KV live/held {live_held:.1%}, live/contiguous {live_contig:.1%}")
     rows += _rows(name, "workload", "throughput", wall, {
-        "throughput": ("tok/s", tokens / wall), "first_run_throughput": ("tok/s", first_tokens / first),
+        "throughput": ("tok/s", tokens / wall),
+        "first_run_throughput": ("tok/s", first_tokens / first),
         "kv_live_fraction": ("", live_held),
         "contiguous_live_fraction": ("", live_contig),
         "preemptions": ("", float(llm.scheduler.num_preemptions)),
