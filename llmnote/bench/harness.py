@@ -23,10 +23,10 @@ timed next pays for writing them back to memory as its own reads evict them:
 on the H100 about 9 us, so that a 75 MB read measured 0.60 of the copy rate,
 against 0.76 after a flush that *reads* 256 MB (``"read"``: the L2 as cold for
 the call's data, but clean; ``benchmarks/logs/l2-flush.md``). Over a large
-call (the norms' 256 MB and more) the difference is a few percent. A decode step's kernels meet
-the clean kind, L2 holding the weights the previous kernel read, so a benchmark
-that compares a small weight-reading call with a roofline uses ``"read"``, and
-records which it used.
+call (the norms' 256 MB and more) the difference is a few percent. A decode
+step's kernels meet the clean kind, L2 holding the weights the previous kernel
+read, so a benchmark that compares a small weight-reading call with a roofline
+uses ``"read"``, and records which it used.
 """
 
 from __future__ import annotations
