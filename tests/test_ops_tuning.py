@@ -140,3 +140,19 @@ def test_exported_choices_read_back_from_the_gpu_file(tmp_path, monkeypatch):
         assert _tuning.shipped_choices("Another GPU") == {}
     finally:
         _tuning.shipped_choices.cache_clear()
+
+
+def test_ship_tuning_keeps_the_choices_already_in_the_file():
+    """tools/ship_tuning.py adds the keys new to the GPU's file and keeps the ones there (some
+    were measured end to end, which its per-kernel timing does not do), unless --replace."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent.parent / "tools" / "ship_tuning.py"
+    spec = importlib.util.spec_from_file_location("ship_tuning", path)
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    old = {"gemv": {"a": 1, "b": 2}, "moe": {"m": 5}}
+    new = {"gemv": {"b": 3, "c": 4}, "w4a16": {}}
+    assert tool.merged(old, new) == {"gemv": {"a": 1, "b": 2, "c": 4}, "moe": {"m": 5}}
+    assert tool.merged(old, new, replace=True)["gemv"] == {"a": 1, "b": 3, "c": 4}

@@ -7,15 +7,16 @@ On a cold start an engine compiles and times every candidate tile of each GEMV, 
 and MoE launch shape it meets (:class:`llmnote.ops._tuning.TuneCache`). This runs each
 model's engine with the defaults (so that it meets the shapes a reader's engine meets:
 batch 1 and the batched CUDA graphs), then writes every cache's choices to
-``llmnote/data/tuned/<gpu>.json``, merged with what is there. On a GPU of that name
-the caches take those choices without timing; commit the file.
+``llmnote/data/tuned/<gpu>.json``: keys new to the file are added, the ones already
+there kept (``--replace``: overwritten). On a GPU of that name the caches take
+those choices without timing; commit the file.
 
 The batch-1 GEMV tiles a kernel wins timed alone are not always the graph's best:
 for Qwen3-0.6B on the H100 they decoded at 1158 tok/s against 1312 with the set
 now in the file, which was measured end to end and written by hand
-(``benchmarks/logs/prefix_caching.md``). A run of this script replaces such
-entries with its own choices: compare the engine's batch-1 decode before
-committing.
+(``benchmarks/logs/prefix_caching.md``). That is why a run keeps the entries
+already in the file: with ``--replace``, compare the engine's batch-1 decode
+before committing.
 """
 
 from __future__ import annotations
@@ -29,9 +30,24 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 
+def merged(old: dict, new: dict, replace: bool = False) -> dict:
+    """Per cache, the file's entries ``old`` and this run's ``new`` (both ``{cache: {key:
+    config}}``): a key in both keeps the file's config unless ``replace``. Sorted by key;
+    caches with no entry dropped."""
+    out = {}
+    for name in {*old, *new}:
+        a, b = old.get(name, {}), new.get(name, {})
+        entries = {**a, **b} if replace else {**b, **a}
+        if entries:
+            out[name] = dict(sorted(entries.items()))
+    return dict(sorted(out.items()))
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", nargs="+", default=["qwen3-0.6b", "shakespeare"])
+    parser.add_argument("--replace", action="store_true",
+                        help="overwrite the choices already in the file (default: keep them)")
     args = parser.parse_args(argv)
 
     import torch
@@ -57,8 +73,7 @@ def main(argv: list[str] | None = None) -> int:
     path = gpu_file(gpu)
     before = json.loads(path.read_text()) if path.is_file() else {}
     old, models = before.get("caches", {}), sorted({*before.get("models", []), *args.models})
-    caches = {n: {**old.get(n, {}), **c.export()} for n, c in CACHES.items()}
-    caches = {n: dict(sorted(entries.items())) for n, entries in caches.items() if entries}
+    caches = merged(old, {n: c.export() for n, c in CACHES.items()}, args.replace)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps({"gpu": gpu, "torch": torch.__version__, "triton": triton.__version__,
                                 "models": models, "caches": caches}, indent=1) + "\n")
