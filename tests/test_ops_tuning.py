@@ -113,6 +113,9 @@ def test_a_shipped_choice_is_taken_without_timing_if_still_a_candidate():
 
     other = cfg._replace(block_n=512)
     assert cache.tune(key, [other, cfg], launch, timing=True) == cfg
+    # the others stay on offer to the engine's graph tuning (EngineConfig.tune_graph), which
+    # times each in the captured graph: with only the shipped one it would have nothing to try
+    assert cache.candidates(key) == [cfg, other]
     # a choice no longer among the candidates is not taken
     stale = TuneCache("stale-test")
     stale.preload({_tuning.key_text(key): cfg})

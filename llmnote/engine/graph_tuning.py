@@ -1,8 +1,8 @@
 """Graph-timed tuning of the batch-1 decode graph's GEMV tiles (``EngineConfig.tune_graph``).
 
-Each GEMV picks its tile by timing its candidates alone on its first call; inside the
-captured decode graph, chained to its neighbours by programmatic dependent launch, the
-ranking can differ. With ``tune_graph`` the runner times the captured graph once per
+Each GEMV picks its tile by timing its candidates alone on its first call, or takes the
+one shipped for this GPU (``llmnote/data/tuned``); inside the captured decode graph,
+chained to its neighbours by programmatic dependent launch, the ranking can differ. With ``tune_graph`` the runner times the captured graph once per
 candidate of each GEMV (coordinate descent, one pass) and keeps the fastest, once per
 process and model shape (:data:`_GRAPH_TUNING`).
 """

@@ -71,6 +71,7 @@ class TuneCache:
         self.retime, self.keep = retime, keep
         self.chosen: dict[Hashable, Any] = {}
         self.log: dict[Hashable, list[tuple[Any, float]]] = {}  # key -> [(config, ms)] as timed
+        self.offered: dict[Hashable, list] = {}  # key -> candidates, where a shipped one was taken
         self.shipped: dict[str, Any] | None = None  # key_text(key) -> config; read when needed
         CACHES[name] = self
 
@@ -96,11 +97,16 @@ class TuneCache:
         self.chosen[key] = config
 
     def candidates(self, key: Hashable) -> list:
-        """The configs ``key`` was timed with, fastest first (only its config if nothing was
-        timed; empty before its first call)."""
+        """The configs ``key`` was timed with, fastest first; where its config came from the
+        shipped file untimed, that one first and then the others it was chosen among (the
+        engine's graph tuning times them all); else only its config (empty before its
+        first call)."""
         timed = sorted(self.log.get(key, []), key=lambda e: e[1])
         out = [c for c, _ in timed[:self.keep]]
-        return out or ([self.chosen[key]] if key in self.chosen else [])
+        if out or key not in self.chosen:
+            return out
+        chosen = self.chosen[key]
+        return [chosen, *(c for c in self.offered.get(key, []) if c != chosen)][:self.keep]
 
     def tune(self, key: Hashable, candidates: list | Callable[[], list],
              launch: Callable[[Any], object], *,
@@ -119,6 +125,7 @@ class TuneCache:
         shipped = self._shipped_choice(key) if timing else None
         if shipped is not None and shipped in candidates:  # chosen on this GPU model before
             cfg = shipped
+            self.offered[key] = list(candidates)
         elif compiling_only():  # every candidate the first real call will time: compiled now
             for c in candidates[1:] if timing else []:
                 with contextlib.suppress(Exception):  # one that cannot run is skipped then too

@@ -204,7 +204,8 @@ def recorded_keys() -> contextlib.AbstractContextManager[list[tuple]]:
 
 
 def tuning_candidates(key: tuple) -> list[GemvConfig]:
-    """The configs ``key`` was chosen among, fastest first (one where nothing was timed)."""
+    """The configs ``key`` was chosen among: fastest first where they were timed, the
+    shipped choice first where it was taken untimed (:meth:`TuneCache.candidates`)."""
     return TUNING.candidates(key)
 
 

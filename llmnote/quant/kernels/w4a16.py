@@ -68,8 +68,8 @@ def recorded_keys() -> contextlib.AbstractContextManager[list[tuple]]:
 
 
 def tuning_candidates(key: tuple) -> list[tuple[W4Config, int]]:
-    """The 6 fastest (tile, split) pairs ``key`` was timed with alone (only its config when
-    nothing was timed)."""
+    """The 6 fastest (tile, split) pairs ``key`` was timed with alone; where its config came
+    from the shipped file untimed, that one and 5 others it was chosen among."""
     return TUNING.candidates(key)
 
 
