@@ -257,12 +257,12 @@ def _engine_rows(bw: float | None, quick: bool) -> list[dict]:
         ms = {n: (u, (lambda x, m, v=v: v)) for n, (u, v) in values.items()}
         return rows_for("moe-engine", provider, "workload", workload, t, ms, {**extra, **(more or {})}, env)
 
-    g = torch.Generator().manual_seed(2)
-    prompt = torch.randint(0, 10000, (128,), generator=g).tolist()
+    g, vocab = torch.Generator().manual_seed(2), 10000  # token ids drawn below vocab
+    prompt = torch.randint(0, vocab, (128,), generator=g).tolist()
     new = 32 if quick else 256
     sb = step_bytes(model)
     roofline = decode_roofline(bw, sb) if bw else float("nan")
-    requests = nano_vllm_requests(8 if quick else ENGINE_REQUESTS, 100, 1024, seed=0, vocab=10000)
+    requests = nano_vllm_requests(8 if quick else ENGINE_REQUESTS, 100, 1024, seed=0, vocab=vocab)
     if quick:
         requests = [(p[:32], 8) for p, _ in requests]
 
@@ -281,7 +281,7 @@ def _engine_rows(bw: float | None, quick: bool) -> list[dict]:
     # in the prefix cache). fused_moe times its candidate tiles on the first call of each
     # size bucket, and the engine captures a batch size's graph when it first runs: after a
     # short warm-up the timed run paid for both (4,060 tok/s on the H100)
-    run_engine(llm, other_tokens(requests, 10000))
+    run_engine(llm, other_tokens(requests, vocab))
     outs, wall = run_engine(llm, requests)
     tokens = sum(len(o.token_ids) for o in outs)
     print(f"llmnote throughput: {tokens} tokens in {wall:.1f} s = {tokens / wall:.0f} tok/s")
