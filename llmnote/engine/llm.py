@@ -45,6 +45,7 @@ from llmnote.engine.mla_runner import MLAModelRunner
 from llmnote.engine.model_runner import DecodeRun, ModelRunner
 from llmnote.engine.requests import (
     RequestOutput, StreamEvent, check_fits, encode_prompt, is_token_id, prompt_list,
+    request_output, stop_index,
 )
 from llmnote.engine.sampling_params import SamplingParams
 from llmnote.engine.scheduler import ScheduledBatch, Scheduler
@@ -351,7 +352,7 @@ class LLM:
         now = time.perf_counter()
         got = self.scheduler.postprocess(batch, sampled, self.eos_token_ids, now)
         for s in got:
-            if s.params.stop and not s.is_finished and self._stop_at(s) is not None:
+            if s.params.stop and not s.is_finished and stop_index(s, self._decode) is not None:
                 s.metrics.finished = now
                 self.scheduler.finish(s, "stop")
         self._log_step(batch, chunks, batch.num_preempted)
@@ -376,29 +377,11 @@ class LLM:
     def _decode(self, ids: list[int]) -> str | None:
         return None if self.tokenizer is None else self.tokenizer.decode(ids)
 
-    def _stop_at(self, seq: Sequence, text: str | None = None) -> int | None:
-        """Where the first of ``seq``'s stop strings starts in ``text`` (by default the
-        decoded tail of its output: enough tokens for the longest stop string, each token
-        being at least a byte; one checked after every token is never missed), or None."""
-        if text is None:
-            n = max(len(x.encode()) for x in seq.params.stop) + 1
-            text = self._decode(seq.output_ids[-n:])
-        found = [i for i in (text.find(x) for x in seq.params.stop) if i >= 0]
-        return min(found) if found else None
-
     def output(self, request: Sequence | int) -> RequestOutput:
         """The output so far of a request (a Sequence or a request id; an id that is not
         one of this engine's requests raises ``ValueError`` naming it)."""
         seq = request if isinstance(request, Sequence) else self._request(request)
-        text = self._decode(seq.output_ids)
-        if seq.params.stop and text is not None:  # the text ends before a stop string
-            cut = self._stop_at(seq, text)
-            text = text if cut is None else text[:cut]
-        return RequestOutput(
-            seq.seq_id, seq.prompt, seq.token_ids[:seq.num_prompt_tokens], seq.output_ids,
-            text, seq.finish_reason, seq.metrics.ttft,
-            seq.metrics.tpot(seq.num_output_tokens), seq.metrics.num_cached_prompt_tokens,
-            seq.metrics.num_preemptions)
+        return request_output(seq, self._decode)
 
     def generate(self, prompts: str | list[int] | Seq, params: SamplingParams | Seq | None = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:

@@ -5,18 +5,20 @@
 before anything is queued, each raising ``ValueError`` or ``TypeError`` that names the
 request (``where``): a prompt is a str (which needs a tokenizer), a 1-D tensor or numpy
 array, or a list of token ids inside the vocabulary; it is not empty, leaves room to generate within
-``max_model_len``, and with ``max_tokens`` fits the whole KV cache.
+``max_model_len``, and with ``max_tokens`` fits the whole KV cache. :func:`request_output` builds
+a request's output so far, its text cut before the first stop string (:func:`stop_index`).
 """
 
 from __future__ import annotations
 
 import sys
-from collections.abc import Sequence as Seq
+from collections.abc import Callable, Sequence as Seq
 from dataclasses import dataclass
 
 import torch
 
 from llmnote.engine.sampling_params import SamplingParams
+from llmnote.engine.sequence import Sequence
 
 
 @dataclass(frozen=True)
@@ -123,3 +125,29 @@ def prompt_list(prompts: object, params: object) -> list[tuple[object, object]]:
     if len(plist) != len(prompts):
         raise ValueError(f"got {len(prompts)} prompts but {len(plist)} SamplingParams")
     return list(zip(prompts, plist))
+
+
+def stop_index(seq: Sequence, decode: Callable[[list[int]], str | None],
+               text: str | None = None) -> int | None:
+    """Where the first of ``seq``'s stop strings starts in ``text`` (by default the decoded
+    tail of its output: enough tokens for the longest stop string, each token being at least
+    a byte; one checked after every token is never missed), or None."""
+    if text is None:
+        n = max(len(x.encode()) for x in seq.params.stop) + 1
+        text = decode(seq.output_ids[-n:])
+    found = [i for i in (text.find(x) for x in seq.params.stop) if i >= 0]
+    return min(found) if found else None
+
+
+def request_output(seq: Sequence, decode: Callable[[list[int]], str | None]) -> RequestOutput:
+    """``seq``'s output so far; its text (``decode`` of the output ids, None without a
+    tokenizer) ends before a stop string."""
+    text = decode(seq.output_ids)
+    if seq.params.stop and text is not None:
+        cut = stop_index(seq, decode, text)
+        text = text if cut is None else text[:cut]
+    return RequestOutput(
+        seq.seq_id, seq.prompt, seq.token_ids[:seq.num_prompt_tokens], seq.output_ids,
+        text, seq.finish_reason, seq.metrics.ttft,
+        seq.metrics.tpot(seq.num_output_tokens), seq.metrics.num_cached_prompt_tokens,
+        seq.metrics.num_preemptions)

@@ -10,7 +10,7 @@ and Nsight Compute metrics of five of the book's kernels.
   kernels that take the most time (bench ``profile-kernels``). Two decode steps of each
   are trimmed into ``decode_trace.json`` (Chrome trace format; Perfetto opens it).
 * ``ncu`` (bench ``ncu``): each case of :data:`CASES` runs in a small driver
-  (``python -m llmnote.bench.suites.profiling --driver CASE``) under ``ncu``, one
+  (``python -m llmnote.bench.suites.ncu_cases --driver CASE``) under ``ncu``, one
   launch of its kernel between ``cudaProfilerStart``/``Stop`` (after warm-up calls
   that compile and tune), with :data:`METRICS`: duration, DRAM bytes and throughput,
   achieved and theoretical occupancy, warp stall reasons (cycles per issued
@@ -26,12 +26,9 @@ Every row names the GPU and versions; ``tool`` says ``torch.profiler <torch>`` o
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 import time
-from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -41,11 +38,11 @@ import torch
 from llmnote import device
 from llmnote.bench import profiling as P
 from llmnote.bench.results import COLUMNS, environment
+from llmnote.bench.suites.ncu_cases import CASES, CORE, METRICS, case_info, driver  # noqa: F401
 
 BENCH = "profiling"
 PARTS = ("decode", "ncu")
 MODEL = "qwen3-0.6b"
-TOTAL = 256 * 2**20  # bytes of each (M, N) tensor of the norm cases, as in the norms suite
 STEP_RANGE = "llmnote.step"
 MAX_TRACE_BYTES = 1_000_000  # the shipped trace stays under this
 TRACE_CATS = ("kernel", "gpu_memcpy", "gpu_memset", "cuda_runtime", "cuda_driver", "user_annotation")
@@ -179,136 +176,9 @@ def decode_part(model_name: str = MODEL, new: int = 64, trace_steps: int = 2,
     return rows
 
 
-# ------------------------------------------------------------------ Nsight Compute
-STALLS = ("barrier", "branch_resolving", "dispatch_stall", "drain", "imc_miss", "lg_throttle",
-          "long_scoreboard", "math_pipe_throttle", "membar", "mio_throttle", "misc",
-          "no_instruction", "not_selected", "selected", "short_scoreboard", "sleeping",
-          "tex_throttle", "wait")
-CORE = {  # readable name -> ncu metric; units come from ncu (base units)
-    "duration": "gpu__time_duration.sum",
-    "dram_read": "dram__bytes_read.sum",
-    "dram_write": "dram__bytes_write.sum",
-    "dram_throughput_pct": "dram__throughput.avg.pct_of_peak_sustained_elapsed",
-    "memory_throughput_pct": "gpu__compute_memory_throughput.avg.pct_of_peak_sustained_elapsed",
-    "sm_throughput_pct": "sm__throughput.avg.pct_of_peak_sustained_elapsed",
-    "achieved_occupancy_pct": "sm__warps_active.avg.pct_of_peak_sustained_active",
-    "theoretical_occupancy_pct": "sm__maximum_warps_per_active_cycle_pct",
-    "registers_per_thread": "launch__registers_per_thread",
-    "grid_size": "launch__grid_size",
-    "block_size": "launch__block_size",
-    "warp_cycles_per_issue": "smsp__average_warp_latency_per_inst_issued.ratio",
-}
-METRICS = {
-    **CORE,
-    "waves_per_sm": "launch__waves_per_multiprocessor",
-    "l2_hit_rate_pct": "lts__t_sector_hit_rate.pct",
-    "issue_active_pct": "smsp__issue_active.avg.pct_of_peak_sustained_active",
-    "local_load_sectors": "l1tex__t_sectors_pipe_lsu_mem_local_op_ld.sum",
-    "local_store_sectors": "l1tex__t_sectors_pipe_lsu_mem_local_op_st.sum",
-    "ffma": "smsp__sass_thread_inst_executed_op_ffma_pred_on.sum",
-    "fadd": "smsp__sass_thread_inst_executed_op_fadd_pred_on.sum",
-    "fmul": "smsp__sass_thread_inst_executed_op_fmul_pred_on.sum",
-    "tensor_inst": "sm__inst_executed_pipe_tensor.sum",
-    **{f"stall_{s}": f"smsp__average_warps_issue_stalled_{s}_per_issue_active.ratio" for s in STALLS},
-}
-
-
-@dataclass(frozen=True)
-class Case:
-    kernel_regex: str
-    build: Callable[[], tuple[Callable[[], object], float, float]]  # -> (fn, ideal bytes, FLOPs)
-    what: str
-
-
-def _norm_case(op: str, direction: str, n: int, dtype: torch.dtype):
-    def build():
-        from llmnote.bench.suites.norms import OPS, _rand, _task
-
-        spec = OPS[op]
-        es = torch.empty((), dtype=dtype).element_size()
-        m = TOTAL // (n * es)
-        dys = [_rand(m, n, dtype) for _ in range(spec.n_outputs)] if direction == "bwd" else []
-        task = _task(spec.ours, spec.inputs(m, n, dtype), direction, dys)
-        tensors = spec.fwd_tensors if direction == "fwd" else spec.bwd_tensors
-        return task, float(tensors * m * n * es), 0.0
-    return build
-
-
-def _copy_case():
-    x = torch.randn(TOTAL // 2, device="cuda", dtype=torch.bfloat16)
-    y = torch.empty_like(x)
-    return (lambda: torch.neg(x, out=y)), float(2 * TOTAL), 0.0
-
-
-def _flash_case(b: int = 4, h: int = 16, n: int = 4096, d: int = 128):
-    def build():
-        from llmnote.ops import flash_attention
-
-        q, k, v = (torch.randn(b, h, n, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
-        return (lambda: flash_attention(q, k, v)), float(4 * b * h * n * d * 2), float(4 * b * h * n * n * d)
-    return build
-
-
-def _w4_case(k: int, n: int):
-    def build():
-        from llmnote.bench.suites.quant import GROUP, _w4_weights
-        from llmnote.quant import kernels as K
-
-        qw, s, z = _w4_weights(k, n, torch.device("cuda"))
-        x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
-        moved = qw.numel() * 4 + (s.numel() + z.numel()) * 2 + (k + n) * 2
-        return (lambda: K.w4a16_linear(x, qw, s, z, GROUP)), float(moved), float(2 * k * n)
-    return build
-
-
-CASES: dict[str, Case] = {
-    "copy": Case("elementwise", _copy_case, "torch.neg of 256 MiB bf16 (read + write: a copy's bytes)"),
-    "rmsnorm-fwd": Case("_rmsnorm_fwd", _norm_case("rmsnorm", "fwd", 4096, torch.bfloat16),
-                        "llmnote rmsnorm forward, N = 4096, 256 MiB bf16"),
-    "rmsnorm-bwd": Case("_rmsnorm_bwd", _norm_case("rmsnorm", "bwd", 16384, torch.bfloat16),
-                        "llmnote rmsnorm backward, N = 16384, bf16"),
-    "layernorm-bwd": Case("_layernorm_bwd", _norm_case("layernorm", "bwd", 16384, torch.bfloat16),
-                          "llmnote layernorm backward, N = 16384, bf16"),
-    "layernorm-bwd-fp32": Case("_layernorm_bwd", _norm_case("layernorm", "bwd", 16384, torch.float32),
-                               "llmnote layernorm backward, N = 16384, fp32"),
-    "flash2-fwd": Case("_attn_fwd", _flash_case(), "FlashAttention-2 forward, B 4, H 16, N 4096, D 128, bf16"),
-    "w4a16-b1": Case("_w4a16_", _w4_case(4096, 4096), "W4A16 GEMV at batch 1, K = N = 4096, g128"),
-    "w4a16-b1-mlp": Case("_w4a16_", _w4_case(4096, 14336), "W4A16 GEMV at batch 1, K 4096, N 14336"),
-}
-
-
-CASE_LINE = "llmnote-case:"
-
-
-def case_info(text: str) -> tuple[float, float]:
-    """(ideal bytes, FLOPs) that a driver printed into ncu's output."""
-    for ln in text.splitlines():
-        if ln.startswith(CASE_LINE):
-            d = json.loads(ln[len(CASE_LINE):])
-            return float(d["ideal_bytes"]), float(d["flops"])
-    return float("nan"), 0.0
-
-
-def driver(case: str, warmup: int = 3) -> None:
-    """Run ``case`` once between ``cudaProfilerStart`` and ``Stop``, after ``warmup`` calls."""
-    if case not in CASES:
-        raise ValueError(f"case must be one of {sorted(CASES)}, got {case!r}")
-    if not torch.cuda.is_available():
-        raise RuntimeError("the ncu drivers need a CUDA GPU")
-    fn, nbytes, flops = CASES[case].build()
-    print(f"{CASE_LINE} " + json.dumps({"case": case, "ideal_bytes": nbytes, "flops": flops}))
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    torch.cuda.profiler.start()
-    fn()
-    torch.cuda.synchronize()
-    torch.cuda.profiler.stop()
-
-
 def _ncu_case(case: str, metrics: dict[str, str], raw_dir: Path | None
               ) -> tuple[pd.DataFrame, tuple[float, float]]:
-    target = [sys.executable, "-m", "llmnote.bench.suites.profiling", "--driver", case]
+    target = [sys.executable, "-m", "llmnote.bench.suites.ncu_cases", "--driver", case]
     kw = dict(kernel_regex=CASES[case].kernel_regex, launch_skip=0, launch_count=1)
     try:
         df, text = P.run_ncu(target, metrics=list(metrics.values()), timeout=150, **kw)
@@ -453,9 +323,3 @@ def run(quick: bool = False, *, parts: tuple[str, ...] = PARTS, cases: tuple[str
               f"{sorted(set(zip(gone['provider'], gone['metric'])))[:12]}")
         df = df[finite]
     return df[list(dict.fromkeys(COLUMNS + list(df.columns)))]
-
-
-if __name__ == "__main__":  # the ncu drivers: python -m llmnote.bench.suites.profiling --driver CASE
-    ap = argparse.ArgumentParser(description="Run one profiling case once for ncu.")
-    ap.add_argument("--driver", required=True, choices=sorted(CASES))
-    driver(ap.parse_args().driver)
