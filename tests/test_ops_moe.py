@@ -257,6 +257,6 @@ def test_every_gpu_tile_fits_shared_memory():
     for size in (2, 4):
         for tile in M.DECODE_TILES + M.MIDDLE_TILES + M.PREFILL_TILES:
             if size == 4:
-                m, n, k, w, st = tile
-                tile = (m, n, min(k, 128), w, min(st, 2))
+                m, n, k, w, st, g = tile
+                tile = (m, n, min(k, 128), w, min(st, 2), g)
             assert M.smem_bytes(tile, tile[1] or 32, size) <= M.SMEM_BUDGET, (tile, size)

@@ -42,6 +42,7 @@ import triton.language as tl
 from llmnote import device
 from llmnote.ops._tuning import TuneCache
 from llmnote.ops._validate import FLOAT_DTYPES, check_tensor
+from llmnote.ops.matmul_configs import _tile_coords
 from llmnote.ops.moe_few_tokens import fused_moe_few_tokens, takes_few_tokens_path
 
 __all__ = ["fused_moe", "fused_moe_ref", "moe_align", "moe_align_ref", "route"]
@@ -223,14 +224,30 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int
 
 
 @triton.jit
+def _moe_tile(num_row_blocks, n, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+    """(row block, column tile) of this program. GROUP_M 0: every row block of a column
+    tile, then the next column tile (the row blocks of one expert read its weight tile at
+    about the same time); otherwise the grouped order of the matmul chapter
+    (:func:`~llmnote.ops.matmul_configs._tile_coords`): GROUP_M row blocks cross all the
+    column tiles while their gathered rows stay in L2."""
+    pid = tl.program_id(0)
+    if GROUP_M == 0:
+        pid_m = pid % num_row_blocks
+        pid_n = pid // num_row_blocks
+    else:
+        pid_m, pid_n = _tile_coords(pid, num_row_blocks, tl.cdiv(n, BLOCK_N), GROUP_M)
+    return pid_m, pid_n
+
+
+@triton.jit
 def _moe_gate_up_kernel(
-    x_ptr, w_ptr, out_ptr, sorted_ptr, expert_ptr, npad_ptr, num_rows, top_k, H, I,
-    stride_xm, stride_we, stride_wn, stride_om,
+    x_ptr, w_ptr, out_ptr, sorted_ptr, expert_ptr, npad_ptr, num_rows, num_row_blocks, top_k,
+    H, I, stride_xm, stride_we, stride_wn, stride_om,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    UPCAST: tl.constexpr, IEEE: tl.constexpr,
+    GROUP_M: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr,
 ):
     # one (BLOCK_M rows of one expert) x (BLOCK_N columns of I) tile of silu(gate) * up
-    pid_m, pid_n = tl.program_id(0), tl.program_id(1)
+    pid_m, pid_n = _moe_tile(num_row_blocks, I, BLOCK_N, GROUP_M)
     if pid_m * BLOCK_M >= tl.load(npad_ptr):
         return  # a block past the padded list: nothing routed here
     e = tl.load(expert_ptr + pid_m).to(tl.int64)
@@ -269,12 +286,12 @@ def _moe_gate_up_kernel(
 @triton.jit
 def _moe_down_kernel(
     a_ptr, w_ptr, out_ptr, weights_ptr, ids_ptr, sorted_ptr, expert_ptr, npad_ptr, num_rows,
-    num_experts, H, I, stride_am, stride_we, stride_wn, stride_om,
+    num_row_blocks, num_experts, H, I, stride_am, stride_we, stride_wn, stride_om,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    UPCAST: tl.constexpr, IEEE: tl.constexpr,
+    GROUP_M: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr,
 ):
     # one (BLOCK_M rows of one expert) x (BLOCK_N columns of H) tile of weight * (a @ w2[e]^T)
-    pid_m, pid_n = tl.program_id(0), tl.program_id(1)
+    pid_m, pid_n = _moe_tile(num_row_blocks, H, BLOCK_N, GROUP_M)
     if pid_m * BLOCK_M >= tl.load(npad_ptr):
         return
     e = tl.load(expert_ptr + pid_m).to(tl.int64)
@@ -307,17 +324,22 @@ def _moe_down_kernel(
     tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & n_ok)
 
 
-# Tiles as (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages); BLOCK_N None: _block_n.
-# Few pairs an expert (decode): BLOCK_M = 16, the smallest tl.dot tile, so padding
-# wastes little; many (prefill): the usual GEMM tiles. The first of each list is the
-# choice off the GPU and inside a graph capture; on a GPU the first call of each size
-# bucket times them all (TUNING) and keeps the fastest. Not yet measured on a GPU.
-DECODE_TILES = [(16, None, 128, 4, 4), (16, None, 64, 4, 5), (16, None, 256, 4, 3)]
-MIDDLE_TILES = [(32, 64, 64, 4, 4), (16, 64, 128, 4, 4), (64, 64, 64, 4, 4), (32, 128, 64, 4, 4)]
-PREFILL_TILES = [(64, 128, 64, 8, 3), (128, 128, 64, 8, 3), (64, 128, 64, 4, 4),
-                 (128, 64, 64, 4, 4), (64, 256, 32, 8, 4)]
+# Tiles as (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages, GROUP_M); BLOCK_N None:
+# _block_n; GROUP_M: the order of the programs (_moe_tile). Few pairs an expert (decode):
+# BLOCK_M = 16, the smallest tl.dot tile, so padding wastes little; many (prefill): the
+# usual GEMM tiles, and two in grouped order for the largest prefills, where the gathered
+# rows of every row block (for Mixtral's down GEMM at 4096 tokens, 8192 rows of 28 KB)
+# no longer fit in L2 and the default order reads them again for each column tile. The
+# first of each list is the choice off the GPU and inside a graph capture; on a GPU the
+# first call of each size bucket times them all (TUNING) and keeps the fastest.
+DECODE_TILES = [(16, None, 128, 4, 4, 0), (16, None, 64, 4, 5, 0), (16, None, 256, 4, 3, 0)]
+MIDDLE_TILES = [(32, 64, 64, 4, 4, 0), (16, 64, 128, 4, 4, 0), (64, 64, 64, 4, 4, 0),
+                (32, 128, 64, 4, 4, 0)]
+PREFILL_TILES = [(64, 128, 64, 8, 3, 0), (128, 128, 64, 8, 3, 0), (64, 128, 64, 4, 4, 0),
+                 (128, 64, 64, 4, 4, 0), (64, 256, 32, 8, 4, 0), (128, 128, 64, 8, 3, 8),
+                 (64, 128, 64, 8, 3, 8)]
 SMEM_BUDGET = 200 * 1024  # bytes of shared memory a tile may take (the H100 has 227 KiB)
-INTERPRETER_TILE = (16, 32, 32, 4, 1)
+INTERPRETER_TILE = (16, 32, 32, 4, 1, 2)  # grouped order: both orders run on the CPU
 TUNING = TuneCache("fused_moe")
 
 
@@ -330,14 +352,14 @@ def _tiles(num_pairs: int, num_experts: int, element_size: int) -> list[tuple]:
     tiles = DECODE_TILES if per_expert <= 16 else MIDDLE_TILES if per_expert <= 64 \
         else PREFILL_TILES
     if element_size == 4:
-        tiles = [(m, n, min(k, 128), w, min(st, 2)) for m, n, k, w, st in tiles]
+        tiles = [(m, n, min(k, 128), w, min(st, 2), g) for m, n, k, w, st, g in tiles]
     return list(dict.fromkeys(tiles))
 
 
 def smem_bytes(tile: tuple, block_n: int, element_size: int, b_tiles: int = 2) -> int:
     """Shared memory of a tile's pipeline: ``stages`` copies of the A tile and of the
     ``b_tiles`` weight tiles (2 in the gate/up kernel: gate and up)."""
-    bm, _, bk, _, stages = tile
+    bm, _, bk, _, stages, _ = tile
     return stages * (bm * bk + b_tiles * bk * block_n) * element_size
 
 
@@ -360,7 +382,7 @@ def _forward(x, w13, w2, topk_weights, topk_ids, tile: tuple) -> torch.Tensor:
     """The three steps with one tile (see the module docstring)."""
     (t_, h), (e, two_i, _), k = x.shape, w13.shape, topk_ids.shape[1]
     i = two_i // 2
-    bm, bn, bk, warps, stages = tile
+    bm, bn, bk, warps, stages, group_m = tile
     sorted_ids, expert_ids, num_padded = moe_align(topk_ids, e, bm)
     weights = topk_weights.float().contiguous().view(-1)  # (T k,) by pair index
     inter = torch.empty((t_ * k, i), dtype=x.dtype, device=x.device)  # silu(gate) * up per pair
@@ -371,14 +393,15 @@ def _forward(x, w13, w2, topk_weights, topk_ids, tile: tuple) -> torch.Tensor:
     used = min(blocks, t_ * k)  # row tiles that can hold tokens
     bn1 = bn or _block_n(used, i, x.device, tile, x.element_size())
     bn2 = bn or _block_n(used, h, x.device, tile, x.element_size())
-    launch = dict(BLOCK_M=bm, BLOCK_K=bk, UPCAST=upcast, IEEE=ieee, num_warps=warps,
-                  num_stages=stages)
-    _moe_gate_up_kernel[(blocks, triton.cdiv(i, bn1))](
-        x, w13, inter, sorted_ids, expert_ids, num_padded, t_ * k, k, h, i,
+    launch = dict(BLOCK_M=bm, BLOCK_K=bk, GROUP_M=group_m, UPCAST=upcast, IEEE=ieee,
+                  num_warps=warps, num_stages=stages)
+    _moe_gate_up_kernel[(blocks * triton.cdiv(i, bn1),)](
+        x, w13, inter, sorted_ids, expert_ids, num_padded, t_ * k, blocks, k, h, i,
         x.stride(0), w13.stride(0), w13.stride(1), inter.stride(0), BLOCK_N=bn1, **launch)
-    _moe_down_kernel[(blocks, triton.cdiv(h, bn2))](
+    _moe_down_kernel[(blocks * triton.cdiv(h, bn2),)](
         inter, w2, out, weights, topk_ids.reshape(-1), sorted_ids, expert_ids, num_padded,
-        t_ * k, e, h, i, inter.stride(0), w2.stride(0), w2.stride(1), out.stride(0), BLOCK_N=bn2, **launch)
+        t_ * k, blocks, e, h, i, inter.stride(0), w2.stride(0), w2.stride(1), out.stride(0),
+        BLOCK_N=bn2, **launch)
     if k == 1:
         return out
     return out.view(t_, k, h).sum(dim=1)  # the top-k sum (accumulated in fp32 by torch)
