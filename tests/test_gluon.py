@@ -121,6 +121,26 @@ def test_triton_counterpart_compiles_too():
     assert c.trace("st.global") == ["st.global.v4.b32"] * 4
 
 
+def test_compiles_after_the_interpreter_ran(tmp_path, monkeypatch):
+    """Triton's interpreter leaves functions of ``triton.language`` replaced after it runs a
+    kernel that calls a device function (the fused MoE's kernels do); a compile with an
+    empty cache after that still works, since it happens in the child process."""
+    import triton
+    import triton.language.core as core
+
+    from llmnote.ops.moe import fused_moe, route
+
+    if not device.interpreting():
+        pytest.skip("the state the interpreter leaves behind")
+    cast = core.cast
+    x, w13, w2 = torch.randn(40, 48), torch.randn(4, 80, 48), torch.randn(4, 48, 40)
+    fused_moe(x, w13, w2, *route(torch.randn(40, 4), 2, renormalize=True))
+    monkeypatch.setattr(triton.knobs.cache, "dir", str(tmp_path))  # nothing cached here
+    c = compile_copy(torch.bfloat16)
+    assert c.count("ld.global.v4.b32") == 4
+    print("triton.language.core.cast replaced by the interpreter:", core.cast is not cast)
+
+
 def test_compile_kernel_names_bad_arguments():
     sig = {"src_ptr": "*fp32", "dst_ptr": "*fp32", "n": "i32", "BLOCK": "constexpr", "VEC": "constexpr"}
     with pytest.raises(ValueError, match="missing"):

@@ -12,7 +12,11 @@ also shipped), and :meth:`Compiled.count` to count an instruction in the PTX.
 :func:`compile_kernel` takes a ``@triton.jit`` kernel of the package too (an
 autotuned one included), so that a Gluon kernel can be set beside its Triton
 counterpart: when the kernels run in Triton's interpreter (this machine without a
-GPU) the Triton kernel is compiled in a child process that imports it uninterpreted.
+GPU) every kernel, Gluon's too, is compiled in a child process that imports it
+uninterpreted. The interpreter replaces functions of ``triton.language`` while it runs
+a kernel, and a device function it runs never puts back those it replaced (Triton
+3.9), so after an interpreted run a compile in the same process can reach the
+interpreter's builder and fail.
 
 Signature types are Triton's strings: ``"*bf16"`` for a pointer, ``"i32"`` for an
 integer, ``"constexpr"`` for a compile-time value, and :func:`tensordesc` for a TMA
@@ -134,14 +138,18 @@ def compile_kernel(kernel, signature: dict[str, str], constexprs: dict[str, obje
     """
     from triton.experimental.gluon._runtime import GluonJITFunction
 
+    from llmnote import device
+
     constexprs = dict(constexprs or {})
     jit = kernel if isinstance(kernel, GluonJITFunction) else _jit_function(kernel)
-    if jit is None or child:  # e.g. a Triton kernel under the interpreter: in a child process
+    if jit is not None:
+        _check_arguments(jit, signature, constexprs, aligned)
+    if jit is None or child or device.interpreting():  # (module docstring) in a child process
         return _compile_elsewhere(kernel, signature, constexprs, aligned, num_warps, num_stages, arch)
     return _compile(jit, signature, constexprs, aligned, num_warps, num_stages, arch)
 
 
-def _compile(kernel, signature, constexprs, aligned, num_warps, num_stages, arch) -> Compiled:
+def _check_arguments(kernel, signature, constexprs, aligned) -> None:
     names = list(kernel.arg_names)
     unknown = [n for n in [*signature, *constexprs, *aligned] if n not in names]
     if unknown:
@@ -150,6 +158,11 @@ def _compile(kernel, signature, constexprs, aligned, num_warps, num_stages, arch
     if missing:
         raise ValueError(f"signature must give a type for every argument of {kernel.__name__}; "
                          f"missing {missing}")
+
+
+def _compile(kernel, signature, constexprs, aligned, num_warps, num_stages, arch) -> Compiled:
+    _check_arguments(kernel, signature, constexprs, aligned)
+    names = list(kernel.arg_names)
     consts = {(names.index(n),): v for n, v in constexprs.items()}
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in aligned}
     from triton.compiler import ASTSource
