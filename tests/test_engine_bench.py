@@ -65,3 +65,22 @@ def test_the_first_run_shares_no_prompt_with_the_timed_one():
     assert [(len(p), o) for p, o in first] == [(len(p), o) for p, o in reqs]
     timed_blocks = {tuple(p[:16]) for p, _ in reqs}
     assert not timed_blocks & {tuple(p[:16]) for p, _ in first}
+
+
+def test_the_decode_warm_up_has_the_timed_lengths():
+    """Batch-1 decode is timed after one request of the same prompt and output lengths and
+    other tokens: what is tuned per context length (FlashAttention's varlen kernel) is
+    tuned before the timed run, and its prompt is not in the prefix cache."""
+    from llmnote.bench.suites.engine import warm_up_decode
+    from llmnote.engine import SamplingParams
+
+    class Recorder:
+        def generate(self, prompts, params, use_tqdm=True):
+            self.calls = [(prompts, params)]
+
+    llm, prompt = Recorder(), list(range(100, 228))
+    sp = SamplingParams(temperature=0, max_tokens=512, ignore_eos=True)
+    warm_up_decode(llm, prompt, sp, vocab=1000)
+    (prompts, params), = llm.calls
+    assert len(prompts) == 1 and len(prompts[0]) == len(prompt) and params is sp
+    assert prompts[0][:16] != prompt[:16] and all(0 <= t < 1000 for t in prompts[0])

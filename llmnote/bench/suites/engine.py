@@ -19,8 +19,10 @@ Qwen3-0.6B shapes of :data:`llmnote.models.presets.PRESETS`.
   ``contiguous_live_fraction`` (live slots / the ``prompt + max_tokens`` slots
   a contiguous allocation would reserve).
 * ``decode-b1``: one request, 128-token prompt, 512 new tokens (64 for the
-  ``-eager`` rows, which launch every kernel from Python): tokens/s and its
-  fraction of the weight-read roofline (copy bandwidth / weight bytes).
+  ``-eager`` rows, which launch every kernel from Python), timed after one
+  request of the same lengths with other tokens (:func:`warm_up_decode`):
+  tokens/s and its fraction of the weight-read roofline (copy bandwidth /
+  weight bytes).
 * ``decode-b1-quant`` (``quant=True``, GPU): the same after
   :func:`llmnote.quant.quantize_model` (``llmnote-w8a8``: SmoothQuant W8A8;
   ``llmnote-w4a16``: AWQ int4 g128, random calibration ids) against
@@ -79,6 +81,14 @@ def other_tokens(requests, vocab: int, seed: int = 1):
     (none of their prompts' blocks is in the prefix cache after the originals ran)."""
     g = torch.Generator().manual_seed(seed)
     return [(torch.randint(0, vocab, (len(p),), generator=g).tolist(), o) for p, o in requests]
+
+
+def warm_up_decode(llm, prompt: list[int], params, vocab: int) -> None:
+    """Run a request of ``prompt``'s length and ``params``' output length, with other tokens,
+    before timing one: what the timed request meets for the first time is then compiled
+    and tuned (a kernel tuned per power-of-two context length meets a new one at 256,
+    512, ... keys), and nothing of its prompt is in the prefix cache."""
+    llm.generate([other_tokens([(prompt, None)], vocab)[0][0]], params, use_tqdm=False)
 
 
 def random_model(name: str = MODEL):
@@ -276,8 +286,7 @@ def _decode_b1(llm, model, name: str, vocab: int, max_len: int, quick: bool, bw:
     prompt = torch.randint(0, vocab, (max_len // 8,), generator=g).tolist()
     new = new or (max_len // 8 if quick else max_len // 2)
     sp = SamplingParams(temperature=0, max_tokens=new, ignore_eos=True)
-    llm.generate([prompt[:16]], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True),
-                 use_tqdm=False)  # warm-up
+    warm_up_decode(llm, prompt, sp, vocab)
     out = llm.generate([prompt], sp, use_tqdm=False)[0]
     wb = weight_bytes(model)
     # bw counts the bytes a copy reads plus those it writes: the rate at which memory

@@ -239,7 +239,9 @@ def decode_roofline(bandwidth_gb_s: float, nbytes: int) -> float:
 
 
 def _engine_rows(bw: float | None, quick: bool) -> list[dict]:
-    from llmnote.bench.suites.engine import nano_vllm_requests, other_tokens, run_engine
+    from llmnote.bench.suites.engine import (
+        nano_vllm_requests, other_tokens, run_engine, warm_up_decode,
+    )
     from llmnote.engine import LLM, SamplingParams
     from llmnote.models import Llama, get_preset
 
@@ -268,8 +270,7 @@ def _engine_rows(bw: float | None, quick: bool) -> list[dict]:
 
     llm = LLM(model, max_model_len=4096)
     greedy = SamplingParams(temperature=0, max_tokens=new, ignore_eos=True)
-    llm.generate([prompt[:16]], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True),
-                 use_tqdm=False)  # warm-up: compiles, graphs
+    warm_up_decode(llm, prompt, greedy, vocab)
     out = llm.generate([prompt], greedy, use_tqdm=False)[0]
     rate = 1 / out.tpot
     print(f"llmnote decode-b1: {rate:.0f} tok/s = {rate / roofline:.0%} of the roofline of the "
