@@ -112,8 +112,9 @@ def decode_rows(provider: str, events: pd.DataFrame, tokens: int, env: dict, top
 
 def _engine_trace(model_name: str, cuda_graphs: bool, new: int) -> tuple[dict, int]:
     """The Chrome trace of one greedy request (128-token prompt, ``new`` tokens) through
-    ``LLM(model_name)``, graphs on (the default) or off, after a warm-up request."""
-    from llmnote.bench.suites.engine import _engine, _free
+    ``LLM(model_name)``, graphs on (the default) or off, after a warm-up request of the same
+    lengths (:func:`~llmnote.bench.suites.engine.warm_up_decode`)."""
+    from llmnote.bench.suites.engine import _engine, _free, warm_up_decode
     from llmnote.engine import SamplingParams
     from llmnote.models import get_preset
 
@@ -121,8 +122,7 @@ def _engine_trace(model_name: str, cuda_graphs: bool, new: int) -> tuple[dict, i
     vocab = min(10000, get_preset(model_name).vocab_size)
     prompt = torch.randint(0, vocab, (128,), generator=torch.Generator().manual_seed(2)).tolist()
     sp = SamplingParams(temperature=0, max_tokens=new, ignore_eos=True)
-    llm.generate([prompt[:16]], SamplingParams(temperature=0, max_tokens=new, ignore_eos=True),
-                 use_tqdm=False)  # warm-up: compiles, captures the graphs this request needs
+    warm_up_decode(llm, prompt, sp, vocab)  # compiles, tunes, captures what this request needs
     out: list = []
     trace = P.profile_trace(lambda: out.append(llm.generate([prompt], sp, use_tqdm=False)[0]))
     llm.close()
