@@ -161,7 +161,7 @@ def _check_arguments(kernel, signature, constexprs, aligned) -> None:
 
 
 def _compile(kernel, signature, constexprs, aligned, num_warps, num_stages, arch) -> Compiled:
-    _check_arguments(kernel, signature, constexprs, aligned)
+    """Compile in this process; the arguments are checked (:func:`_check_arguments`)."""
     names = list(kernel.arg_names)
     consts = {(names.index(n),): v for n, v in constexprs.items()}
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in aligned}
@@ -235,7 +235,9 @@ def _main() -> None:
             kernel = importlib.import_module(module)
             for part in qualname.split("."):
                 kernel = getattr(kernel, part)
-            c = _compile(_jit_function(kernel), job["signature"], job["constexprs"], tuple(job["aligned"]),
+            jit, aligned = _jit_function(kernel), tuple(job["aligned"])
+            _check_arguments(jit, job["signature"], job["constexprs"], aligned)
+            c = _compile(jit, job["signature"], job["constexprs"], aligned,
                          job["num_warps"], job["num_stages"], job["arch"])
             asm = {k: v for k, v in c.asm.items() if k in _TEXT_STAGES}
             asm["cubin"] = c.asm["cubin"].hex()
