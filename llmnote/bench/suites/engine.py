@@ -410,10 +410,11 @@ def run(quick: bool = False, *, model_name: str = MODEL, max_len: int = 1024,
             for _ in range(16 if quick else 64)]
     if not working:
         raise RuntimeError(f"no attention backend of {backends} ran")
-    # warm-up requests of the same shapes with another system prompt (no cache hits for
-    # the timed ones): kernels compiled for these shapes outside the timed run
+    # warm-up: the whole workload with another system prompt (no cache hits for the timed
+    # one), so the batch sizes and lengths it meets are compiled, tuned and captured
+    # outside the timed run (4 requests alone left batch 64's first steps in it)
     other = torch.randint(0, vocab, (max_len,), generator=g).tolist()
-    warm = [(other + r[len(system):], n) for r, n in reqs[:4]]
+    warm = [(other + r[len(system):], n) for r, n in reqs]
     del model
     _free()
     for caching in (True, False) if "prefix" in parts else ():
