@@ -17,7 +17,9 @@ Parts (``run(parts=...)``), every provider timed in the same run:
     ``flash3.py``, forward, the ``fwd`` set-up from N = 1k: ``fa3`` (bf16),
     ``fa3-fp8`` (inputs already FP8, checked against
     ``flash_attention_fp8_ref`` first), ``fa3-fp8-quant`` (quantising Q, K, V
-    inside the timed call), beside ``llmnote``, ``sdpa-flash``, ``sdpa-cudnn``.
+    inside the timed call), ``fa3-gluon`` (:func:`llmnote.ops.gluon.attention`, the
+    warp-specialised Gluon kernel; ``fa3-gluon-nopp`` without its ping-pong), beside
+    ``llmnote``, ``sdpa-flash``, ``sdpa-cudnn``.
 ``memory`` (bench ``attention-memory``, ``x_name = "N"``)
     Peak memory of one forward beyond its inputs (MiB), B = 1, H = 16, D = 128.
 
@@ -237,6 +239,9 @@ def _fa3_providers(setup: Setup, d: int, causal: bool, dtype) -> dict:
         def factory(n):
             if name.startswith("fa3"):
                 require_compiled(name, HOPPER)
+            cap = device.capability()
+            if name.startswith("fa3-gluon") and not (device.on_gpu() and cap and cap[0] == 9):
+                raise Skip(f"{name} runs on a Hopper GPU only; this machine: {device.describe()}")
             q, k, v = inputs(n)
             _check(fn, q, k, v, causal, "fwd", q, name)
             task = _task(fn, q, k, v, "fwd", None)
@@ -277,9 +282,17 @@ def _fa3_providers(setup: Setup, d: int, causal: bool, dtype) -> dict:
             return fn
         return f
 
+    def gluon(pingpong: bool):  # llmnote.ops.gluon imported here: a Triton without Gluon
+        def fn(q, k, v):       # must not break the other providers
+            from llmnote.ops.gluon import attention
+            return attention(q, k, v, causal=causal, PINGPONG=pingpong)
+        return fn
+
     providers = {
         "llmnote": exact(lambda q, k, v: flash_attention(q, k, v, causal=causal), "llmnote"),
         "fa3": exact(lambda q, k, v: flash_attention_v3(q, k, v, causal=causal), "fa3"),
+        "fa3-gluon": exact(gluon(True), "fa3-gluon"),
+        "fa3-gluon-nopp": exact(gluon(False), "fa3-gluon-nopp"),
         "fa3-fp8": fp8(False),
         "fa3-fp8-quant": fp8(True),
     }

@@ -124,7 +124,7 @@ def _jit_function(kernel):
 
 def compile_kernel(kernel, signature: dict[str, str], constexprs: dict[str, object] | None = None, *,
                    aligned: tuple[str, ...] = (), num_warps: int = 4, num_stages: int = 3,
-                   arch: int = HOPPER, child: bool = False) -> Compiled:
+                   arch: int = HOPPER, child: bool = False, maxnreg: int | None = None) -> Compiled:
     """Compile ``kernel`` (``@gluon.jit``, or ``@triton.jit`` from an importable module)
     for ``sm_<arch>`` without a GPU.
 
@@ -134,7 +134,9 @@ def compile_kernel(kernel, signature: dict[str, str], constexprs: dict[str, obje
     ``num_stages``: the software-pipelining depth Triton's compiler gives its loops
     (Gluon kernels pipeline by hand and ignore it); ``child``: compile in the child process
     even when this one could (Triton 3.9's Gluon bindings leave IR objects of ``gl.join``,
-    ``gl.reshape`` and ``permute`` alive at exit, and nanobind then prints a leak report).
+    ``gl.reshape`` and ``permute`` alive at exit, and nanobind then prints a leak report);
+    ``maxnreg``: the registers a thread may take, as the launch's ``maxnreg`` (a
+    warp-specialised kernel's partitions share them out).
     """
     from triton.experimental.gluon._runtime import GluonJITFunction
 
@@ -145,8 +147,9 @@ def compile_kernel(kernel, signature: dict[str, str], constexprs: dict[str, obje
     if jit is not None:
         _check_arguments(jit, signature, constexprs, aligned)
     if jit is None or child or device.interpreting():  # (module docstring) in a child process
-        return _compile_elsewhere(kernel, signature, constexprs, aligned, num_warps, num_stages, arch)
-    return _compile(jit, signature, constexprs, aligned, num_warps, num_stages, arch)
+        return _compile_elsewhere(kernel, signature, constexprs, aligned, num_warps, num_stages, arch,
+                                  maxnreg)
+    return _compile(jit, signature, constexprs, aligned, num_warps, num_stages, arch, maxnreg)
 
 
 def _check_arguments(kernel, signature, constexprs, aligned) -> None:
@@ -160,7 +163,8 @@ def _check_arguments(kernel, signature, constexprs, aligned) -> None:
                          f"missing {missing}")
 
 
-def _compile(kernel, signature, constexprs, aligned, num_warps, num_stages, arch) -> Compiled:
+def _compile(kernel, signature, constexprs, aligned, num_warps, num_stages, arch,
+             maxnreg=None) -> Compiled:
     """Compile in this process; the arguments are checked (:func:`_check_arguments`)."""
     names = list(kernel.arg_names)
     consts = {(names.index(n),): v for n, v in constexprs.items()}
@@ -170,8 +174,10 @@ def _compile(kernel, signature, constexprs, aligned, num_warps, num_stages, arch
 
     source = GluonASTSource if isinstance(kernel, GluonJITFunction) else ASTSource
     src = source(kernel, dict(signature), consts, attrs)
-    k = triton.compile(src, target=GPUTarget("cuda", arch, 32),
-                       options={"num_warps": num_warps, "num_stages": num_stages})
+    options = {"num_warps": num_warps, "num_stages": num_stages}
+    if maxnreg is not None:
+        options["maxnreg"] = maxnreg
+    k = triton.compile(src, target=GPUTarget("cuda", arch, 32), options=options)
     usage = _resource_usage(k.asm["cubin"])
     return Compiled(name=k.metadata.name, asm=dict(k.asm), registers=usage.get("REG", 0),
                     shared=int(k.metadata.shared), spilled=usage.get("LOCAL", 0), num_warps=num_warps)
@@ -197,7 +203,8 @@ def _child() -> subprocess.Popen:
     return proc
 
 
-def _compile_elsewhere(kernel, signature, constexprs, aligned, num_warps, num_stages, arch) -> Compiled:
+def _compile_elsewhere(kernel, signature, constexprs, aligned, num_warps, num_stages, arch,
+                       maxnreg=None) -> Compiled:
     """Compile a kernel in the child process, where the interpreter is off."""
     inner = kernel
     while getattr(inner, "fn", None) is not None and not hasattr(inner, "__code__"):
@@ -207,7 +214,7 @@ def _compile_elsewhere(kernel, signature, constexprs, aligned, num_warps, num_st
         raise ValueError(f"{where[1]} is not importable from a module; only a module's kernels can "
                          "be compiled in a child process")
     job = dict(where=where, signature=signature, constexprs=constexprs, aligned=list(aligned),
-               num_warps=num_warps, num_stages=num_stages, arch=arch)
+               num_warps=num_warps, num_stages=num_stages, arch=arch, maxnreg=maxnreg)
     proc = _child()
     proc.stdin.write(json.dumps(job) + "\n")
     proc.stdin.flush()
@@ -238,7 +245,7 @@ def _main() -> None:
             jit, aligned = _jit_function(kernel), tuple(job["aligned"])
             _check_arguments(jit, job["signature"], job["constexprs"], aligned)
             c = _compile(jit, job["signature"], job["constexprs"], aligned,
-                         job["num_warps"], job["num_stages"], job["arch"])
+                         job["num_warps"], job["num_stages"], job["arch"], job.get("maxnreg"))
             asm = {k: v for k, v in c.asm.items() if k in _TEXT_STAGES}
             asm["cubin"] = c.asm["cubin"].hex()
             out = dict(name=c.name, asm=asm, registers=c.registers, shared=c.shared, spilled=c.spilled,

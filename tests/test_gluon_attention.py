@@ -1,0 +1,141 @@
+"""llmnote.ops.gluon.attention: FlashAttention-3's forward in Gluon (producer warp, two
+consumer warpgroups, ping-pong).
+
+On every machine: the kernel compiles for sm_90 with the installed Triton into what its
+docstring describes (three partitions with their register budgets, TMA copies of Q, K
+and V, ``S`` by wgmma from shared memory and ``P V`` with ``P`` in registers, no
+spills, the shared memory of its Q tiles and K/V ring); bad inputs and a missing
+Hopper GPU raise clear errors. On a Hopper GPU: the output against exact attention in
+fp32 on fresh random inputs, with and without ping-pong, causal and not, GQA, ragged
+and unequal lengths, rows that see no key, bf16 and fp16, the same rule as the Triton
+FlashAttention-3 kernel's tests (``assert_close_lowp`` against the same op run in the
+inputs' dtype). A schedule that deadlocks would hang the GPU: each GPU test has a
+time limit that ends the process.
+"""
+
+import pytest
+import torch
+
+from llmnote import device
+from llmnote.ops.attention import flash_attention_v3_ref
+from llmnote.ops.gluon import attention as GA
+from llmnote.testing import assert_close_lowp
+
+cap = device.capability()
+on_hopper = device.on_gpu() and cap is not None and cap[0] == 9
+needs_hopper = pytest.mark.skipif(not on_hopper, reason="needs a Hopper GPU (compute capability 9.x)")
+off_gpu = pytest.mark.skipif(device.on_gpu(), reason="checks the error raised without a GPU")
+
+
+# --------------------------------------------------------------- compiled for sm_90, any machine
+@pytest.mark.parametrize("dtype,head_dim,causal", [(torch.bfloat16, 128, False),
+                                                   (torch.float16, 64, True)], ids=str)
+def test_compiles_to_three_partitions_tma_and_wgmma(dtype, head_dim, causal):
+    c = GA.compile_attention(dtype, head_dim, causal=causal)
+    cfg = GA.DEFAULT_CONFIG
+    t = "bf16" if dtype == torch.bfloat16 else "f16"
+    # warp specialisation: the partitions take their register budgets (setmaxnreg)
+    budgets = {int(line.split()[-1].rstrip(";")) for line in c.lines("setmaxnreg")}
+    assert set(GA.WORKER_REGS.value) <= budgets
+    # per consumer and K step of 16: one wgmma for S (A = Q from shared memory: only the
+    # accumulator in registers) and one for P V (A = P in registers: two register lists)
+    wgmma = c.lines("wgmma.mma_async")
+    s_ins = [w for w in wgmma if w.count("{") == 1]
+    pv_ins = [w for w in wgmma if w.count("{") == 2]
+    assert len(s_ins) == 2 * head_dim // 16 and len(pv_ins) == 2 * cfg["BLOCK_N"] // 16
+    assert all(w.startswith(f"wgmma.mma_async.sync.aligned.m64n{cfg['BLOCK_N']}k16.f32.{t}.{t}")
+               for w in s_ins)
+    assert all(w.startswith(f"wgmma.mma_async.sync.aligned.m64n{head_dim}k16.f32.{t}.{t}")
+               for w in pv_ins)
+    # TMA: the two Q tiles and the K and V tiles, each row of D elements in boxes of the
+    # 128-byte swizzle's width; mbarriers carry every hand-over
+    assert c.count("cp.async.bulk.tensor") == 4 * max(1, head_dim * 2 // 128)
+    assert c.count("mbarrier.try_wait") >= 6  # Q, K, V, empty slots, the two turns
+    ring = cfg["STAGES"] * 2 * cfg["BLOCK_N"] * head_dim * 2 + 2 * cfg["BLOCK_M"] * head_dim * 2
+    assert ring <= c.shared <= 227 * 1024
+    assert c.spilled == 0
+    assert c.count("st.global.v4") > 0 and c.count("st.global") == c.count("st.global.v4")
+
+
+def test_ping_pong_adds_the_turn_barriers_only():
+    on, off = (GA.compile_attention(torch.bfloat16, 64, PINGPONG=p) for p in (True, False))
+    assert on.count("mbarrier.try_wait") > off.count("mbarrier.try_wait")
+    assert on.count("wgmma.mma_async") == off.count("wgmma.mma_async")
+
+
+def test_bad_inputs():
+    bf = torch.bfloat16
+    q = torch.zeros(1, 2, 8, 64, dtype=bf)
+    with pytest.raises(TypeError, match="float16 or bfloat16"):
+        GA.attention(q.float(), q.float(), q.float())
+    with pytest.raises(ValueError, match="head_dim.*64 or 128, got 32"):
+        z = torch.zeros(1, 2, 8, 32, dtype=bf)
+        GA.attention(z, z, z)
+    with pytest.raises(ValueError):  # kv heads must divide the query heads
+        GA.attention(torch.zeros(1, 3, 8, 64, dtype=bf), q, q)
+    with pytest.raises(TypeError, match="unknown config key"):
+        GA.attention(q, q, q, BLOCK=32)
+    with pytest.raises(TypeError, match="torch.float16 or torch.bfloat16"):
+        GA.compile_attention(torch.float32)
+    with pytest.raises(ValueError, match="head_dim must be 64 or 128"):
+        GA.compile_attention(torch.bfloat16, 96)
+
+
+@off_gpu
+def test_no_gpu_error_names_what_is_needed():
+    q = torch.zeros(1, 2, 8, 64, dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match=r"compute capability 9\.0 \(Hopper\).*this machine") as e:
+        GA.attention(q, q, q)
+    assert "flash_attention_v3" in str(e.value)
+
+
+def test_reference_is_exact_attention():
+    q, k, v = (torch.randn(1, 2, 5, 16) for _ in range(3))
+    assert torch.equal(GA.attention_ref(q, k, v, causal=True),
+                       flash_attention_v3_ref(q, k, v, causal=True))
+
+
+# ------------------------------------------------------------------------------ on Hopper
+CASES = [  # (b, h, h_kv, n_q, n_k, d)
+    (1, 2, 2, 128, 128, 64),
+    (2, 4, 2, 200, 200, 128),  # GQA, ragged: the last program's second tile past N
+    (1, 2, 1, 77, 1000, 128),  # fewer queries than keys (bottom-right causal)
+    (1, 2, 2, 300, 90, 64),  # causal: the first 210 rows see no key
+    (1, 1, 1, 1, 17, 64),
+    (2, 8, 8, 1024, 1024, 128),
+    (1, 4, 1, 4096, 4096, 64),
+]
+
+
+@needs_hopper
+@pytest.mark.timeout(300, method="thread")
+@pytest.mark.parametrize("case", CASES, ids=str)
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("pingpong", [True, False], ids=["pingpong", "free"])
+def test_matches_exact_attention(case, causal, pingpong, seed):
+    b, h, h_kv, n_q, n_k, d = case
+    q = (torch.randn(b, h, n_q, d, device="cuda") * 2).bfloat16()
+    k = torch.randn(b, h_kv, n_k, d, device="cuda").bfloat16()
+    v = torch.randn(b, h_kv, n_k, d, device="cuda").bfloat16()
+    out = GA.attention(q, k, v, causal=causal, PINGPONG=pingpong)
+    torch.cuda.synchronize()
+    ref32 = flash_attention_v3_ref(q.float(), k.float(), v.float(), causal=causal)
+    peer = flash_attention_v3_ref(q, k, v, causal=causal)
+    assert out.shape == q.shape and out.dtype == q.dtype and not torch.isnan(out).any()
+    assert_close_lowp(out, ref32, peer, atol=1e-3 * float(ref32.abs().max()), name="gluon fa3 out")
+    if causal and n_q > n_k:  # rows that see no key are 0
+        assert torch.equal(out[:, :, : n_q - n_k], torch.zeros_like(out[:, :, : n_q - n_k]))
+
+
+@needs_hopper
+@pytest.mark.timeout(300, method="thread")
+@pytest.mark.parametrize("d", [64, 128])
+def test_fp16_strided_inputs_and_scale(d, seed):
+    """fp16, q and k as transposed views (the op makes them contiguous), a given sm_scale."""
+    q = torch.randn(2, 300, 4, d, device="cuda").half().transpose(1, 2)
+    k = torch.randn(2, 333, 2, d, device="cuda").half().transpose(1, 2)
+    v = torch.randn(2, 2, 333, d, device="cuda").half()
+    out = GA.attention(q, k, v, causal=True, sm_scale=0.05)
+    ref32 = flash_attention_v3_ref(q.float(), k.float(), v.float(), causal=True, sm_scale=0.05)
+    peer = flash_attention_v3_ref(q, k, v, causal=True, sm_scale=0.05)
+    assert_close_lowp(out, ref32, peer, atol=1e-3 * float(ref32.abs().max()), name="fp16 out")
