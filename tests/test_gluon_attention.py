@@ -13,13 +13,18 @@ inputs' dtype). A schedule that deadlocks would hang the GPU: each GPU test has 
 time limit that ends the process.
 """
 
+import importlib
+
 import pytest
 import torch
 
 from llmnote import device
+from llmnote.ops import attention as A
 from llmnote.ops.attention import flash_attention_v3_ref
-from llmnote.ops.gluon import attention as GA
+from llmnote.ops.attention.reference import fp8_p_rounding_bound
 from llmnote.testing import assert_close_lowp
+
+GA = importlib.import_module("llmnote.ops.gluon.attention")  # (gluon.attention is the function)
 
 cap = device.capability()
 on_hopper = device.on_gpu() and cap is not None and cap[0] == 9
@@ -29,11 +34,14 @@ off_gpu = pytest.mark.skipif(device.on_gpu(), reason="checks the error raised wi
 
 # --------------------------------------------------------------- compiled for sm_90, any machine
 @pytest.mark.parametrize("dtype,head_dim,causal", [(torch.bfloat16, 128, False),
-                                                   (torch.float16, 64, True)], ids=str)
+                                                   (torch.float16, 64, True),
+                                                   (torch.float8_e4m3fn, 128, True)], ids=str)
 def test_compiles_to_three_partitions_tma_and_wgmma(dtype, head_dim, causal):
     c = GA.compile_attention(dtype, head_dim, causal=causal)
     cfg = GA.DEFAULT_CONFIG
-    t = "bf16" if dtype == torch.bfloat16 else "f16"
+    t = {torch.bfloat16: "bf16", torch.float16: "f16", torch.float8_e4m3fn: "e4m3"}[dtype]
+    k_step = 32 if dtype == torch.float8_e4m3fn else 16  # 32 bytes of K per instruction
+    size = 1 if dtype == torch.float8_e4m3fn else 2
     # warp specialisation: the partitions take their register budgets (setmaxnreg)
     budgets = {int(line.split()[-1].rstrip(";")) for line in c.lines("setmaxnreg")}
     assert set(GA.WORKER_REGS.value) <= budgets
@@ -42,16 +50,18 @@ def test_compiles_to_three_partitions_tma_and_wgmma(dtype, head_dim, causal):
     wgmma = c.lines("wgmma.mma_async")
     s_ins = [w for w in wgmma if w.count("{") == 1]
     pv_ins = [w for w in wgmma if w.count("{") == 2]
-    assert len(s_ins) == 2 * head_dim // 16 and len(pv_ins) == 2 * cfg["BLOCK_N"] // 16
-    assert all(w.startswith(f"wgmma.mma_async.sync.aligned.m64n{cfg['BLOCK_N']}k16.f32.{t}.{t}")
+    assert len(s_ins) == 2 * head_dim // k_step and len(pv_ins) == 2 * cfg["BLOCK_N"] // k_step
+    assert all(w.startswith(f"wgmma.mma_async.sync.aligned.m64n{cfg['BLOCK_N']}k{k_step}.f32.{t}.{t}")
                for w in s_ins)
-    assert all(w.startswith(f"wgmma.mma_async.sync.aligned.m64n{head_dim}k16.f32.{t}.{t}")
+    assert all(w.startswith(f"wgmma.mma_async.sync.aligned.m64n{head_dim}k{k_step}.f32.{t}.{t}")
                for w in pv_ins)
-    # TMA: the two Q tiles and the K and V tiles, each row of D elements in boxes of the
+    # TMA: the two Q tiles and the K and V tiles (FP8: V^T's), each row in boxes of the
     # 128-byte swizzle's width; mbarriers carry every hand-over
-    assert c.count("cp.async.bulk.tensor") == 4 * max(1, head_dim * 2 // 128)
+    boxes = max(1, head_dim * size // 128) * 3 + max(1, (cfg["BLOCK_N"] if size == 1 else head_dim)
+                                                     * size // 128)
+    assert c.count("cp.async.bulk.tensor") == boxes
     assert c.count("mbarrier.try_wait") >= 6  # Q, K, V, empty slots, the two turns
-    ring = cfg["STAGES"] * 2 * cfg["BLOCK_N"] * head_dim * 2 + 2 * cfg["BLOCK_M"] * head_dim * 2
+    ring = (cfg["STAGES"] * 2 * cfg["BLOCK_N"] + 2 * cfg["BLOCK_M"]) * head_dim * size
     assert ring <= c.shared <= 227 * 1024
     assert c.spilled == 0
     assert c.count("st.global.v4") > 0 and c.count("st.global") == c.count("st.global.v4")
@@ -75,8 +85,21 @@ def test_bad_inputs():
         GA.attention(torch.zeros(1, 3, 8, 64, dtype=bf), q, q)
     with pytest.raises(TypeError, match="unknown config key"):
         GA.attention(q, q, q, BLOCK=32)
-    with pytest.raises(TypeError, match="torch.float16 or torch.bfloat16"):
+    with pytest.raises(TypeError, match="torch.float16, torch.bfloat16 or torch.float8_e4m3fn"):
         GA.compile_attention(torch.float32)
+    with pytest.raises(ValueError, match="BLOCK_N must be one of"):
+        GA.attention(q, q, q, BLOCK_N=256)
+    with pytest.raises(ValueError, match="PINGPONG must be one of"):
+        GA.attention(q, q, q, PINGPONG=1)
+    # the FP8 entry takes what quantize_fp8_blocks / quantize_fp8_channels make
+    q8, qs = A.quantize_fp8_blocks(q.float())
+    vt8, vs = A.quantize_fp8_channels(q.float())
+    with pytest.raises(ValueError, match="vt8 must be"):
+        GA.attention_fp8_quantized(q8, qs, q8, qs, q8, vs)
+    with pytest.raises(ValueError, match="v_scale must have shape"):
+        GA.attention_fp8_quantized(q8, qs, q8, qs, vt8, qs)
+    with pytest.raises(TypeError, match="out_dtype"):
+        GA.attention_fp8_quantized(q8, qs, q8, qs, vt8, vs, out_dtype=torch.float32)
     with pytest.raises(ValueError, match="head_dim must be 64 or 128"):
         GA.compile_attention(torch.bfloat16, 96)
 
@@ -87,6 +110,8 @@ def test_no_gpu_error_names_what_is_needed():
     with pytest.raises(RuntimeError, match=r"compute capability 9\.0 \(Hopper\).*this machine") as e:
         GA.attention(q, q, q)
     assert "flash_attention_v3" in str(e.value)
+    with pytest.raises(RuntimeError, match=r"Hopper.*flash_attention_fp8"):
+        GA.attention_fp8(q, q, q)
 
 
 def test_reference_is_exact_attention():
@@ -139,3 +164,22 @@ def test_fp16_strided_inputs_and_scale(d, seed):
     ref32 = flash_attention_v3_ref(q.float(), k.float(), v.float(), causal=True, sm_scale=0.05)
     peer = flash_attention_v3_ref(q, k, v, causal=True, sm_scale=0.05)
     assert_close_lowp(out, ref32, peer, atol=1e-3 * float(ref32.abs().max()), name="fp16 out")
+
+
+@needs_hopper
+@pytest.mark.timeout(300, method="thread")
+@pytest.mark.parametrize("case", [CASES[1], CASES[3], CASES[5], CASES[6]], ids=str)
+@pytest.mark.parametrize("causal", [False, True])
+def test_fp8_within_the_p_rounding_bound(case, causal, seed):
+    """FP8 against its quantise-dequantise reference (the same scales, exact attention):
+    within the bound that rounding P to e4m3 allows, as the Triton FP8 kernel's test."""
+    b, h, h_kv, n_q, n_k, d = case
+    q = (torch.randn(b, h, n_q, d, device="cuda") * 2).bfloat16()
+    k = torch.randn(b, h_kv, n_k, d, device="cuda").bfloat16()
+    v = torch.randn(b, h_kv, n_k, d, device="cuda").bfloat16()
+    out = GA.attention_fp8(q, k, v, causal=causal)
+    torch.cuda.synchronize()
+    ref = A.flash_attention_fp8_ref(q, k, v, causal=causal).float()
+    excess = (out.float() - ref).abs() - fp8_p_rounding_bound(q, k, v, causal=causal)
+    assert out.dtype == q.dtype and not torch.isnan(out).any()
+    assert float(excess.max()) <= 0, f"exceeds the P-rounding bound by {float(excess.max()):.3g}"

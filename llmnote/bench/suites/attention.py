@@ -18,7 +18,8 @@ Parts (``run(parts=...)``), every provider timed in the same run:
     ``fa3-fp8`` (inputs already FP8, checked against
     ``flash_attention_fp8_ref`` first), ``fa3-fp8-quant`` (quantising Q, K, V
     inside the timed call), ``fa3-gluon`` (:func:`llmnote.ops.gluon.attention`, the
-    warp-specialised Gluon kernel; ``fa3-gluon-nopp`` without its ping-pong), beside
+    warp-specialised Gluon kernel; ``fa3-gluon-nopp`` without its ping-pong;
+    ``fa3-gluon-fp8`` its FP8 path on quantised inputs), beside
     ``llmnote``, ``sdpa-flash``, ``sdpa-cudnn``.
 ``memory`` (bench ``attention-memory``, ``x_name = "N"``)
     Peak memory of one forward beyond its inputs (MiB), B = 1, H = 16, D = 128.
@@ -30,6 +31,7 @@ sizes in the interpreter: a smoke test, not a measurement.
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -228,6 +230,13 @@ def _flex_task(setup: Setup, n: int, h: int, d: int, causal: bool, direction: st
 # --------------------------------------------------------------------------------------------
 
 
+def gluon_only(name: str) -> None:
+    """:class:`Skip` off a Hopper GPU: the Gluon kernels run there only."""
+    cap = device.capability()
+    if not (device.on_gpu() and cap and cap[0] == 9):
+        raise Skip(f"{name} runs on a Hopper GPU only; this machine: {device.describe()}")
+
+
 def _fa3_providers(setup: Setup, d: int, causal: bool, dtype) -> dict:
     h = setup.hidden // d
 
@@ -239,9 +248,8 @@ def _fa3_providers(setup: Setup, d: int, causal: bool, dtype) -> dict:
         def factory(n):
             if name.startswith("fa3"):
                 require_compiled(name, HOPPER)
-            cap = device.capability()
-            if name.startswith("fa3-gluon") and not (device.on_gpu() and cap and cap[0] == 9):
-                raise Skip(f"{name} runs on a Hopper GPU only; this machine: {device.describe()}")
+            if name.startswith("fa3-gluon"):
+                gluon_only(name)
             q, k, v = inputs(n)
             _check(fn, q, k, v, causal, "fwd", q, name)
             task = _task(fn, q, k, v, "fwd", None)
@@ -249,22 +257,30 @@ def _fa3_providers(setup: Setup, d: int, causal: bool, dtype) -> dict:
             return task
         return factory
 
-    def fp8(with_quant: bool):
+    def fp8(with_quant: bool, gluon: bool = False):
+        name = "fa3-gluon-fp8" if gluon else "fa3-fp8"
+
         def factory(n):
-            require_compiled("fa3-fp8", HOPPER)
+            require_compiled(name, HOPPER)
+            if gluon:
+                gluon_only(name)
+                G = importlib.import_module("llmnote.ops.gluon.attention")
+                run_fp8, run_quantized = G.attention_fp8, G.attention_fp8_quantized
+            else:
+                run_fp8, run_quantized = flash_attention_fp8, flash_attention_fp8_quantized
             q, k, v = inputs(n)
             sl = (slice(0, 1), slice(0, 2))
-            got = flash_attention_fp8(q, k, v, causal=causal)[sl].float()
+            got = run_fp8(q[sl], k[sl], v[sl], causal=causal).float()
             want = flash_attention_fp8_ref(q[sl], k[sl], v[sl], causal=causal).float()
             excess = (got - want).abs() - fp8_p_rounding_bound(q[sl], k[sl], v[sl], causal=causal)
             if float(excess.max()) > 0:
-                raise AssertionError(f"fa3-fp8 at N = {n}: differs from flash_attention_fp8_ref by "
+                raise AssertionError(f"{name} at N = {n}: differs from flash_attention_fp8_ref by "
                                      f"{float(excess.max()):.3g} beyond the P-rounding bound")
             if with_quant:
-                task = lambda: flash_attention_fp8(q, k, v, causal=causal)  # noqa: E731
+                task = lambda: run_fp8(q, k, v, causal=causal)  # noqa: E731
             else:
                 q8, k8, vt8 = quantize_fp8_blocks(q), quantize_fp8_blocks(k), quantize_fp8_channels(v)
-                task = lambda: flash_attention_fp8_quantized(  # noqa: E731
+                task = lambda: run_quantized(  # noqa: E731
                     *q8, *k8, *vt8, causal=causal, out_dtype=dtype)
             task()
             return task
@@ -293,6 +309,7 @@ def _fa3_providers(setup: Setup, d: int, causal: bool, dtype) -> dict:
         "fa3": exact(lambda q, k, v: flash_attention_v3(q, k, v, causal=causal), "fa3"),
         "fa3-gluon": exact(gluon(True), "fa3-gluon"),
         "fa3-gluon-nopp": exact(gluon(False), "fa3-gluon-nopp"),
+        "fa3-gluon-fp8": fp8(False, gluon=True),
         "fa3-fp8": fp8(False),
         "fa3-fp8-quant": fp8(True),
     }

@@ -284,6 +284,35 @@ def _check_common(q, k, v, causal, sm_scale, dtypes) -> float:
     return check_sm_scale(sm_scale, d)
 
 
+def _check_fp8_quantized(q8, q_scale, k8, k_scale, vt8, v_scale, causal, sm_scale,
+                         block: int) -> float:
+    """The checks of :func:`flash_attention_fp8_quantized`'s arguments (also the Gluon
+    kernel's); returns the softmax scale."""
+    from llmnote.ops._validate import check_tensor
+
+    for name, t in (("q8", q8), ("k8", k8), ("vt8", vt8)):
+        check_tensor(name, t, dtypes=(FP8_DTYPE,), ndim=4, last_dim_contiguous=True)
+    b, h, n_q, d = q8.shape
+    _, h_kv, n_k, _ = k8.shape
+    if k8.shape[0] != b or k8.shape[3] != d or h % max(h_kv, 1) or h_kv == 0:
+        raise ValueError(f"k8 must be (batch={b}, kv_heads dividing {h}, N_k, {d}), got {tuple(k8.shape)}")
+    if tuple(vt8.shape) != (b, h_kv, d, n_k):
+        raise ValueError(f"vt8 must be (batch, kv_heads, head_dim, N_k) = {(b, h_kv, d, n_k)} "
+                         f"(V transposed, from quantize_fp8_channels), got {tuple(vt8.shape)}")
+    for name, t, shape in (("q_scale", q_scale, (b, h, -(-n_q // block))),
+                           ("k_scale", k_scale, (b, h_kv, -(-n_k // block))),
+                           ("v_scale", v_scale, (b, h_kv, d))):
+        check_tensor(name, t, dtypes=(torch.float32,), contiguous=True)
+        if tuple(t.shape) != shape:
+            raise ValueError(f"{name} must have shape {shape}, got {tuple(t.shape)}")
+    if block not in (64, 128, 256) and not (device.interpreting() and block % 16 == 0):
+        raise ValueError(f"block must be 64, 128 or 256, got {block}")
+    if d not in (64, 128) and not device.interpreting():
+        raise ValueError(f"head_dim must be 64 or 128 for the Hopper kernels, got {d}")
+    check_flag("causal", causal)
+    return check_sm_scale(sm_scale, d)
+
+
 def flash_attention_v3(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False,
     sm_scale: float | None = None,
@@ -312,29 +341,8 @@ def flash_attention_fp8_quantized(
     """The FP8 kernel on inputs already quantised by :func:`quantize_fp8_blocks`
     (``q8, k8`` and their ``(B, H, ceil(N / block))`` scales) and
     :func:`quantize_fp8_channels` (``vt8 (B, H_kv, D, N_k)``, scales ``(B, H_kv, D)``)."""
-    from llmnote.ops._validate import check_tensor
-
-    for name, t in (("q8", q8), ("k8", k8), ("vt8", vt8)):
-        check_tensor(name, t, dtypes=(FP8_DTYPE,), ndim=4, last_dim_contiguous=True)
+    scale = _check_fp8_quantized(q8, q_scale, k8, k_scale, vt8, v_scale, causal, sm_scale, block)
     b, h, n_q, d = q8.shape
-    _, h_kv, n_k, _ = k8.shape
-    if k8.shape[0] != b or k8.shape[3] != d or h % max(h_kv, 1) or h_kv == 0:
-        raise ValueError(f"k8 must be (batch={b}, kv_heads dividing {h}, N_k, {d}), got {tuple(k8.shape)}")
-    if tuple(vt8.shape) != (b, h_kv, d, n_k):
-        raise ValueError(f"vt8 must be (batch, kv_heads, head_dim, N_k) = {(b, h_kv, d, n_k)} "
-                         f"(V transposed, from quantize_fp8_channels), got {tuple(vt8.shape)}")
-    for name, t, shape in (("q_scale", q_scale, (b, h, -(-n_q // block))),
-                           ("k_scale", k_scale, (b, h_kv, -(-n_k // block))),
-                           ("v_scale", v_scale, (b, h_kv, d))):
-        check_tensor(name, t, dtypes=(torch.float32,), contiguous=True)
-        if tuple(t.shape) != shape:
-            raise ValueError(f"{name} must have shape {shape}, got {tuple(t.shape)}")
-    if block not in (64, 128, 256) and not (device.interpreting() and block % 16 == 0):
-        raise ValueError(f"block must be 64, 128 or 256, got {block}")
-    if d not in (64, 128) and not device.interpreting():
-        raise ValueError(f"head_dim must be 64 or 128 for the Hopper kernels, got {d}")
-    check_flag("causal", causal)
-    scale = check_sm_scale(sm_scale, d)
     out = poisoned(torch.empty((b, h, n_q, d), dtype=out_dtype, device=q8.device))
     return _launch(q8, k8, vt8, out, q_scale, k_scale, v_scale, causal, scale, True, block)
 

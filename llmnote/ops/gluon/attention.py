@@ -1,41 +1,34 @@
 """FlashAttention-3's forward in Gluon: a TMA producer warp and two consumer warpgroups.
 
-Attention forward, SDPA's layout (``q (B, H, N_q, D)``, ``k, v (B, H_kv, N_k, D)``,
-bf16 or fp16, ``D`` 64 or 128, GQA, causal bottom-right aligned), as
-:func:`llmnote.ops.attention.flash_attention_v3` computes it. The algorithm is
-FlashAttention-2's online softmax; what FlashAttention-3 adds on Hopper, and what
-Triton's ``tl.range(..., warp_specialize=True)`` leaves to its compiler, is written
-out here. One program owns ``2 x BLOCK_M`` query rows of one head and runs three
-*partitions* of warps side by side (``gl.warp_specialize``):
+Attention forward with :func:`llmnote.ops.attention.flash_attention_v3`'s signature
+(``q (B, H, N_q, D)``, ``k, v (B, H_kv, N_k, D)``, bf16 or fp16, ``D`` 64 or 128, GQA,
+causal bottom-right aligned): FlashAttention-2's online softmax, with what
+FlashAttention-3 adds on Hopper written out. One program owns ``2 x BLOCK_M`` query
+rows of one head and runs three partitions of warps (``gl.warp_specialize``):
 
 * **the loader** (1 warp): TMA copies of the two Q tiles, then of each K and V tile
-  into a ring of ``STAGES`` slots; a slot's ``k_ready`` / ``v_ready`` mbarrier
-  completes when its bytes have landed, and the loader refills a slot once both
-  consumers have arrived on its ``kv_empty`` barrier;
-* **two consumers** (a warpgroup of 4 warps each, one ``BLOCK_M``-row Q tile each):
-  ``S = Q K^T`` by ``warpgroup_mma`` from shared memory, the online softmax in
-  registers, then ``O += P V`` with ``P`` fed to the tensor cores from registers;
-* **ping-pong** (``PINGPONG``): the consumers take turns at ``S``'s MMA through two
-  mbarriers, so one warpgroup's softmax (exp2 on the SFUs) runs while the other's
-  MMA keeps the tensor cores busy, the schedule of the FlashAttention-3 paper.
+  into a ring of ``STAGES`` slots, each with ``k_ready`` / ``v_ready`` mbarriers
+  (completed by the bytes) and a ``kv_empty`` one that both consumers arrive on;
+* **two consumers** (a warpgroup each, one Q tile each): ``S = Q K^T`` by
+  ``warpgroup_mma`` from shared memory, the online softmax in registers, then
+  ``O += P V`` with ``P`` handed to the tensor cores from registers;
+* **ping-pong** (``PINGPONG``): two mbarriers give the consumers turns at ``S``'s MMA,
+  so one warpgroup's softmax runs while the other's MMA keeps the tensor cores busy.
 
-Rows past ``N_q`` and keys past ``N_k`` are read (the copies see each tensor as
-``(B H N, D)`` rows, so they reach into the next head, or zeros past the end), and
-masked: scores of keys past ``N_k`` or above the causal diagonal are ``-inf``, and
-the output is stored with a row mask. A row with no key is 0, as the other kernels.
+FP8 (:func:`attention_fp8`): the same partitions on e4m3 tiles with
+``flash_attention_fp8``'s scales (Q, K per 128 rows, folded into the softmax scale;
+V per channel, on the output) and V transposed (FP8 ``wgmma`` reads K-major operands).
+Rows past ``N_q`` and keys past ``N_k`` are read (the copies see ``(B H N, D)`` rows)
+and masked: such scores are ``-inf``, output rows are stored under a mask, and a row
+with no key is 0. Needs a Hopper GPU and Triton 3.6+ (``warp_specialize`` taking
+``(function, arguments)`` pairs); elsewhere :func:`compile_attention` still compiles
+it for sm_90 to read its PTX.
 
-Needs a Hopper GPU (``wgmma``, TMA, warp specialisation); raises ``RuntimeError``
-elsewhere (the CPU interpreter included), where :func:`compile_attention` still
-compiles it for sm_90 so its PTX, registers and shared memory can be read.
-
-Sources: J. Shah et al., "FlashAttention-3" (2024), https://arxiv.org/abs/2407.08608
-(producer/consumer warpgroups, ping-pong, intra-warpgroup overlap); Triton's Gluon
-tutorials (warp specialisation, TMA, wgmma).
+Sources: J. Shah et al., "FlashAttention-3" (2024), https://arxiv.org/abs/2407.08608;
+Triton's Gluon tutorials (warp specialisation, TMA, wgmma).
 """
 
 from __future__ import annotations
-
-import inspect
 
 import torch
 import triton
@@ -45,12 +38,15 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     mbarrier, warpgroup_mma, warpgroup_mma_wait,
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+from triton.language.core import _aggregate as aggregate
 
+from llmnote.ops.attention.reference import FP8_BLOCK, FP8_DTYPE
 from llmnote.ops.gluon._common import require_gpu, tma_load
 from llmnote.ops.gluon.compile import Compiled, compile_kernel, tensordesc
 
-GL_DTYPES = {torch.float16: gl.float16, torch.bfloat16: gl.bfloat16}
-SIG_DTYPES = {torch.float16: "fp16", torch.bfloat16: "bf16"}
+GL_DTYPES = {torch.float16: gl.float16, torch.bfloat16: gl.bfloat16,
+             torch.float8_e4m3fn: gl.float8e4nv}
+SIG_DTYPES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float8_e4m3fn: "fp8e4nv"}
 LOG2E = 1.4426950408889634
 # 64 query rows a consumer (one wgmma M block), 128 keys a tile, two slots of K and V:
 # at D = 128, 2 x 16 KiB of Q + 2 x 2 x 32 KiB of K and V = 160 KiB of shared memory.
@@ -60,20 +56,47 @@ DEFAULT_CONFIG = {"BLOCK_M": 64, "BLOCK_N": 128, "STAGES": 2, "PINGPONG": True}
 # maxnreg x 3 warpgroups
 WORKER_WARPS, WORKER_REGS = gl.constexpr([1, 4]), gl.constexpr([24, 232])
 MAXNREG = 168
-# Triton 3.6 takes warp_specialize(default_args, default, worker_args, workers, ...);
-# later releases a list of (function, args) pairs
-WS_PAIRS = gl.constexpr("functions_and_args" in inspect.signature(gl.warp_specialize).parameters)
+QBLOCK = gl.constexpr(FP8_BLOCK)  # FP8: rows of Q (and of K) sharing one scale
+
+
+@aggregate
+class _Flags:
+    """The kernel's switches, passed to the partitions as one argument: a tuple built in
+    the kernel would turn constexpr members into run-time values (Triton 3.6-3.9)."""
+
+    # (set as a dict: this module's string annotations would not be types to the decorator)
+    __annotations__ = {"CAUSAL": gl.constexpr, "PINGPONG": gl.constexpr, "FP8": gl.constexpr}
+
+    @gluon.constexpr_function
+    def __init__(self, CAUSAL, PINGPONG, FP8):
+        self.CAUSAL = gl.constexpr(CAUSAL)
+        self.PINGPONG = gl.constexpr(PINGPONG)
+        self.FP8 = gl.constexpr(FP8)
+
+
+@gluon.constexpr_function
+def _mma_layout(n, fp8):
+    """A warpgroup's wgmma accumulator, 64 x ``n``: K steps of 32 bytes (16 bf16, 32 e4m3)."""
+    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                     instr_shape=[16, n, 32 if fp8 else 16])
+
+
+@gluon.constexpr_function
+def _operand_layout(parent, fp8):
+    """wgmma's left operand in registers: 4 bytes of a row per thread and K step."""
+    return gl.DotOperandLayout(operand_index=0, parent=parent, k_width=4 if fp8 else 2)
 
 
 @gluon.jit
-def _loader(q_desc, k_desc, v_desc, o_ptr, q_smem, k_ring, v_ring, bars, q_row, kv_row, o_row,
-            m0, n_q, n_k, n_tiles, qk_scale, CAUSAL: gl.constexpr, PINGPONG: gl.constexpr):
+def _loader(q_desc, k_desc, v_desc, o_ptr, scales, q_smem, k_ring, v_ring, bars, q_row, kv_row,
+            v_row, m0, n_q, n_k, n_tiles, qk_scale, flags):
     """1 warp: the two Q tiles, then K and V tile ``j`` into slot ``j % STAGES`` once
-    both consumers released the slot's previous tile."""
+    both consumers released the slot's previous tile (FP8: V^T tiles, (D, BLOCK_N))."""
     q_bar, k_ready, v_ready, kv_empty, turn = bars
     BLOCK_M: gl.constexpr = q_desc.block_type.shape[0]
     BLOCK_N: gl.constexpr = k_desc.block_type.shape[0]
     STAGES: gl.constexpr = k_ring.type.shape[0]
+    FP8: gl.constexpr = flags.FP8
     for c in gl.static_range(2):
         mbarrier.expect(q_bar.index(c), q_desc.block_type.nbytes)
         tma_load(q_desc, [q_row + c * BLOCK_M, 0], q_bar.index(c), q_smem.index(c))
@@ -84,25 +107,31 @@ def _loader(q_desc, k_desc, v_desc, o_ptr, q_smem, k_ring, v_ring, bars, q_row, 
         mbarrier.expect(k_ready.index(s), k_desc.block_type.nbytes)
         tma_load(k_desc, [kv_row + j * BLOCK_N, 0], k_ready.index(s), k_ring.index(s))
         mbarrier.expect(v_ready.index(s), v_desc.block_type.nbytes)
-        tma_load(v_desc, [kv_row + j * BLOCK_N, 0], v_ready.index(s), v_ring.index(s))
+        if FP8:
+            tma_load(v_desc, [v_row, j * BLOCK_N], v_ready.index(s), v_ring.index(s))
+        else:
+            tma_load(v_desc, [v_row + j * BLOCK_N, 0], v_ready.index(s), v_ring.index(s))
 
 
 @gluon.jit
-def _consumer(c: gl.constexpr, q_desc, k_desc, v_desc, o_ptr, q_smem, k_ring, v_ring, bars,
-              q_row, kv_row, o_row, m0, n_q, n_k, n_tiles, qk_scale, CAUSAL: gl.constexpr,
-              PINGPONG: gl.constexpr):
-    """One warpgroup: rows ``[m0 + c BLOCK_M, m0 + (c + 1) BLOCK_M)`` of the head's output."""
+def _consumer(c: gl.constexpr, q_desc, k_desc, v_desc, o_ptr, scales, q_smem, k_ring, v_ring,
+              bars, q_row, kv_row, v_row, m0, n_q, n_k, n_tiles, qk_scale, flags):
+    """One warpgroup: rows ``[m0 + c BLOCK_M, m0 + (c + 1) BLOCK_M)`` of the head's output.
+    FP8: Q and K carry one scale per QBLOCK rows, folded into the softmax scale; P is
+    rounded to e4m3 unscaled (it lies in [0, 1]); V's per-channel scales multiply O."""
     q_bar, k_ready, v_ready, kv_empty, turn = bars
+    qs_ptr, ks_ptr, vs_ptr, qs_off, ks_off, vs_off = scales
     BLOCK_M: gl.constexpr = q_desc.block_type.shape[0]
     HEAD_D: gl.constexpr = q_desc.block_type.shape[1]
     BLOCK_N: gl.constexpr = k_desc.block_type.shape[0]
     STAGES: gl.constexpr = k_ring.type.shape[0]
+    CAUSAL: gl.constexpr = flags.CAUSAL
+    PINGPONG: gl.constexpr = flags.PINGPONG
+    FP8: gl.constexpr = flags.FP8
     dtype: gl.constexpr = q_desc.dtype
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, BLOCK_N, 16])
-    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, HEAD_D, 16])
-    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    s_layout: gl.constexpr = _mma_layout(BLOCK_N, FP8)
+    o_layout: gl.constexpr = _mma_layout(HEAD_D, FP8)
+    p_layout: gl.constexpr = _operand_layout(o_layout, FP8)
     row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
 
     first = m0 + c * BLOCK_M  # this warpgroup's first query row
@@ -116,6 +145,8 @@ def _consumer(c: gl.constexpr, q_desc, k_desc, v_desc, o_ptr, q_smem, k_ring, v_
         limit = n_k
         unmasked = n_k
     my_tiles = gl.cdiv(limit, BLOCK_N)
+    if FP8:  # Q's block scale (a consumer's rows lie in one block of QBLOCK rows)
+        qk_scale = qk_scale * gl.load(qs_ptr + qs_off + first // QBLOCK)
 
     m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, layout=row_layout)
     l_i = gl.zeros([BLOCK_M], gl.float32, layout=row_layout)
@@ -134,7 +165,10 @@ def _consumer(c: gl.constexpr, q_desc, k_desc, v_desc, o_ptr, q_smem, k_ring, v_
         scores = warpgroup_mma_wait(num_outstanding=0, deps=(scores,))
         if PINGPONG:  # the other warpgroup's turn while this one does the softmax
             mbarrier.arrive(turn.index(1 - c), count=1)
-        scores = scores * qk_scale  # log2 domain: sm_scale * log2(e) folded in
+        if FP8:  # log2 domain, with this K tile's scale (BLOCK_N divides QBLOCK)
+            scores = scores * (qk_scale * gl.load(ks_ptr + ks_off + j * BLOCK_N // QBLOCK))
+        else:
+            scores = scores * qk_scale  # log2 domain: sm_scale * log2(e) folded in
         if (j + 1) * BLOCK_N > unmasked:  # a tile the edge or the diagonal cuts
             cols = j * BLOCK_N + cols0
             if CAUSAL:
@@ -150,8 +184,12 @@ def _consumer(c: gl.constexpr, q_desc, k_desc, v_desc, o_ptr, q_smem, k_ring, v_
         m_i = m_new
         acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
         mbarrier.wait(v_ready.index(s), phase)
-        p_op = gl.convert_layout(p.to(dtype), p_layout, assert_trivial=True)
-        acc = warpgroup_mma(p_op, v_ring.index(s), acc)  # 2 BLOCK_M BLOCK_N D FLOP
+        if FP8:  # V^T's tile (D, BLOCK_N) read as (BLOCK_N, D): K-major, as FP8 wgmma wants
+            p_op = gl.convert_layout(p.to(dtype), p_layout)
+            acc = warpgroup_mma(p_op, v_ring.index(s).permute((1, 0)), acc)
+        else:  # the accumulator's layout is already the operand's: P stays in registers
+            p_op = gl.convert_layout(p.to(dtype), p_layout, assert_trivial=True)
+            acc = warpgroup_mma(p_op, v_ring.index(s), acc)  # 2 BLOCK_M BLOCK_N D FLOP
         mbarrier.arrive(kv_empty.index(s), count=1)  # this consumer is done with the slot
     for j in range(my_tiles, n_tiles):  # tiles the other warpgroup alone needs (causal)
         if PINGPONG:
@@ -161,31 +199,36 @@ def _consumer(c: gl.constexpr, q_desc, k_desc, v_desc, o_ptr, q_smem, k_ring, v_
 
     l_o = gl.convert_layout(l_i, gl.SliceLayout(1, o_layout))
     inv = gl.where(l_o > 0.0, 1.0 / l_o, 0.0)  # a row that saw no key: 0
-    out = gl.convert_layout((acc * inv[:, None]).to(dtype),
+    acc = acc * inv[:, None]
+    if FP8:  # V's per-channel scales
+        chan = gl.arange(0, HEAD_D, layout=gl.SliceLayout(0, o_layout))
+        acc = acc * gl.load(vs_ptr + vs_off + chan)[None, :]
+    out = gl.convert_layout(acc.to(o_ptr.dtype.element_ty),
                             gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0]))
     out_rows = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, out.type.layout))
     out_cols = gl.arange(0, HEAD_D, layout=gl.SliceLayout(0, out.type.layout))
-    ptrs = o_ptr + (o_row + c * BLOCK_M + out_rows).to(gl.int64)[:, None] * HEAD_D + out_cols[None, :]
+    ptrs = o_ptr + (q_row + c * BLOCK_M + out_rows).to(gl.int64)[:, None] * HEAD_D + out_cols[None, :]
     gl.store(ptrs, out, mask=(first + out_rows < n_q)[:, None])
 
 
 @gluon.jit
-def _consumer0(q_desc, k_desc, v_desc, o_ptr, q_smem, k_ring, v_ring, bars, q_row, kv_row, o_row,
-               m0, n_q, n_k, n_tiles, qk_scale, CAUSAL: gl.constexpr, PINGPONG: gl.constexpr):
-    _consumer(0, q_desc, k_desc, v_desc, o_ptr, q_smem, k_ring, v_ring, bars, q_row, kv_row, o_row,
-              m0, n_q, n_k, n_tiles, qk_scale, CAUSAL, PINGPONG)
+def _consumer0(q_desc, k_desc, v_desc, o_ptr, scales, q_smem, k_ring, v_ring, bars, q_row, kv_row,
+               v_row, m0, n_q, n_k, n_tiles, qk_scale, flags):
+    _consumer(0, q_desc, k_desc, v_desc, o_ptr, scales, q_smem, k_ring, v_ring, bars, q_row,
+              kv_row, v_row, m0, n_q, n_k, n_tiles, qk_scale, flags)
 
 
 @gluon.jit
-def _consumer1(q_desc, k_desc, v_desc, o_ptr, q_smem, k_ring, v_ring, bars, q_row, kv_row, o_row,
-               m0, n_q, n_k, n_tiles, qk_scale, CAUSAL: gl.constexpr, PINGPONG: gl.constexpr):
-    _consumer(1, q_desc, k_desc, v_desc, o_ptr, q_smem, k_ring, v_ring, bars, q_row, kv_row, o_row,
-              m0, n_q, n_k, n_tiles, qk_scale, CAUSAL, PINGPONG)
+def _consumer1(q_desc, k_desc, v_desc, o_ptr, scales, q_smem, k_ring, v_ring, bars, q_row, kv_row,
+               v_row, m0, n_q, n_k, n_tiles, qk_scale, flags):
+    _consumer(1, q_desc, k_desc, v_desc, o_ptr, scales, q_smem, k_ring, v_ring, bars, q_row,
+              kv_row, v_row, m0, n_q, n_k, n_tiles, qk_scale, flags)
 
 
 @gluon.jit
-def _attention_kernel(q_desc, k_desc, v_desc, o_ptr, n_q, n_k, heads, group, qk_scale,
-                      CAUSAL: gl.constexpr, PINGPONG: gl.constexpr, STAGES: gl.constexpr):
+def _attention_kernel(q_desc, k_desc, v_desc, o_ptr, qs_ptr, ks_ptr, vs_ptr, n_q, n_k, heads,
+                      group, qk_scale, CAUSAL: gl.constexpr, PINGPONG: gl.constexpr,
+                      STAGES: gl.constexpr, FP8: gl.constexpr):
     """Rows ``[2 BLOCK_M pid, 2 BLOCK_M (pid + 1))`` of head ``program_id(1)``."""
     BLOCK_M: gl.constexpr = q_desc.block_type.shape[0]
     HEAD_D: gl.constexpr = q_desc.block_type.shape[1]
@@ -195,14 +238,22 @@ def _attention_kernel(q_desc, k_desc, v_desc, o_ptr, n_q, n_k, heads, group, qk_
     m0 = gl.program_id(0) * 2 * BLOCK_M
     q_row = bh * n_q + m0
     kv_row = kv_bh * n_k
+    if FP8:  # V^T: HEAD_D rows of the K/V head, the positions along the columns
+        v_row = kv_bh * HEAD_D
+    else:
+        v_row = kv_row
     if CAUSAL:  # the keys the program's last row can see
         n_tiles = gl.cdiv(gl.minimum(n_k, gl.maximum(m0 + 2 * BLOCK_M + n_k - n_q, 0)), BLOCK_N)
     else:
         n_tiles = gl.cdiv(n_k, BLOCK_N)
+    # FP8 scales: (B H, ceil(N_q / QBLOCK)), (B H_kv, ceil(N_k / QBLOCK)), (B H_kv, D)
+    scales = (qs_ptr, ks_ptr, vs_ptr, bh * gl.cdiv(n_q, QBLOCK), kv_bh * gl.cdiv(n_k, QBLOCK),
+              kv_bh * HEAD_D)
 
     q_smem = gl.allocate_shared_memory(q_desc.dtype, [2, BLOCK_M, HEAD_D], q_desc.layout)
     k_ring = gl.allocate_shared_memory(k_desc.dtype, [STAGES, BLOCK_N, HEAD_D], k_desc.layout)
-    v_ring = gl.allocate_shared_memory(v_desc.dtype, [STAGES, BLOCK_N, HEAD_D], v_desc.layout)
+    v_ring = gl.allocate_shared_memory(v_desc.dtype, [STAGES] + v_desc.block_type.shape,
+                                       v_desc.layout)
     q_bar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -218,13 +269,10 @@ def _attention_kernel(q_desc, k_desc, v_desc, o_ptr, n_q, n_k, heads, group, qk_
     mbarrier.arrive(turn.index(0), count=1)  # consumer 0 takes the first turn
 
     bars = (q_bar, k_ready, v_ready, kv_empty, turn)
-    args = (q_desc, k_desc, v_desc, o_ptr, q_smem, k_ring, v_ring, bars, q_row, kv_row, q_row,
-            m0, n_q, n_k, n_tiles, qk_scale, CAUSAL, PINGPONG)
-    if WS_PAIRS:
-        gl.warp_specialize([(_consumer0, args), (_loader, args), (_consumer1, args)],
-                           WORKER_WARPS, WORKER_REGS)
-    else:
-        gl.warp_specialize(args, _consumer0, args, [_loader, _consumer1], WORKER_WARPS, WORKER_REGS)
+    args = (q_desc, k_desc, v_desc, o_ptr, scales, q_smem, k_ring, v_ring, bars, q_row, kv_row,
+            v_row, m0, n_q, n_k, n_tiles, qk_scale, _Flags(CAUSAL, PINGPONG, FP8))
+    gl.warp_specialize([(_consumer0, args), (_loader, args), (_consumer1, args)],
+                       WORKER_WARPS, WORKER_REGS)
 
 
 def attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False,
@@ -236,51 +284,94 @@ def attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: boo
 
 
 def _config(config: dict) -> dict:
+    """DEFAULT_CONFIG with ``config``'s entries: BLOCK_M 64 (one wgmma M block a
+    warpgroup), BLOCK_N 64 or 128 (dividing FP8's 128-row scale blocks), 1-4 STAGES."""
     unknown = set(config) - set(DEFAULT_CONFIG)
     if unknown:
         raise TypeError(f"unknown config key(s) {sorted(unknown)}; expected some of "
                         f"{sorted(DEFAULT_CONFIG)}")
-    return {**DEFAULT_CONFIG, **config}
+    cfg = {**DEFAULT_CONFIG, **config}
+    for key, allowed in (("BLOCK_M", (64,)), ("BLOCK_N", (64, 128)), ("STAGES", (1, 2, 3, 4)),
+                         ("PINGPONG", (True, False))):
+        if cfg[key] not in allowed or isinstance(cfg[key], bool) != (key == "PINGPONG"):
+            raise ValueError(f"{key} must be one of {allowed}, got {cfg[key]!r}")
+    return cfg
 
 
-def _layouts(dtype, d: int, cfg: dict):
+def _layouts(dtype, d: int, cfg: dict, fp8: bool = False):
+    """(block, NVMMASharedLayout) of the Q, K and V tiles; FP8 reads V^T in (D, BLOCK_N) tiles."""
     g = GL_DTYPES[dtype]
-    q_block, kv_block = [cfg["BLOCK_M"], d], [cfg["BLOCK_N"], d]
-    return (q_block, gl.NVMMASharedLayout.get_default_for(q_block, g)), \
-        (kv_block, gl.NVMMASharedLayout.get_default_for(kv_block, g))
+    blocks = ([cfg["BLOCK_M"], d], [cfg["BLOCK_N"], d], [d, cfg["BLOCK_N"]] if fp8 else
+              [cfg["BLOCK_N"], d])
+    return [(blk, gl.NVMMASharedLayout.get_default_for(blk, g)) for blk in blocks]
 
 
 def compile_attention(dtype: torch.dtype = torch.bfloat16, head_dim: int = 128, *,
                       causal: bool = False, **config) -> Compiled:
-    """The kernel as :func:`attention` would launch it, compiled for sm_90 on this
-    machine (no GPU needed): PTX, registers, shared memory."""
+    """The kernel as :func:`attention` (bf16, fp16) or :func:`attention_fp8_quantized`
+    (``dtype = torch.float8_e4m3fn``, bf16 output) would launch it, compiled for sm_90
+    on this machine (no GPU needed): PTX, registers, shared memory."""
     if dtype not in GL_DTYPES:
-        raise TypeError(f"dtype must be torch.float16 or torch.bfloat16, got {dtype}")
+        raise TypeError(f"dtype must be torch.float16, torch.bfloat16 or torch.float8_e4m3fn, "
+                        f"got {dtype}")
     if head_dim not in (64, 128):
         raise ValueError(f"head_dim must be 64 or 128, got {head_dim}")
     cfg = _config(config)
-    (q_block, q_l), (kv_block, kv_l) = _layouts(dtype, head_dim, cfg)
-    t = SIG_DTYPES[dtype]
-    sig = {"q_desc": tensordesc(t, q_block, q_l), "k_desc": tensordesc(t, kv_block, kv_l),
-           "v_desc": tensordesc(t, kv_block, kv_l), "o_ptr": f"*{t}", "n_q": "i32", "n_k": "i32",
-           "heads": "i32", "group": "i32", "qk_scale": "fp32", "CAUSAL": "constexpr",
-           "PINGPONG": "constexpr", "STAGES": "constexpr"}
-    const = {"CAUSAL": bool(causal), "PINGPONG": bool(cfg["PINGPONG"]), "STAGES": cfg["STAGES"]}
-    # o_ptr 16-byte aligned, as torch's allocations are and as a launch specialises it
-    return compile_kernel(_attention_kernel, sig, const, aligned=("o_ptr",), num_warps=4, child=True,
-                          maxnreg=MAXNREG)
+    fp8 = dtype == FP8_DTYPE
+    (q_block, q_l), (k_block, k_l), (v_block, v_l) = _layouts(dtype, head_dim, cfg, fp8)
+    t, o = SIG_DTYPES[dtype], "bf16" if fp8 else SIG_DTYPES[dtype]
+    sig = {"q_desc": tensordesc(t, q_block, q_l), "k_desc": tensordesc(t, k_block, k_l),
+           "v_desc": tensordesc(t, v_block, v_l), "o_ptr": f"*{o}", "qs_ptr": "*fp32",
+           "ks_ptr": "*fp32", "vs_ptr": "*fp32", "n_q": "i32", "n_k": "i32", "heads": "i32",
+           "group": "i32", "qk_scale": "fp32", "CAUSAL": "constexpr", "PINGPONG": "constexpr",
+           "STAGES": "constexpr", "FP8": "constexpr"}
+    const = {"CAUSAL": bool(causal), "PINGPONG": bool(cfg["PINGPONG"]), "STAGES": cfg["STAGES"],
+             "FP8": fp8}
+    # pointers 16-byte aligned, as torch's allocations are and as a launch specialises them
+    return compile_kernel(_attention_kernel, sig, const, aligned=("o_ptr", "qs_ptr", "ks_ptr",
+                                                                  "vs_ptr"),
+                          num_warps=4, child=True, maxnreg=MAXNREG)
+
+
+def _launch(q, k, v, out, scales, causal: bool, sm_scale: float, cfg: dict, fp8: bool):
+    """q, k (B, H, N, D) and v (B, H_kv, N_k, D), or V^T (B, H_kv, D, N_k) when ``fp8``, as
+    2-D row views for TMA; ``out`` (B, H, N_q, D) contiguous."""
+    (b, h, n_q, d), h_kv = q.shape, k.shape[1]
+    n_k = k.shape[2]
+    if n_q == 0 or b * h == 0:
+        return out
+    (q_block, q_l), (k_block, k_l), (v_block, v_l) = _layouts(q.dtype, d, cfg, fp8)
+    q2, k2 = q.reshape(-1, d), k.reshape(-1, d)
+    v2 = v.reshape(-1, v.shape[-1])  # FP8: rows of V^T, the last stride kept (padded to 16)
+    descs = [TensorDescriptor(t, list(t.shape), list(t.stride()), blk, lay)
+             for t, blk, lay in ((q2, q_block, q_l), (k2, k_block, k_l), (v2, v_block, v_l))]
+    if scales is None:
+        scales = (out,) * 3  # never read
+    grid = (triton.cdiv(n_q, 2 * cfg["BLOCK_M"]), b * h)
+    _attention_kernel[grid](*descs, out, *scales, n_q, n_k, h, h // h_kv, sm_scale * LOG2E,
+                            CAUSAL=bool(causal), PINGPONG=bool(cfg["PINGPONG"]),
+                            STAGES=cfg["STAGES"], FP8=fp8, num_warps=4, maxnreg=MAXNREG)
+    return out
 
 
 def _validate(q, k, v, causal, sm_scale) -> float:
     from llmnote.ops.attention._common import check_flag, check_qkv, check_sm_scale
 
     _, _, d = check_qkv(q, k, v, ndim=4)
-    if q.dtype not in GL_DTYPES:
+    if q.dtype not in (torch.float16, torch.bfloat16):
         raise TypeError(f"q must be float16 or bfloat16, got {str(q.dtype).removeprefix('torch.')}")
     if d not in (64, 128):
         raise ValueError(f"q.shape[-1] (head_dim) must be 64 or 128, got {d}")
     check_flag("causal", causal)
     return check_sm_scale(sm_scale, d)
+
+
+def _on_hopper(op: str, tensors: dict) -> None:
+    from llmnote.ops._validate import check_device
+
+    require_gpu(op, (9, 0), only_major=9, instead=f"llmnote.ops.attention.flash_{op} (Triton)")
+    for name, t in tensors.items():
+        check_device(name, t)
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False,
@@ -291,29 +382,57 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = 
     ``causal`` bottom-right aligned; ``sm_scale`` defaults to ``1 / sqrt(D)``.
     ``config`` overrides :data:`DEFAULT_CONFIG`. Needs a Hopper GPU; raises
     ``RuntimeError`` elsewhere, the CPU interpreter included."""
-    from llmnote.ops._validate import check_device
+    scale = _validate(q, k, v, causal, sm_scale)
+    cfg = _config(config)
+    _on_hopper("attention_v3", {"q": q, "k": k, "v": v})
+    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()  # rows of D, TMA-aligned
+    return _launch(q, k, v, torch.empty_like(q), None, causal, scale, cfg, False)
+
+
+def attention_fp8_quantized(q8: torch.Tensor, q_scale: torch.Tensor, k8: torch.Tensor,
+                            k_scale: torch.Tensor, vt8: torch.Tensor, v_scale: torch.Tensor,
+                            causal: bool = False, sm_scale: float | None = None,
+                            out_dtype: torch.dtype = torch.bfloat16, **config) -> torch.Tensor:
+    """The FP8 forward on inputs quantised as
+    :func:`~llmnote.ops.attention.flash_attention_fp8_quantized` takes them (Q and K per
+    128 rows by :func:`~llmnote.ops.attention.quantize_fp8_blocks`, V transposed per
+    channel by :func:`~llmnote.ops.attention.quantize_fp8_channels`); output in
+    ``out_dtype`` (bf16 or fp16). Needs a Hopper GPU."""
+    from llmnote.ops.attention.flash3 import _check_fp8_quantized
+
+    scale = _check_fp8_quantized(q8, q_scale, k8, k_scale, vt8, v_scale, causal, sm_scale,
+                                 FP8_BLOCK)
+    if out_dtype not in (torch.float16, torch.bfloat16):
+        raise TypeError(f"out_dtype must be torch.float16 or torch.bfloat16, got {out_dtype}")
+    cfg = _config(config)
+    _on_hopper("attention_fp8", {"q8": q8, "k8": k8, "vt8": vt8})
+    q8, k8 = q8.contiguous(), k8.contiguous()
+    if vt8.stride(-1) != 1 or vt8.stride(-2) % 16 or vt8.stride(1) != vt8.shape[2] * vt8.stride(2) \
+            or vt8.stride(0) != vt8.shape[1] * vt8.stride(1):  # rows of V^T, 16-byte strides
+        n_pad = max(-(-vt8.shape[-1] // 16) * 16, 16)  # quantize_fp8_channels' own layout
+        padded = vt8.new_zeros(vt8.shape[:-1] + (n_pad,))
+        padded[..., : vt8.shape[-1]] = vt8
+        vt8 = padded[..., : vt8.shape[-1]]
+    out = torch.empty(q8.shape, dtype=out_dtype, device=q8.device)
+    scales = (q_scale.contiguous(), k_scale.contiguous(), v_scale.contiguous())
+    return _launch(q8, k8, vt8, out, scales, causal, scale, cfg, True)
+
+
+def attention_fp8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False,
+                  sm_scale: float | None = None, **config) -> torch.Tensor:
+    """FP8 attention of bf16/fp16 inputs as
+    :func:`~llmnote.ops.attention.flash_attention_fp8` computes it (quantise Q and K per
+    128 rows and V per channel, then both products in e4m3), output in q's dtype."""
+    from llmnote.ops.attention.reference import quantize_fp8_blocks, quantize_fp8_channels
 
     scale = _validate(q, k, v, causal, sm_scale)
     cfg = _config(config)
-    require_gpu("attention", (9, 0), only_major=9,
-                instead="llmnote.ops.attention.flash_attention_v3 (Triton)")
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        check_device(name, t)
-    (b, h, n_q, d), (h_kv, n_k) = q.shape, k.shape[1:3]
-    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()  # rows of D, TMA-aligned
-    out = torch.empty_like(q)
-    if n_q == 0 or b * h == 0:
-        return out
-    (q_block, q_l), (kv_block, kv_l) = _layouts(q.dtype, d, cfg)
-    q2, k2, v2 = q.view(-1, d), k.view(-1, d), v.view(-1, d)
-    q_desc = TensorDescriptor(q2, list(q2.shape), list(q2.stride()), q_block, q_l)
-    k_desc = TensorDescriptor(k2, list(k2.shape), list(k2.stride()), kv_block, kv_l)
-    v_desc = TensorDescriptor(v2, list(v2.shape), list(v2.stride()), kv_block, kv_l)
-    grid = (triton.cdiv(n_q, 2 * cfg["BLOCK_M"]), b * h)
-    _attention_kernel[grid](q_desc, k_desc, v_desc, out, n_q, n_k, h, h // h_kv, scale * LOG2E,
-                            CAUSAL=bool(causal), PINGPONG=bool(cfg["PINGPONG"]),
-                            STAGES=cfg["STAGES"], num_warps=4, maxnreg=MAXNREG)
-    return out
+    _on_hopper("attention_fp8", {"q": q, "k": k, "v": v})
+    q8, qs = quantize_fp8_blocks(q, FP8_BLOCK)
+    k8, ks = quantize_fp8_blocks(k, FP8_BLOCK)
+    vt8, vs = quantize_fp8_channels(v)
+    return attention_fp8_quantized(q8, qs, k8, ks, vt8, vs, causal=causal, sm_scale=scale,
+                                   out_dtype=q.dtype, **cfg)
 
 
 def attention_flops(b: int, h: int, n_q: int, n_k: int, d: int, causal: bool) -> float:
@@ -322,4 +441,5 @@ def attention_flops(b: int, h: int, n_q: int, n_k: int, d: int, causal: bool) ->
     return full / 2 if causal else full
 
 
-__all__ = ["attention", "attention_flops", "attention_ref", "compile_attention"]
+__all__ = ["attention", "attention_flops", "attention_fp8", "attention_fp8_quantized",
+           "attention_ref", "compile_attention"]
