@@ -86,7 +86,7 @@ def _flash_case(b: int = 4, h: int = 16, n: int = 4096, d: int = 128):
     return build
 
 
-def _w4_case(k: int, n: int):
+def _w4_case(k: int, n: int, gluon: bool = False):
     def build():
         from llmnote.bench.suites.quant import GROUP, _w4_weights
         from llmnote.quant import kernels as K
@@ -94,7 +94,20 @@ def _w4_case(k: int, n: int):
         qw, s, z = _w4_weights(k, n, torch.device("cuda"))
         x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
         moved = qw.numel() * 4 + (s.numel() + z.numel()) * 2 + (k + n) * 2
-        return (lambda: K.w4a16_linear(x, qw, s, z, GROUP)), float(moved), float(2 * k * n)
+        if gluon:
+            from llmnote.ops.gluon import w4a16_linear
+        else:
+            w4a16_linear = K.w4a16_linear
+        return (lambda: w4a16_linear(x, qw, s, z, GROUP)), float(moved), float(2 * k * n)
+    return build
+
+
+def _gluon_attention_case(b: int = 4, h: int = 16, n: int = 4096, d: int = 128):
+    def build():
+        from llmnote.ops.gluon import attention
+
+        q, k, v = (torch.randn(b, h, n, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+        return (lambda: attention(q, k, v)), float(4 * b * h * n * d * 2), float(4 * b * h * n * n * d)
     return build
 
 
@@ -111,6 +124,10 @@ CASES: dict[str, Case] = {
     "flash2-fwd": Case("_attn_fwd", _flash_case(), "FlashAttention-2 forward, B 4, H 16, N 4096, D 128, bf16"),
     "w4a16-b1": Case("_w4a16_", _w4_case(4096, 4096), "W4A16 GEMV at batch 1, K = N = 4096, g128"),
     "w4a16-b1-mlp": Case("_w4a16_", _w4_case(4096, 14336), "W4A16 GEMV at batch 1, K 4096, N 14336"),
+    "gluon-w4a16-b1": Case("_w4a16_kernel", _w4_case(4096, 14336, gluon=True),
+                           "Gluon W4A16 at batch 1, K 4096, N 14336, g128 (Hopper)"),
+    "gluon-fa3-fwd": Case("_attention_kernel", _gluon_attention_case(),
+                          "Gluon FlashAttention-3 forward, B 4, H 16, N 4096, D 128, bf16 (Hopper)"),
 }
 
 
