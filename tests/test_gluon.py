@@ -22,6 +22,7 @@ from llmnote.testing import assert_close_lowp
 
 gmm = importlib.import_module("llmnote.ops.gluon.matmul")  # the module (gluon.matmul is the function)
 gcopy = importlib.import_module("llmnote.ops.gluon.copy")
+gw4 = importlib.import_module("llmnote.ops.gluon.w4a16")
 
 DTYPES = [torch.bfloat16, torch.float16]
 cap = device.capability()
@@ -324,6 +325,43 @@ def test_w4a16_decodes_into_wgmma_registers(dtype, block_m):
     assert c.spilled == 0
 
 
+def test_w4a16_repacked_reads_16_bytes_a_thread():
+    """Repacked (Marlin's idea, for this kernel's tiles): one 16-byte load of codes per thread
+    and K step where the book's packing takes 16 single-byte loads; the codes still land in
+    wgmma's operand registers without shared memory or shuffles."""
+    book, packed = (gluon.compile_w4a16(torch.bfloat16, block_m=64, repacked=r) for r in (False, True))
+    assert book.count("ld.global.b8") == 2 * 16 and book.count("ld.global.v4") == 0  # first + prefetch
+    assert packed.count("ld.global.b8") == 0 and packed.count("ld.global.v4") == 2
+    assert packed.count("shfl") == 0 and packed.count("st.shared") == book.count("st.shared")
+    assert [w.count("{") for w in packed.lines("wgmma.mma_async")] == [2] * 4  # A in registers
+    assert packed.spilled == 0
+
+
+@pytest.mark.parametrize("k,n", [(64, 64), (128, 200), (512, 33), (4096, 384)])
+def test_w4a16_repack_round_trip_and_the_kernels_decoding(k, n, seed):
+    """repack_w4a16 against its inverse, and against the kernel's decoding written out: word
+    (d0, d1, d2, d3) of tile (step, t), nibble k0 + 2 n3 + 4 k3 holds the code of K
+    64 step + 16 d3 + 8 k3 + 2 d2 + k0 and channel 64 t + 16 d0 + 8 n3 + d1 (0 past N)."""
+    from llmnote.quant.primitives import pack_int4
+
+    q = torch.randint(0, 16, (k, n), dtype=torch.uint8)
+    qw = pack_int4(q)
+    qm = gw4.repack_w4a16(qw)
+    assert qm.dtype == torch.int32 and qm.shape == (k // 64, -(-n // 64), 512)
+    assert torch.equal(gw4.unrepack_w4a16(qm, n), qw)
+    idx = torch.arange(512)
+    d0, d1, d2, d3 = idx // 128, idx // 16 % 8, idx // 4 % 4, idx % 4
+    j = torch.arange(8)
+    k0, n3, k3 = j % 2, j // 2 % 2, j // 4
+    nib = (qm.long()[..., None] >> (4 * j)) & 15  # (steps, tiles, 512, 8)
+    kk = (64 * torch.arange(k // 64)[:, None, None, None] + 16 * d3[:, None] + 8 * k3
+          + 2 * d2[:, None] + k0)
+    nn = 64 * torch.arange(qm.shape[1])[None, :, None, None] + 16 * d0[:, None] + 8 * n3 + d1[:, None]
+    kk, nn = torch.broadcast_tensors(kk, nn)
+    want = torch.where(nn < n, q[kk, nn.clamp(max=n - 1)].long(), 0)
+    assert torch.equal(nib, want)
+
+
 def test_w4a16_split_k_compiles_to_a_deterministic_reduction():
     """Split-K: partial sums to the workspace, one acquire-release count per tile, the last
     program re-reads the slices past L1 (.cg) and zeroes the counter; one slice: none of it."""
@@ -363,6 +401,10 @@ def test_w4a16_bad_inputs():
     with pytest.raises(ValueError, match="qweight must be contiguous"):
         wide = torch.zeros(16, 16, dtype=torch.int32)[:, :8]
         gluon.w4a16_linear(x, wide, s, z, 64)
+    with pytest.raises(ValueError, match=r"repacked must be repack_w4a16\(qweight\)"):
+        gluon.w4a16_linear(x, qw, s, z, 64, repacked=qw)
+    with pytest.raises(ValueError, match="multiple of 64"):
+        gw4.repack_w4a16(torch.zeros(4, 8, dtype=torch.int32))
 
 
 @off_gpu
@@ -392,6 +434,9 @@ def test_w4a16_on_hopper(m, n, k, g, dtype, seed):
     assert_close_lowp(out, ref32, lowp, atol=1e-3, name=f"gluon w4a16 {(m, n, k, g)}")
     x3 = x.reshape(1, m, k)  # leading dimensions; the same sums in the same order
     assert torch.equal(gluon.w4a16_linear(x3, qw, s, z, g, bias), out.reshape(1, m, n))
+    # the repacked codes (16-byte loads) decode to the same operand registers: the same result
+    qm = gw4.repack_w4a16(qw)
+    assert torch.equal(gluon.w4a16_linear(x, qw, s, z, g, bias, repacked=qm), out)
     for split in (1, 2, 3, 5):  # 5 slices of 2 to 8 steps: some slices empty
         got = gluon.w4a16_linear(x, qw, s, z, g, bias, split_k=split)
         assert_close_lowp(got, ref32, lowp, atol=1e-3, name=f"gluon w4a16 {(m, n, k, g)} split {split}")

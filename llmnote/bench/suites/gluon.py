@@ -11,7 +11,8 @@ Matmul (``bench = "gluon-matmul"``), providers ``llmnote-gluon``
   down 4096x14336) at M = 64 and 4096 tokens.
 
 Throughput = 2 M N K / time. W4A16 (``bench = "gluon-w4a16"``): ``llmnote-gluon``
-(:func:`llmnote.ops.gluon.w4a16_linear`) vs ``llmnote`` (the Triton
+(:func:`llmnote.ops.gluon.w4a16_linear`; ``llmnote-gluon-repacked`` on codes repacked by
+:func:`~llmnote.ops.gluon.w4a16.repack_w4a16`) vs ``llmnote`` (the Triton
 :func:`llmnote.quant.kernels.w4a16_linear`, tuned on its first call) vs ``torch-linear``
 (``F.linear`` on the bf16 weight), the same Llama-3-8B layers at batch 1 and 16, group
 128 (RTN); bandwidth = bytes of the weight as each provider reads it (packed codes,
@@ -25,6 +26,8 @@ and are skipped elsewhere (the CPU: the Triton and PyTorch rows, wall clock).
 """
 
 from __future__ import annotations
+
+import importlib
 
 import pandas as pd
 import torch
@@ -139,12 +142,17 @@ def _w4_providers(n: int, k: int, dtype: torch.dtype, group: int) -> dict:
     def gluon_factory(m):
         return checked(_require_hopper().w4a16_linear, "llmnote-gluon")(m)
 
+    def repacked_factory(m):  # the codes repacked once, as at load time, outside the timing
+        gluon = _require_hopper()
+        qm = importlib.import_module("llmnote.ops.gluon.w4a16").repack_w4a16(qw)
+        return checked(lambda *a: gluon.w4a16_linear(*a, repacked=qm), "llmnote-gluon-repacked")(m)
+
     def linear(m):
         x = torch.randn(m, k, device=dev).to(dtype)
         return lambda: F.linear(x, w16)
 
-    return {"llmnote-gluon": gluon_factory, "llmnote": checked(triton_w4a16, "llmnote"),
-            "torch-linear": linear}
+    return {"llmnote-gluon": gluon_factory, "llmnote-gluon-repacked": repacked_factory,
+            "llmnote": checked(triton_w4a16, "llmnote"), "torch-linear": linear}
 
 
 def run(quick: bool = False, dtype: torch.dtype = torch.bfloat16, square: list[int] | None = None,
@@ -178,7 +186,8 @@ def run(quick: bool = False, dtype: torch.dtype = torch.bfloat16, square: list[i
                                 "layer": layer}))
     for layer, (n, k) in layers.items():
         packed = k * n // 2 + 2 * (k // w4_group) * n * torch.empty((), dtype=dtype).element_size()
-        nbytes = {"llmnote-gluon": packed, "llmnote": packed, "torch-linear": 2 * n * k}
+        nbytes = {"llmnote-gluon": packed, "llmnote-gluon-repacked": packed, "llmnote": packed,
+                  "torch-linear": 2 * n * k}
         for name, factory in _w4_providers(n, k, dtype, w4_group).items():  # each its own bytes
             frames.append(sweep(W4_BENCH, "M", w4_batches, {name: factory},
                                 {"bandwidth": ("GB/s", lambda m, ms, b=nbytes[name]: b / (ms * 1e-3) / 1e9)},
@@ -197,7 +206,8 @@ def _text(v) -> str:
 
 
 def summary(df: pd.DataFrame) -> pd.DataFrame:
-    """One row per measured size: the Gluon kernel's rate (``gluon``, in ``unit``), its
+    """One row per measured size and Gluon provider (the W4A16's repacked codes as checks
+    ``w4a16-repacked ...``): the Gluon kernel's rate (``gluon``, in ``unit``), its
     speed-up (time ratio) over the Triton kernel (``vs_triton``) and over the peer
     (``vs_peer``: cuBLAS, ``F.linear`` on the bf16 weight, PyTorch's copy), and for
     bandwidths the fraction of the copy ceiling of the same run (``vs_ceiling``)."""
@@ -216,16 +226,16 @@ def summary(df: pd.DataFrame) -> pd.DataFrame:
         for key, g in part.groupby(keys, sort=False, dropna=False):
             times = g[g.metric == "time"]
             t = dict(zip(times.provider, times.p50))
-            mine = g[(g.metric == rate) & (g.provider == "llmnote-gluon")]
-            if mine.empty:
-                continue
-            names = {"x_value": "M" if bench == W4_BENCH else "bytes"}
-            what = " ".join(f"{names.get(k, k)}={_text(v)}" for k, v in zip(keys, key)
-                            if k != "shape" and v != "" and not pd.isna(v))
-            value = float(mine.p50.iloc[0])
-            out.append(dict(check=f"{bench.removeprefix('gluon-')} {what}", gluon=value,
-                            unit=mine.unit.iloc[0],
-                            vs_triton=t.get("llmnote", nan) / t["llmnote-gluon"],
-                            vs_peer=t.get(peer, nan) / t["llmnote-gluon"],
-                            vs_ceiling=value / ceil if rate == "bandwidth" and ceil else nan))
+            for ours, label in (("llmnote-gluon", ""), ("llmnote-gluon-repacked", "-repacked")):
+                mine = g[(g.metric == rate) & (g.provider == ours)]
+                if mine.empty:
+                    continue
+                names = {"x_value": "M" if bench == W4_BENCH else "bytes"}
+                what = " ".join(f"{names.get(k, k)}={_text(v)}" for k, v in zip(keys, key)
+                                if k != "shape" and v != "" and not pd.isna(v))
+                value = float(mine.p50.iloc[0])
+                out.append(dict(check=f"{bench.removeprefix('gluon-')}{label} {what}", gluon=value,
+                                unit=mine.unit.iloc[0], vs_triton=t.get("llmnote", nan) / t[ours],
+                                vs_peer=t.get(peer, nan) / t[ours],
+                                vs_ceiling=value / ceil if rate == "bandwidth" and ceil else nan))
     return pd.DataFrame(out, columns=["check", "gluon", "unit", "vs_triton", "vs_peer", "vs_ceiling"])

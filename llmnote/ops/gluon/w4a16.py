@@ -15,8 +15,9 @@ writes it as a linear layout, :func:`_pair_layout` halves its K coordinates); sp
 each byte into its two codes (``gl.join``) gives the operand layout itself, which
 ``gl.convert_layout(..., assert_trivial=True)`` checks at compile time. Dequantizing is a
 subtract and a multiply per weight in those registers; the tile goes to ``wgmma`` without
-touching shared memory (Marlin's idea; Marlin also repacks the weights so that a thread's
-codes are contiguous, where the book's packing gives single-byte loads). ``x`` tiles come
+touching shared memory (Marlin's idea). The book's packing gives single-byte loads;
+:func:`repack_w4a16` rearranges the codes once (Marlin's repacking, for these tiles) so
+that a thread reads its 32 codes of a step with one 16-byte load. ``x`` tiles come
 by TMA in a ring of ``NUM_STAGES`` slots (as in :mod:`llmnote.ops.gluon.matmul`); the
 bytes of step ``k + 1`` are loaded while step ``k`` is decoded and multiplied.
 
@@ -88,10 +89,44 @@ def _load_pairs(qb_ptr, step, n, p, N, BLOCK_K: gl.constexpr):
     return gl.load(ptrs, mask=(n < N)[:, None], other=0)
 
 
+@gluon.constexpr_function
+def _words_layout(num_warps):
+    """A step's repacked words (:func:`repack_w4a16`) as (4, 8, 4, 4): warp ``d0``, lane
+    ``4 d1 + d2``, and the four words ``d3`` of each thread contiguous (one 16-byte load)."""
+    return gl.BlockedLayout([1, 1, 1, 4], [1, 8, 4, 1], [num_warps, 1, 1, 1], [3, 2, 1, 0])
+
+
+@gluon.jit
+def _load_words(qm_ptr, step, pid_n, n_tiles, layout: gl.constexpr):
+    """The 512 words (2 KiB) of the (step, pid_n) tile of the repacked codes."""
+    l3: gl.constexpr = gl.SliceLayout(3, layout)
+    d0 = gl.arange(0, 4, layout=gl.SliceLayout(1, gl.SliceLayout(2, l3)))
+    d1 = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(2, l3)))
+    d2 = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, l3)))
+    d3 = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, layout))))
+    off = ((d0[:, None, None, None] * 8 + d1[None, :, None, None]) * 4
+           + d2[None, None, :, None]) * 4 + d3[None, None, None, :]
+    return gl.load(qm_ptr + (step * n_tiles + pid_n).to(gl.int64) * 512 + off)
+
+
+@gluon.jit
+def _decode_words(w, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr):
+    """Codes (BLOCK_N, BLOCK_K) from a step's words: nibble ``k0 + 2 n3 + 4 k3`` of word
+    (d0, d1, d2, d3) is the code of channel ``16 d0 + 8 n3 + d1``, K ``16 d3 + 8 k3 + 2 d2 +
+    k0``. The joins put (k0, n3, k3) in registers, the permute and reshape name them: the
+    result is wgmma's operand layout, up to the order of a thread's registers."""
+    a0 = gl.join(w & 15, (w >> 4) & 15)  # (k0 = 0, 1) at n3 = 0, k3 = 0
+    a1 = gl.join((w >> 8) & 15, (w >> 12) & 15)  # n3 = 1, k3 = 0
+    a2 = gl.join((w >> 16) & 15, (w >> 20) & 15)  # n3 = 0, k3 = 1
+    a3 = gl.join((w >> 24) & 15, (w >> 28) & 15)  # n3 = 1, k3 = 1
+    t = gl.join(gl.join(a0, a1), gl.join(a2, a3))  # (d0, d1, d2, d3, k0, n3, k3)
+    return gl.reshape(gl.permute(t, (0, 5, 1, 3, 6, 2, 4)), [BLOCK_N, BLOCK_K])
+
+
 @gluon.jit
 def _w4a16_kernel(x_desc, qb_ptr, s_ptr, z_ptr, bias_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, K, stride_ym,
                   GROUP: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
-                  HAS_BIAS: gl.constexpr, SPLIT_K: gl.constexpr):
+                  HAS_BIAS: gl.constexpr, SPLIT_K: gl.constexpr, REPACKED: gl.constexpr):
     """Tile (pid_n, pid_m) of y^T = W^T x^T, BLOCK_N output channels by BLOCK_M tokens, over
     the pid_k-th of SPLIT_K slices of K."""
     BLOCK_M: gl.constexpr = x_desc.block_type.shape[0]
@@ -125,15 +160,25 @@ def _w4a16_kernel(x_desc, qb_ptr, s_ptr, z_ptr, bias_ptr, y_ptr, ws_ptr, cnt_ptr
 
     acc = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout=mma)
     last = gl.maximum(hi, 1) - 1  # a valid step to read ahead from, in every slice
-    nxt_bytes = _load_pairs(qb_ptr, gl.minimum(lo, last), n, p, N, BLOCK_K)  # BLOCK_N x BLOCK_K / 2 bytes
+    words: gl.constexpr = _words_layout(gl.num_warps())
+    n_tiles = gl.cdiv(N, BLOCK_N)
+    if REPACKED:  # 16 bytes a thread
+        nxt_words = _load_words(qb_ptr, gl.minimum(lo, last), gl.program_id(0), n_tiles, words)
+    else:  # BLOCK_N x BLOCK_K / 2 bytes, one byte a load
+        nxt_bytes = _load_pairs(qb_ptr, gl.minimum(lo, last), n, p, N, BLOCK_K)
     for j in range(0, steps):  # step k = lo + j of K, j-th use of the ring
         k = lo + j
-        b = nxt_bytes.to(gl.int32)
-        nxt_bytes = _load_pairs(qb_ptr, gl.minimum(k + 1, last), n, p, N, BLOCK_K)  # prefetch
+        if REPACKED:
+            codes = _decode_words(nxt_words, BLOCK_N, BLOCK_K)
+            nxt_words = _load_words(qb_ptr, gl.minimum(k + 1, last), gl.program_id(0), n_tiles,
+                                    words)  # prefetch
+        else:
+            b = nxt_bytes.to(gl.int32)
+            nxt_bytes = _load_pairs(qb_ptr, gl.minimum(k + 1, last), n, p, N, BLOCK_K)  # prefetch
+            codes = gl.reshape(gl.join(b & 15, b >> 4), [BLOCK_N, BLOCK_K])  # low nibble: even channel
         g = (k * BLOCK_K) // GROUP  # the step lies in one group
         scale = gl.load(s_ptr + g * N + n_op, mask=n_op < N, other=0.0).to(gl.float32)
         zero = gl.load(z_ptr + g * N + n_op, mask=n_op < N, other=0.0).to(gl.float32)
-        codes = gl.reshape(gl.join(b & 15, b >> 4), [BLOCK_N, BLOCK_K])  # low nibble: the even channel
         codes = gl.convert_layout(codes, operand, assert_trivial=True)  # already where wgmma wants it
         w = ((codes.to(gl.float32) - zero[:, None]) * scale[:, None]).to(dtype)  # W^T tile, in registers
 
@@ -187,37 +232,81 @@ def split_for(m: int, n: int, k: int, sms: int) -> int:
     return triton.cdiv(steps, triton.cdiv(steps, split))  # no empty slice
 
 
+def repack_w4a16(qweight: torch.Tensor) -> torch.Tensor:
+    """The book's packed codes ``qweight (K // 8, N)`` int32 rearranged so that each thread
+    of :func:`w4a16_linear` reads its 32 codes of a K step with one 16-byte load (Marlin's
+    repacking, for this kernel's tiles): int32 ``(K // 64, ceil(N / 64), 512)``, the tile of
+    (step, 64 channels) as the (4, 8, 4, 4) words of :func:`_decode_words`, channels past N
+    padded with code 0. Done once, when the weights are loaded."""
+    from llmnote.ops._validate import check_tensor
+    from llmnote.quant.primitives import pack_int4, unpack_int4
+
+    check_tensor("qweight", qweight, dtypes=(torch.int32,), ndim=2, contiguous=True)
+    k, n = 8 * qweight.shape[0], qweight.shape[1]
+    if k % BLOCK_K:
+        raise ValueError(f"qweight.shape[0] * 8 (K) must be a multiple of {BLOCK_K}, got {k}")
+    tiles = triton.cdiv(n, BLOCK_N)
+    codes = torch.zeros((k, tiles * BLOCK_N), dtype=torch.uint8, device=qweight.device)
+    codes[:, :n] = unpack_int4(qweight)
+    # k = 16 k45 + 8 k3 + 2 k12 + k0, n = 16 n45 + 8 n3 + n012, per (step, tile)
+    c = codes.view(k // BLOCK_K, 4, 2, 4, 2, tiles, 4, 2, 8)  # s, k45, k3, k12, k0, t, n45, n3, n012
+    c = c.permute(2, 7, 4, 0, 5, 6, 8, 3, 1)  # nibble (k3, n3, k0) first, then s, t, d0..d3
+    return pack_int4(c.reshape(8, -1)).view(k // BLOCK_K, tiles, 512)
+
+
+def unrepack_w4a16(qm: torch.Tensor, n: int) -> torch.Tensor:
+    """The inverse of :func:`repack_w4a16` (the book's ``(K // 8, n)`` packing), by the
+    kernel's own decoding order: the reference its tests compare against."""
+    from llmnote.quant.primitives import pack_int4, unpack_int4
+
+    steps, tiles = qm.shape[:2]
+    nib = unpack_int4(qm.reshape(1, -1)).view(2, 2, 2, steps, tiles, 4, 8, 4, 4)  # k3 n3 k0 ...
+    c = nib.permute(3, 8, 0, 7, 2, 4, 5, 1, 6)  # s, k45, k3, k12, k0, t, n45, n3, n012
+    codes = c.reshape(steps * BLOCK_K, tiles * BLOCK_N)[:, :n]
+    return pack_int4(codes.contiguous())
+
+
 def _x_layout(dtype, block_m: int):
     return gl.NVMMASharedLayout.get_default_for([block_m, BLOCK_K], GL_DTYPES[dtype])
 
 
 def compile_w4a16(dtype: torch.dtype = torch.bfloat16, *, block_m: int = 16, group_size: int = 128,
-                  bias: bool = False, split_k: int = 1) -> Compiled:
+                  bias: bool = False, split_k: int = 1, repacked: bool = False) -> Compiled:
     """The kernel as :func:`w4a16_linear` would launch it for ``block_m`` tokens and ``split_k``
-    slices of K, compiled for sm_90."""
+    slices of K (``repacked``: reading :func:`repack_w4a16`'s codes), compiled for sm_90."""
     if dtype not in HALF_DTYPES:
         raise TypeError(f"dtype must be torch.float16 or torch.bfloat16, got {dtype}")
     t = SIG_DTYPES[dtype]
-    sig = {"x_desc": tensordesc(t, [block_m, BLOCK_K], _x_layout(dtype, block_m)), "qb_ptr": "*u8",
+    sig = {"x_desc": tensordesc(t, [block_m, BLOCK_K], _x_layout(dtype, block_m)),
+           "qb_ptr": "*i32" if repacked else "*u8",
            "s_ptr": f"*{t}", "z_ptr": f"*{t}", "bias_ptr": f"*{t}", "y_ptr": f"*{t}", "ws_ptr": "*fp32",
            "cnt_ptr": "*i32", "M": "i32", "N": "i32", "K": "i32", "stride_ym": "i32", "GROUP": "constexpr",
            "BLOCK_N": "constexpr", "NUM_STAGES": "constexpr", "HAS_BIAS": "constexpr",
-           "SPLIT_K": "constexpr"}
+           "SPLIT_K": "constexpr", "REPACKED": "constexpr"}
     const = {"GROUP": group_size, "BLOCK_N": BLOCK_N, "NUM_STAGES": NUM_STAGES, "HAS_BIAS": bias,
-             "SPLIT_K": split_k}
+             "SPLIT_K": split_k, "REPACKED": repacked}
     return compile_kernel(_w4a16_kernel, sig, const, num_warps=NUM_WARPS, child=True,  # gl.join: see child
                           aligned=("qb_ptr", "s_ptr", "z_ptr", "bias_ptr", "y_ptr", "N", "K", "stride_ym"))
 
 
 def w4a16_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
                  group_size: int, bias: torch.Tensor | None = None, *,
-                 split_k: int | None = None) -> torch.Tensor:
+                 split_k: int | None = None, repacked: torch.Tensor | None = None) -> torch.Tensor:
     """``x @ W^T (+ bias)`` for the book's W4A16 format (see :func:`w4a16_linear_ref`), by
     the Gluon kernel. ``x (..., K)`` bf16/fp16; ``qweight (K // 8, N)`` int32 contiguous;
     ``scales``, ``zeros`` ``(K // G, N)`` contiguous; ``group_size`` a multiple of 64;
-    ``split_k``: slices of K (None: :func:`split_for`). Needs a Hopper GPU (raises
-    ``RuntimeError`` elsewhere)."""
+    ``split_k``: slices of K (None: :func:`split_for`); ``repacked``:
+    ``repack_w4a16(qweight)``, read instead of ``qweight`` (16-byte loads). Needs a
+    Hopper GPU (raises ``RuntimeError`` elsewhere)."""
     check_w4a16(x, qweight, scales, zeros, group_size, bias)
+    if repacked is not None:
+        want = (qweight.shape[0] // (BLOCK_K // 8), triton.cdiv(qweight.shape[1], BLOCK_N), 512)
+        if not isinstance(repacked, torch.Tensor) or repacked.dtype != torch.int32 \
+                or tuple(repacked.shape) != want or not repacked.is_contiguous():
+            got = (f"{repacked.dtype} {tuple(repacked.shape)}" if isinstance(repacked, torch.Tensor)
+                   else type(repacked).__name__)
+            raise ValueError(f"repacked must be repack_w4a16(qweight): int32 {want} contiguous, "
+                             f"got {got}")
     if split_k is not None and (isinstance(split_k, bool) or not isinstance(split_k, int) or split_k < 1):
         raise ValueError(f"split_k must be None or a positive int, got {split_k!r}")
     if x.dtype not in HALF_DTYPES:
@@ -230,7 +319,8 @@ def w4a16_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, z
             raise ValueError(f"{name} must be contiguous, got strides {t.stride()} for shape "
                              f"{tuple(t.shape)}")
     require_gpu("w4a16_linear", (9, 0), only_major=9, instead="llmnote.quant.kernels.w4a16_linear (Triton)")
-    for name, t in (("x", x), ("qweight", qweight), ("scales", scales), ("zeros", zeros), ("bias", bias)):
+    for name, t in (("x", x), ("qweight", qweight), ("scales", scales), ("zeros", zeros), ("bias", bias),
+                    ("repacked", repacked)):
         if t is not None:
             check_device(name, t)
     lead, (k, n) = tuple(x.shape[:-1]), (x.shape[-1], qweight.shape[1])
@@ -246,8 +336,10 @@ def w4a16_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, z
         x_desc = TensorDescriptor(x2, list(x2.shape), list(x2.stride()), [bm, BLOCK_K],
                                   _x_layout(x.dtype, bm))
         grid = (triton.cdiv(n, BLOCK_N), triton.cdiv(m, bm), split)
-        _w4a16_kernel[grid](x_desc, qweight.view(torch.uint8), scales, zeros,
+        codes = qweight.view(torch.uint8) if repacked is None else repacked
+        _w4a16_kernel[grid](x_desc, codes, scales, zeros,
                             y if bias is None else bias, y, ws, cnt, m, n, k, y.stride(0),
                             GROUP=group_size, BLOCK_N=BLOCK_N, NUM_STAGES=NUM_STAGES,
-                            HAS_BIAS=bias is not None, SPLIT_K=split, num_warps=NUM_WARPS)
+                            HAS_BIAS=bias is not None, SPLIT_K=split, REPACKED=repacked is not None,
+                            num_warps=NUM_WARPS)
     return y.reshape(*lead, n)
