@@ -44,6 +44,8 @@ def test_sampling_params_are_checked(kw, match):
     (dict(block_size=0), "block_size"), (dict(num_blocks=0), "num_blocks"),
     (dict(gpu_memory_utilization=1.5), "gpu_memory_utilization"),
     (dict(max_num_seqs=0), "max_num_seqs"), (dict(attention_backend="cuda"), "attention_backend"),
+    (dict(one_shot_all_reduce=1), "one_shot_all_reduce"), (dict(tune_graph=1), "tune_graph"),
+    (dict(cuda_graphs=0), "cuda_graphs"), (dict(gemv=1), "gemv"),
 ])
 def test_engine_config_is_checked(kw, match):
     with pytest.raises((ValueError, TypeError), match=match):

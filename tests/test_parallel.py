@@ -187,3 +187,31 @@ def test_all_reduce_times_are_positive_and_one_per_size():
     times = launch(workers.all_reduce_times, 1, sizes, 2)  # one rank: cheap, still a real group
     assert len(times) == 1 and all(len(t) == len(sizes) for t in times)
     assert all(0 < x < 10 for t in times for x in t)
+
+
+def test_one_shot_all_reduce_stays_with_nccl_off_cuda():
+    """Off CUDA (or outside a process group) Comm keeps the plain all-reduce and says why."""
+    from llmnote.parallel.tensor_parallel import Comm
+
+    comm = Comm()
+    assert "CUDA" in comm.use_one_shot(torch.device("cpu"))
+    assert comm.one_shot is None
+    t = torch.ones(4)
+    assert comm.all_reduce(t) is t and torch.equal(t, torch.ones(4))  # one process: identity
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+def test_one_shot_all_reduce_equals_nccl(dtype):
+    """The one-shot path (symmetric memory) sums exactly as NCCL does over two ranks (a + b
+    either way), eagerly over 50 back-to-back calls per size and inside a CUDA graph."""
+    from llmnote.parallel import launch
+    from llmnote.parallel.workers import one_shot_against_nccl
+
+    numels = [1, 7, 4096, 8192 * 4, 65536]
+    res = launch(one_shot_against_nccl, 2, numels, dtype, backend="nccl", timeout_s=300)
+    for r in res:
+        assert r["why"] is None, r["why"]
+        assert r["eager"] == 0 and r["graph"] == 0, r
+        assert r["one_shot_calls"] >= 50 * len(numels)

@@ -67,6 +67,7 @@ class EngineConfig:
     tensor_parallel_size: int = 1  # > 1: sharded over worker processes (engine.tp_driver)
     distributed_backend: str | None = None  # "nccl" | "gloo"; None: nccl on GPUs, else gloo
     distributed_timeout_s: float = 600.0  # the longest a tensor-parallel step (or start) may take
+    one_shot_all_reduce: bool = True  # NCCL ranks: small all-reduces by symmetric memory (Comm)
 
     def __post_init__(self) -> None:
         for name in ("block_size", "cpu_num_blocks", "max_num_batched_tokens", "max_num_seqs"):
@@ -86,15 +87,18 @@ class EngineConfig:
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError("gpu_memory_utilization must lie in (0, 1], got "
                              f"{self.gpu_memory_utilization!r}")
-        if self.gemv not in (None, True, False):
+        if not (self.gemv is None or isinstance(self.gemv, bool)):
             raise ValueError(f"gemv must be None, True or False, got {self.gemv!r}")
-        if self.tune_graph not in (True, False):
+        if not isinstance(self.one_shot_all_reduce, bool):
+            raise ValueError("one_shot_all_reduce must be True or False, got "
+                             f"{self.one_shot_all_reduce!r}")
+        if not isinstance(self.tune_graph, bool):
             raise ValueError(f"tune_graph must be True or False, got {self.tune_graph!r}")
-        if self.async_scheduling not in (True, False):
+        if not isinstance(self.async_scheduling, bool):
             raise ValueError(f"async_scheduling must be True or False, got {self.async_scheduling!r}")
-        if self.dependent_launches not in (True, False):
+        if not isinstance(self.dependent_launches, bool):
             raise ValueError(f"dependent_launches must be True or False, got {self.dependent_launches!r}")
-        if self.cuda_graphs not in (None, True, False):
+        if not (self.cuda_graphs is None or isinstance(self.cuda_graphs, bool)):
             raise ValueError(f"cuda_graphs must be None, True or False, got {self.cuda_graphs!r}")
         if self.attention_backend not in (None, "reference", "flash", "paged"):
             raise ValueError("attention_backend must be None, 'reference', 'flash' or 'paged', got "

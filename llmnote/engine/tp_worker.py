@@ -333,6 +333,7 @@ def rank_main(rank: int, world_size: int, port: int, backend: str, conn, source:
             # NVLink multicast (NVLS) off unless asked for: on a shared host it can take
             # GPUs out of service, and a tensor-parallel pair gains little from it
             os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+            os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")  # (Comm.use_one_shot)
             dev = torch.device("cuda", rank)
             torch.cuda.set_device(dev)
         else:
@@ -346,6 +347,10 @@ def rank_main(rank: int, world_size: int, port: int, backend: str, conn, source:
         comm = Comm()
         model, full, tok, eos, nbytes = load_shard(source, rank, world_size, comm, dev, dtype,
                                                    ops, config.seed)
+        one_shot = "off (one_shot_all_reduce=False)"
+        if backend == "nccl" and config.one_shot_all_reduce:
+            why = comm.use_one_shot(dev, dtype=next(model.parameters()).dtype)
+            one_shot = "on" if why is None else f"off: {why}"
         load = {"weight_bytes": sum(p.numel() * p.element_size() for p in model.parameters()),
                 "bytes_read": nbytes,
                 "peak_gpu_bytes": torch.cuda.max_memory_allocated(dev) if dev.type == "cuda"
@@ -353,7 +358,7 @@ def rank_main(rank: int, world_size: int, port: int, backend: str, conn, source:
         if dev.type == "cuda":
             torch.cuda.empty_cache()  # what loading held beside the shard
         runner = _runner(model, config, dev)
-        info = {"load": load}
+        info = {"load": load, "one_shot_all_reduce": one_shot}
         if rank == 0:
             info.update({"config": full, "tokenizer": tok, "eos": eos,
                          "num_blocks": runner.num_blocks, "decode_steps": runner.decode_steps,

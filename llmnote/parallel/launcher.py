@@ -107,6 +107,7 @@ def _worker(rank: int, fn: Callable, world_size: int, port: int, folder: str,
         kw = {}
         if backend == "nccl":  # rank r on GPU r; NVLink multicast off unless asked for
             os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+            os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
             kw["device_id"] = torch.device("cuda", rank)
             torch.cuda.set_device(rank)
         dist.init_process_group(

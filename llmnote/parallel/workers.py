@@ -130,3 +130,47 @@ def sharded_logits(rank: int, world_size: int, cfg: LlamaConfig, state: dict,
     model = model.to(device=dev, dtype=dtype).eval()
     shard_for_engine(model, rank, world_size, Comm())
     return model(ids.to(dev)).float().cpu()
+
+
+@torch.no_grad()
+def one_shot_against_nccl(rank: int, world_size: int, numels: list[int],
+                          dtype: torch.dtype = torch.bfloat16, calls: int = 50) -> dict:
+    """:meth:`Comm.all_reduce` with the one-shot path on (GPU ranks) against NCCL's
+    all-reduce of the same tensors: ``calls`` back-to-back reductions of fresh values per
+    size (the buffers' reuse), then the same inside a CUDA graph, replayed twice. Returns
+    why the path could not be set up, or the largest difference of each part."""
+    dev = torch.device("cuda", rank)
+    comm = Comm()
+    why = comm.use_one_shot(dev, dtype=dtype)
+    if why is not None:
+        return {"why": why}
+    g = torch.Generator(device=dev).manual_seed(rank)
+    eager = 0.0
+    for n in numels:
+        for _ in range(calls):
+            x = torch.randn(n, device=dev, generator=g).to(dtype)
+            want = x.clone()
+            dist.all_reduce(want)
+            eager = max(eager, float((comm.all_reduce(x) - want).abs().max()))
+    xs = [torch.randn(n, device=dev, generator=g).to(dtype) for n in numels]
+    keep = [x.clone() for x in xs]
+    graph = torch.cuda.CUDAGraph()
+    for x in xs:  # warm-up outside the capture, as CUDA graphs want
+        comm.all_reduce(x)
+    for x, k in zip(xs, keep):
+        x.copy_(k)
+    torch.cuda.synchronize(dev)
+    with torch.cuda.graph(graph):
+        for x in xs:
+            comm.all_reduce(x)
+    graphed = 0.0
+    for _ in range(2):
+        for x, k in zip(xs, keep):
+            x.copy_(k)
+        graph.replay()
+        torch.cuda.synchronize(dev)
+        for x, k in zip(xs, keep):
+            want = k.clone()
+            dist.all_reduce(want)
+            graphed = max(graphed, float((x - want).abs().max()))
+    return {"why": None, "eager": eager, "graph": graphed, "one_shot_calls": comm.one_shot_calls}

@@ -6,13 +6,15 @@ Parts (``--parts``), each a list of rows with ``bench = "tensor_parallel"``:
   batch-1 decode step of Llama-3-8B all-reduces 8 KiB per call) to 256 MiB; each
   rank times batches of 20 back-to-back calls with CUDA events (``provider
   nccl``, ``x_name bytes``, ``time`` in µs, ``busbw`` in GB/s), and the α-β fit of
-  :mod:`llmnote.parallel.cost` to them (``provider alpha-beta``).
+  :mod:`llmnote.parallel.cost` to them (``provider alpha-beta``); up to 256 KiB also
+  the one-shot all-reduce over symmetric memory the engine uses (``provider one-shot``).
 * ``engine``: Llama-3-8B-shaped random bf16 weights (``LLM("llama-3-8b", ...)``)
   at ``tensor_parallel_size`` 1 and 2: batch-1 time per token (512-token
   prompt; the engine's decode steps timed as in ``decode_latency``) and the
   throughput of nano-vllm's workload (``requests`` of 100-1024 prompt and output
   tokens). Both with the engine's defaults: CUDA graphs (per rank), multi-step
-  decoding and async scheduling.
+  decoding, async scheduling and the one-shot all-reduce (column ``all_reduce``);
+  ``llmnote-tp2-nccl`` is TP=2 with every all-reduce through NCCL.
 * ``70b``: a Llama-3-70B shape cut to ``layers_70b`` layers (the whole model, 141
   GB in bf16, fits no single H100 and leaves almost nothing for a KV cache on two):
   batch-1 time per token at TP=1 and TP=2, and per layer.
@@ -47,6 +49,7 @@ from llmnote.bench.results import environment
 
 BENCH = "tensor_parallel"
 PARTS = ("allreduce", "engine", "70b", "ring")
+ONE_SHOT_BYTES = 256 * 1024  # Comm.use_one_shot's default buffer: the decode steps' sizes
 AR_SIZES = [2**k for k in range(11, 29, 1)]  # 2 KiB .. 256 MiB
 RING_LENGTHS = [32768, 65536, 131072]
 
@@ -64,15 +67,25 @@ def _sync(dev: torch.device) -> None:
 
 # ---------------------------------------------------------------- rank functions
 def allreduce_rank(rank: int, world_size: int, sizes: list[int], reps: int = 10,
-                   inner: int = 20) -> list[list[float]]:
+                   inner: int = 20, one_shot: bool = False) -> list[list[float]]:
     """Per size (bytes, bf16): seconds of one all-reduce, ``reps`` samples each the mean
-    of ``inner`` back-to-back calls (CUDA events on a GPU)."""
+    of ``inner`` back-to-back calls (CUDA events on a GPU); ``one_shot``: through
+    :meth:`~llmnote.parallel.tensor_parallel.Comm.use_one_shot` as the engine does (sizes
+    past its buffer go to NCCL there too); ``[]`` where it cannot be set up."""
+    from llmnote.parallel.tensor_parallel import Comm
+
     dev = torch.device("cuda", rank) if dist.get_backend() == "nccl" else torch.device("cpu")
+    comm = Comm()
+    if one_shot:
+        why = comm.use_one_shot(dev, max_bytes=max(sizes))
+        if why is not None:
+            print(f"rank {rank}: {why}")
+            return []
     out = []
     for nbytes in sizes:
         t = torch.ones(nbytes // 2, dtype=torch.bfloat16, device=dev)
         for _ in range(3):
-            dist.all_reduce(t)
+            comm.all_reduce(t)
         samples = []
         for _ in range(reps):
             dist.barrier()
@@ -81,14 +94,14 @@ def allreduce_rank(rank: int, world_size: int, sizes: list[int], reps: int = 10,
                 a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                 a.record()
                 for _ in range(inner):
-                    dist.all_reduce(t)
+                    comm.all_reduce(t)
                 b.record()
                 b.synchronize()
                 samples.append(a.elapsed_time(b) / 1e3 / inner)
             else:
                 t0 = time.perf_counter()
                 for _ in range(inner):
-                    dist.all_reduce(t)
+                    comm.all_reduce(t)
                 samples.append((time.perf_counter() - t0) / inner)
         out.append(samples)
     return out
@@ -133,8 +146,19 @@ def allreduce_rows(env: dict, backend: str, sizes: list[int]) -> list[dict]:
     from llmnote.parallel import launch
     from llmnote.parallel.cost import bus_bandwidth, fit_alpha_beta
 
+    rows = []
+    if backend == "nccl":  # the engine's path for small tensors, beside NCCL's
+        small = [n for n in sizes if n <= ONE_SHOT_BYTES]
+        shot = launch(allreduce_rank, 2, small, 10, 20, True, backend=backend, timeout_s=300)
+        for i, nbytes in enumerate(small if shot[0] else []):
+            s = np.array(shot[0][i]) * 1e6
+            p50, p20, p80 = np.quantile(s, [0.5, 0.2, 0.8])
+            rows += rows_for(BENCH, "one-shot", "bytes", nbytes, Timing(p50, p20, p80), {
+                "busbw": ("GB/s", lambda x, us: bus_bandwidth(x, 2, us / 1e6) / 1e9)},
+                {"ranks": 2, "dtype": "bfloat16"}, env)
+            rows[-2]["unit"] = "us"
     res = launch(allreduce_rank, 2, sizes, backend=backend, timeout_s=300)
-    rows, medians = [], []
+    medians = []
     for i, nbytes in enumerate(sizes):
         s = np.array(res[0][i]) * 1e6  # rank 0's samples, µs
         p50, p20, p80 = np.quantile(s, [0.5, 0.2, 0.8])
@@ -181,7 +205,10 @@ def engine_rows(env: dict, model: str, requests: int, context: int, quick: bool,
     hi = 64 if quick else 1024
     reqs = nano_vllm_requests(requests, min(100, hi // 2), hi, vocab=10000 if not quick else 200)
     vocab = 200 if quick else 10000
-    for label, tp, kw in (("llmnote-tp1", 1, {}), ("llmnote-tp2", 2, {})):
+    cases = [("llmnote-tp1", 1, {}), ("llmnote-tp2", 2, {})]
+    if backend == "nccl":  # the same engine with every all-reduce through NCCL
+        cases.append(("llmnote-tp2-nccl", 2, {"one_shot_all_reduce": False}))
+    for label, tp, kw in cases:
         try:
             rows += _engine_case(env, model, label, tp, kw, reqs, context, vocab, hi, quick, backend)
         except Exception as e:
@@ -204,7 +231,9 @@ def _engine_case(env: dict, model: str, label: str, tp: int, kw: dict, reqs, con
         start_s = time.perf_counter() - t0
         extra = {"ranks": tp, "decode_steps": llm.runner.decode_steps, "startup_s": start_s,
                  "kv_blocks": llm.runner.num_blocks,
-                 "cuda_graphs": bool(llm.runner.use_graphs), **_load_extra(llm)}
+                 "cuda_graphs": bool(llm.runner.use_graphs),
+                 "all_reduce": getattr(llm.runner, "one_shot_all_reduce", None) or "",
+                 **_load_extra(llm)}
         rows = _batch1_rows(llm, label, tp, model, context, vocab, env, extra)[0]
         run_engine(llm, nano_vllm_requests(4, 8, 32, seed=1, vocab=vocab))  # warm-up
         outs, wall = run_engine(llm, reqs)
