@@ -106,8 +106,12 @@ class Comm:
             flat = t.view(-1)
             half = buf[self.one_shot_calls % 2, : flat.numel()]
             self.one_shot_calls += 1
-            half.copy_(flat)
-            torch.ops.symm_mem.one_shot_all_reduce_out(half, "sum", self.group_name, out=flat)
+            ops = torch.ops.symm_mem
+            if hasattr(ops, "one_shot_all_reduce_copy_out"):  # the copy in, inside the kernel
+                ops.one_shot_all_reduce_copy_out(half, flat, "sum", self.group_name, out=flat)
+            else:
+                half.copy_(flat)
+                ops.one_shot_all_reduce_out(half, "sum", self.group_name, out=flat)
         else:
             dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self.group)
         return t
