@@ -257,6 +257,41 @@ def test_every_gpu_tile_fits_shared_memory():
     for size in (2, 4):
         for tile in M.DECODE_TILES + M.MIDDLE_TILES + M.PREFILL_TILES:
             if size == 4:
-                m, n, k, w, st, g = tile
-                tile = (m, n, min(k, 128), w, min(st, 2), g)
+                m, n, k, w, st, g, a = tile
+                tile = (m, n, min(k, 128), w, min(st, 2), g, a)
             assert M.smem_bytes(tile, tile[1] or 32, size) <= M.SMEM_BUDGET, (tile, size)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
+def test_tma_weight_tiles_in_the_interpreter(dtype, dev, seed):
+    """The prefill tiles whose weight tiles come by TMA (tensor descriptors over the
+    weights as rows), run in the interpreter (or compiled on Hopper) on sizes whose rows
+    are 16-byte aligned but not multiples of the tiles: the column tiles past I and H read
+    the next rows (masked on the store), the K steps past H and I read zeros."""
+    from llmnote.ops import moe as M
+
+    if dev.type == "cuda" and not M.tma_ok(torch.empty(1, dtype=dtype, device=dev), 160, 96):
+        pytest.skip("TMA needs a Hopper GPU")
+    t, e, k, h, i = 150, 4, 2, 160, 96
+    x, w13, w2, w, ids = make(t, e, k, dtype, dev, h=h, i=i)
+    assert M.tma_ok(x, h, i) and not M.tma_ok(x, h, 100 if dtype == torch.float16 else 98)
+    hi = torch.float64 if dtype == torch.float32 else torch.float32
+    ref_hi = fused_moe_ref(x.to(hi), w13.to(hi), w2.to(hi), w, ids)
+    lowp = fused_moe_ref(x, w13, w2, w, ids)
+    atol = moe_atol(ref_hi, dtype, h, i)
+    tma_tiles = [tile for tile in M.PREFILL_TILES if tile[6]]
+    assert tma_tiles
+    for tile in tma_tiles:
+        if torch.finfo(dtype).bits == 32:
+            tile = tile[:2] + (min(tile[2], 128), tile[3], min(tile[4], 2)) + tile[5:]
+        assert_close_lowp(M._forward(x, w13, w2, w, ids, tile), ref_hi, lowp, atol=atol,
+                          name=f"tma tile {tile}")
+
+
+def test_tma_tiles_are_candidates_only_where_tma_works(monkeypatch):
+    from llmnote.ops import moe as M
+
+    monkeypatch.setattr(M.device, "interpreting", lambda: False)
+    without, with_tma = M._tiles(4096, 8, 2), M._tiles(4096, 8, 2, tma=True)
+    assert not any(t[6] for t in without) and any(t[6] for t in with_tma)
+    assert [t for t in with_tma if not t[6]] == without

@@ -10,7 +10,7 @@ with weights ``topk_weights (T, k)``; expert ``e`` is a SwiGLU MLP with ``w13[e]
 A loop over experts (:func:`fused_moe_ref`) launches ~4 kernels an expert and reads
 every token row and every expert it touches once per expert. The fused version:
 
-1. **align** (:func:`moe_align`): the ``T k`` (token, slot) pairs sorted by expert and
+1. **align** (:func:`~llmnote.ops.moe_align.moe_align`): the ``T k`` (token, slot) pairs sorted by expert and
    each expert's list padded to a multiple of ``BLOCK_M`` with a sentinel, so every
    ``BLOCK_M`` rows of the sorted list belong to one expert (``expert_ids`` per block).
    Three small kernels (count, offsets, scatter; :func:`moe_align_ref` does it with a
@@ -25,8 +25,9 @@ Each expert's weights are read once per row block that routes to it: at decode, 
 bytes of the experts touched, which sets the speed limit (the chapter's roofline). A few
 tokens (decode at small batch) have little to share and take a path of two GEMV
 launches without the sort (:mod:`llmnote.ops.moe_few_tokens`).
-Interpreter: bf16 tiles are upcast to fp32 (its bf16 ``tl.dot`` is wrong). fp32 dots
-use IEEE precision, not TF32.
+On Hopper some prefill tiles take the weight tiles by TMA (tensor descriptors); the
+tuner keeps them where they are faster. Interpreter: bf16 tiles are upcast to fp32 (its
+bf16 ``tl.dot`` is wrong). fp32 dots use IEEE precision, not TF32.
 
 Sources: the fused MoE kernel of vLLM (``fused_moe.py``, ``moe_align_block_size``);
 T. Gale et al., "MegaBlocks" (2022), https://arxiv.org/abs/2211.15841.
@@ -43,7 +44,15 @@ from llmnote import device
 from llmnote.ops._tuning import TuneCache
 from llmnote.ops._validate import FLOAT_DTYPES, check_tensor
 from llmnote.ops.matmul_configs import _tile_coords
+from llmnote.ops.moe_align import (  # noqa: F401 - the align step's kernels, printed by the chapter
+    _moe_count_kernel, _moe_offsets_kernel, _moe_scatter_kernel, moe_align, moe_align_ref,
+)
 from llmnote.ops.moe_few_tokens import fused_moe_few_tokens, takes_few_tokens_path
+
+try:  # host-side TMA descriptors: triton >= 3.4
+    from triton.tools.tensor_descriptor import TensorDescriptor
+except ImportError:  # pragma: no cover - older triton
+    TensorDescriptor = None
 
 __all__ = ["fused_moe", "fused_moe_ref", "moe_align", "moe_align_ref", "route"]
 
@@ -124,105 +133,6 @@ def fused_moe_ref(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     return out.to(x.dtype)
 
 
-def moe_align_ref(topk_ids: torch.Tensor, num_experts: int, block_m: int
-              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Sort the ``T k`` (token, slot) pairs by expert, each expert's run padded to a
-    multiple of ``block_m``. Returns ``sorted_ids`` (int32, the flat index ``t * k + j`` of
-    each pair, padding = ``T k``), ``expert_ids`` (int32, the expert of each block of
-    ``block_m``) and ``num_padded`` (int32 (1,), the used length of ``sorted_ids``).
-    The lengths are upper bounds known on the host, so nothing waits for the device.
-    Plain PyTorch (a stable sort): pairs of one expert keep their order."""
-    flat = topk_ids.reshape(-1).long()  # (N,), N = T k
-    n = flat.numel()
-    counts = torch.zeros(num_experts, dtype=torch.long, device=flat.device)
-    counts.scatter_add_(0, flat, torch.ones_like(flat))  # tokens per expert
-    padded = (counts + block_m - 1) // block_m * block_m
-    ends = padded.cumsum(0)  # each expert's run in sorted_ids: [ends - padded, ends)
-    order = torch.argsort(flat, stable=True)  # pair indices grouped by expert
-    e_sorted = flat[order]
-    rank = torch.arange(n, device=flat.device) - (counts.cumsum(0) - counts)[e_sorted]
-    # at most one partly filled block per expert that has a token
-    max_len = _max_padded(n, num_experts, block_m)
-    sorted_ids = torch.full((max_len,), n, dtype=torch.int32, device=flat.device)
-    sorted_ids.scatter_(0, (ends - padded)[e_sorted] + rank, order.int())
-    starts = torch.arange(0, max_len, block_m, device=flat.device)
-    expert_ids = torch.searchsorted(ends, starts, right=True).clamp_(max=num_experts - 1)
-    return sorted_ids, expert_ids.int(), ends[-1:].int()
-
-
-def _max_padded(n: int, num_experts: int, block_m: int) -> int:
-    """Length of ``sorted_ids``: at most one partly filled block per expert with a token."""
-    return (triton.cdiv(n, block_m) + min(num_experts, n)) * block_m
-
-
-@triton.jit
-def _moe_count_kernel(ids_ptr, counts_ptr, n, num_experts, BLOCK: tl.constexpr):
-    # pairs per expert: one atomic add per pair (counts zeroed before)
-    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    e = tl.load(ids_ptr + offs, mask=offs < n, other=0)
-    e = tl.where((e >= 0) & (e < num_experts), e, 0)  # out of range: expert 0, weight 0 (down)
-    tl.atomic_add(counts_ptr + e, tl.full((BLOCK,), 1, tl.int32), mask=offs < n)
-
-
-@triton.jit
-def _moe_offsets_kernel(counts_ptr, cursor_ptr, sorted_ptr, expert_ptr, npad_ptr, n,
-                        num_experts, max_len, BLOCK_M: tl.constexpr, E_PAD: tl.constexpr,
-                        BLOCK: tl.constexpr):
-    # one program: padded run of each expert, its start (the scatter's cursor), the
-    # expert of every block of BLOCK_M rows; every slot of sorted_ids set to the padding
-    ex = tl.arange(0, E_PAD)
-    counts = tl.load(counts_ptr + ex, mask=ex < num_experts, other=0)
-    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
-    ends = tl.cumsum(padded, axis=0)  # (E_PAD,)
-    tl.store(cursor_ptr + ex, ends - padded, mask=ex < num_experts)
-    tl.store(npad_ptr, tl.sum(padded, axis=0))
-    ends = tl.where(ex < num_experts, ends, max_len + BLOCK_M)  # padding experts: never
-    for b0 in range(0, max_len, BLOCK):
-        slots = b0 + tl.arange(0, BLOCK)
-        tl.store(sorted_ptr + slots, tl.full((BLOCK,), 0, tl.int32) + n, mask=slots < max_len)
-    for b0 in range(0, max_len // BLOCK_M, BLOCK):
-        blocks = b0 + tl.arange(0, BLOCK)  # (BLOCK,)
-        first = blocks * BLOCK_M
-        e = tl.sum((ends[None, :] <= first[:, None]).to(tl.int32), axis=1)  # experts ended
-        tl.store(expert_ptr + blocks, tl.minimum(e, num_experts - 1),
-                 mask=blocks < max_len // BLOCK_M)
-
-
-@triton.jit
-def _moe_scatter_kernel(ids_ptr, cursor_ptr, sorted_ptr, n, num_experts, BLOCK: tl.constexpr):
-    # each pair takes the next free slot of its expert's run (order within a run: any)
-    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    e = tl.load(ids_ptr + offs, mask=offs < n, other=0)
-    e = tl.where((e >= 0) & (e < num_experts), e, 0)  # as counted (no write outside a buffer)
-    slot = tl.atomic_add(cursor_ptr + e, tl.full((BLOCK,), 1, tl.int32), mask=offs < n)
-    tl.store(sorted_ptr + slot, offs.to(tl.int32), mask=offs < n)
-
-
-def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int
-              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """:func:`moe_align_ref` in three Triton launches (after one memset): count the pairs
-    of each expert (atomic adds), one program for the padded offsets and the expert of
-    each block, then each pair claims a slot of its expert's run (atomic adds again, so
-    the order within a run varies from call to call; every pair writes its own output
-    row, so the result does not). Same outputs otherwise; no host sync."""
-    flat = topk_ids.reshape(-1)
-    flat = flat if flat.dtype == torch.int32 else flat.int()
-    n = flat.numel()
-    max_len = _max_padded(n, num_experts, block_m)
-    work = torch.zeros(2 * num_experts + 1, dtype=torch.int32, device=flat.device)
-    counts, cursor, num_padded = work[:num_experts], work[num_experts:-1], work[-1:]
-    sorted_ids = torch.empty(max_len, dtype=torch.int32, device=flat.device)
-    expert_ids = torch.empty(max_len // block_m, dtype=torch.int32, device=flat.device)
-    block = 256
-    _moe_count_kernel[(triton.cdiv(n, block),)](flat, counts, n, num_experts, BLOCK=block)
-    _moe_offsets_kernel[(1,)](counts, cursor, sorted_ids, expert_ids, num_padded, n,
-                              num_experts, max_len, BLOCK_M=block_m,
-                              E_PAD=max(16, triton.next_power_of_2(num_experts)), BLOCK=128)
-    _moe_scatter_kernel[(triton.cdiv(n, block),)](flat, cursor, sorted_ids, n, num_experts,
-                                                  BLOCK=block)
-    return sorted_ids, expert_ids, num_padded
-
-
 @triton.jit
 def _moe_tile(num_row_blocks, n, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
     """(row block, column tile) of this program. GROUP_M 0: every row block of a column
@@ -241,10 +151,10 @@ def _moe_tile(num_row_blocks, n, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
 
 @triton.jit
 def _moe_gate_up_kernel(
-    x_ptr, w_ptr, out_ptr, sorted_ptr, expert_ptr, npad_ptr, num_rows, num_row_blocks, top_k,
-    H, I, stride_xm, stride_we, stride_wn, stride_om,
+    x_ptr, w_ptr, w_desc, out_ptr, sorted_ptr, expert_ptr, npad_ptr, num_rows, num_row_blocks,
+    top_k, H, I, stride_xm, stride_we, stride_wn, stride_om,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    GROUP_M: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr,
+    GROUP_M: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr, TMA: tl.constexpr,
 ):
     # one (BLOCK_M rows of one expert) x (BLOCK_N columns of I) tile of silu(gate) * up
     pid_m, pid_n = _moe_tile(num_row_blocks, I, BLOCK_N, GROUP_M)
@@ -260,13 +170,18 @@ def _moe_gate_up_kernel(
     g_ptrs = w_ptr + e * stride_we + offs_n[None, :].to(tl.int64) * stride_wn + offs_k[:, None]
     u_ptrs = g_ptrs + I * stride_wn  # up rows follow the gate rows
     n_ok = offs_n[None, :] < I
+    g_row = (e * 2 * I + pid_n * BLOCK_N).to(tl.int32)  # TMA: the tile's first gate row
     acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, H, BLOCK_K):
         k_ok = offs_k < H - k0
         a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)  # read BM x BK
-        g = tl.load(g_ptrs, mask=k_ok[:, None] & n_ok, other=0.0)  # read BK x BN (the weights)
-        u = tl.load(u_ptrs, mask=k_ok[:, None] & n_ok, other=0.0)
+        if TMA:  # (BN, BK) tiles by the copy engine; columns past I are masked on the store
+            g = tl.trans(w_desc.load([g_row, k0]))
+            u = tl.trans(w_desc.load([g_row + I, k0]))
+        else:
+            g = tl.load(g_ptrs, mask=k_ok[:, None] & n_ok, other=0.0)  # read BK x BN (weights)
+            u = tl.load(u_ptrs, mask=k_ok[:, None] & n_ok, other=0.0)
         if UPCAST:  # interpreter only: its bf16 dot is wrong
             a, g, u = a.to(tl.float32), g.to(tl.float32), u.to(tl.float32)
         if IEEE:
@@ -285,10 +200,10 @@ def _moe_gate_up_kernel(
 
 @triton.jit
 def _moe_down_kernel(
-    a_ptr, w_ptr, out_ptr, weights_ptr, ids_ptr, sorted_ptr, expert_ptr, npad_ptr, num_rows,
-    num_row_blocks, num_experts, H, I, stride_am, stride_we, stride_wn, stride_om,
+    a_ptr, w_ptr, w_desc, out_ptr, weights_ptr, ids_ptr, sorted_ptr, expert_ptr, npad_ptr,
+    num_rows, num_row_blocks, num_experts, H, I, stride_am, stride_we, stride_wn, stride_om,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    GROUP_M: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr,
+    GROUP_M: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr, TMA: tl.constexpr,
 ):
     # one (BLOCK_M rows of one expert) x (BLOCK_N columns of H) tile of weight * (a @ w2[e]^T)
     pid_m, pid_n = _moe_tile(num_row_blocks, H, BLOCK_N, GROUP_M)
@@ -303,11 +218,15 @@ def _moe_down_kernel(
     a_ptrs = a_ptr + rows64[:, None] * stride_am + offs_k[None, :]  # (BM, BK)
     b_ptrs = w_ptr + e * stride_we + offs_n[None, :].to(tl.int64) * stride_wn + offs_k[:, None]
     n_ok = offs_n[None, :] < H
+    b_row = (e * H + pid_n * BLOCK_N).to(tl.int32)  # TMA: the tile's first row of w2
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, I, BLOCK_K):
         k_ok = offs_k < I - k0
         a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-        b = tl.load(b_ptrs, mask=k_ok[:, None] & n_ok, other=0.0)  # read BK x BN (the weights)
+        if TMA:
+            b = tl.trans(w_desc.load([b_row, k0]))
+        else:
+            b = tl.load(b_ptrs, mask=k_ok[:, None] & n_ok, other=0.0)  # read BK x BN (weights)
         if UPCAST:
             a, b = a.to(tl.float32), b.to(tl.float32)
         if IEEE:
@@ -324,42 +243,56 @@ def _moe_down_kernel(
     tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & n_ok)
 
 
-# Tiles as (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages, GROUP_M); BLOCK_N None:
-# _block_n; GROUP_M: the order of the programs (_moe_tile). Few pairs an expert (decode):
-# BLOCK_M = 16, the smallest tl.dot tile, so padding wastes little; many (prefill): the
-# usual GEMM tiles, and two in grouped order for the largest prefills, where the gathered
-# rows of every row block (for Mixtral's down GEMM at 4096 tokens, 8192 rows of 28 KB)
-# no longer fit in L2 and the default order reads them again for each column tile. The
-# first of each list is the choice off the GPU and inside a graph capture; on a GPU the
-# first call of each size bucket times them all (TUNING) and keeps the fastest.
-DECODE_TILES = [(16, None, 128, 4, 4, 0), (16, None, 64, 4, 5, 0), (16, None, 256, 4, 3, 0)]
-MIDDLE_TILES = [(32, 64, 64, 4, 4, 0), (16, 64, 128, 4, 4, 0), (64, 64, 64, 4, 4, 0),
-                (32, 128, 64, 4, 4, 0)]
-PREFILL_TILES = [(64, 128, 64, 8, 3, 0), (128, 128, 64, 8, 3, 0), (64, 128, 64, 4, 4, 0),
-                 (128, 64, 64, 4, 4, 0), (64, 256, 32, 8, 4, 0), (128, 128, 64, 8, 3, 8),
-                 (64, 128, 64, 8, 3, 8)]
+# Tiles as (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages, GROUP_M, TMA); BLOCK_N None:
+# _block_n; GROUP_M: the order of the programs (_moe_tile); TMA 1: the weight tiles come
+# by tensor-descriptor copies (Hopper; the gathered rows of x stay pointer loads). Few
+# pairs an expert (decode): BLOCK_M = 16, the smallest tl.dot tile, so padding wastes
+# little; many (prefill): the usual GEMM tiles, two in grouped order for the largest
+# prefills, where the gathered rows of every row block (for Mixtral's down GEMM at 4096
+# tokens, 8192 rows of 28 KB) no longer fit in L2 and the default order reads them again
+# for each column tile, and TMA ones. The first of each list is the choice off the GPU and
+# inside a graph capture; on a GPU the first call of each size bucket times them all
+# (TUNING) and keeps the fastest.
+DECODE_TILES = [(16, None, 128, 4, 4, 0, 0), (16, None, 64, 4, 5, 0, 0),
+                (16, None, 256, 4, 3, 0, 0)]
+MIDDLE_TILES = [(32, 64, 64, 4, 4, 0, 0), (16, 64, 128, 4, 4, 0, 0), (64, 64, 64, 4, 4, 0, 0),
+                (32, 128, 64, 4, 4, 0, 0)]
+PREFILL_TILES = [(64, 128, 64, 8, 3, 0, 0), (128, 128, 64, 8, 3, 0, 0), (64, 128, 64, 4, 4, 0, 0),
+                 (128, 64, 64, 4, 4, 0, 0), (64, 256, 32, 8, 4, 0, 0), (128, 128, 64, 8, 3, 8, 0),
+                 (64, 128, 64, 8, 3, 8, 0), (128, 128, 64, 8, 3, 0, 1), (128, 128, 64, 8, 4, 8, 1),
+                 (64, 128, 64, 4, 4, 0, 1)]
 SMEM_BUDGET = 200 * 1024  # bytes of shared memory a tile may take (the H100 has 227 KiB)
-INTERPRETER_TILE = (16, 32, 32, 4, 1, 2)  # grouped order: both orders run on the CPU
+INTERPRETER_TILE = (16, 32, 32, 4, 1, 2, 0)  # grouped order: both orders run on the CPU
 TUNING = TuneCache("fused_moe")
 
 
-def _tiles(num_pairs: int, num_experts: int, element_size: int) -> list[tuple]:
+def tma_ok(x: torch.Tensor, h: int, i: int) -> bool:
+    """Whether the weight tiles can come by TMA: Triton's tensor descriptors, a Hopper GPU
+    (or the interpreter), and rows of ``h`` and ``i`` elements 16-byte aligned."""
+    if TensorDescriptor is None or (h * x.element_size()) % 16 or (i * x.element_size()) % 16:
+        return False
+    cap = device.capability()
+    return device.interpreting() or (device.on_gpu() and cap is not None and cap >= (9, 0))
+
+
+def _tiles(num_pairs: int, num_experts: int, element_size: int, tma: bool = False) -> list[tuple]:
     """The candidate tiles for ``num_pairs`` (token, expert) pairs over ``num_experts``;
-    fp32 (4-byte) tiles take at most 2 stages (shared memory)."""
+    fp32 (4-byte) tiles take at most 2 stages (shared memory); TMA tiles only if ``tma``."""
     if device.interpreting():
         return [INTERPRETER_TILE]
     per_expert = num_pairs / num_experts
     tiles = DECODE_TILES if per_expert <= 16 else MIDDLE_TILES if per_expert <= 64 \
         else PREFILL_TILES
+    tiles = [t for t in tiles if tma or not t[6]]
     if element_size == 4:
-        tiles = [(m, n, min(k, 128), w, min(st, 2), g) for m, n, k, w, st, g in tiles]
+        tiles = [(m, n, min(k, 128), w, min(st, 2), g, a) for m, n, k, w, st, g, a in tiles]
     return list(dict.fromkeys(tiles))
 
 
 def smem_bytes(tile: tuple, block_n: int, element_size: int, b_tiles: int = 2) -> int:
     """Shared memory of a tile's pipeline: ``stages`` copies of the A tile and of the
     ``b_tiles`` weight tiles (2 in the gate/up kernel: gate and up)."""
-    bm, _, bk, _, stages, _ = tile
+    bm, bk, stages = tile[0], tile[2], tile[4]
     return stages * (bm * bk + b_tiles * bk * block_n) * element_size
 
 
@@ -382,7 +315,7 @@ def _forward(x, w13, w2, topk_weights, topk_ids, tile: tuple) -> torch.Tensor:
     """The three steps with one tile (see the module docstring)."""
     (t_, h), (e, two_i, _), k = x.shape, w13.shape, topk_ids.shape[1]
     i = two_i // 2
-    bm, bn, bk, warps, stages, group_m = tile
+    bm, bn, bk, warps, stages, group_m, tma = tile
     sorted_ids, expert_ids, num_padded = moe_align(topk_ids, e, bm)
     weights = topk_weights.float().contiguous().view(-1)  # (T k,) by pair index
     inter = torch.empty((t_ * k, i), dtype=x.dtype, device=x.device)  # silu(gate) * up per pair
@@ -394,12 +327,16 @@ def _forward(x, w13, w2, topk_weights, topk_ids, tile: tuple) -> torch.Tensor:
     bn1 = bn or _block_n(used, i, x.device, tile, x.element_size())
     bn2 = bn or _block_n(used, h, x.device, tile, x.element_size())
     launch = dict(BLOCK_M=bm, BLOCK_K=bk, GROUP_M=group_m, UPCAST=upcast, IEEE=ieee,
-                  num_warps=warps, num_stages=stages)
+                  TMA=bool(tma), num_warps=warps, num_stages=stages)
+    d13 = d2 = None
+    if tma:  # the weights as rows: (E 2I, H) and (E H, I), copied in (BN, BK) tiles
+        d13 = TensorDescriptor(w13, [e * two_i, h], [h, 1], [bn1, bk])
+        d2 = TensorDescriptor(w2, [e * h, i], [i, 1], [bn2, bk])
     _moe_gate_up_kernel[(blocks * triton.cdiv(i, bn1),)](
-        x, w13, inter, sorted_ids, expert_ids, num_padded, t_ * k, blocks, k, h, i,
+        x, w13, d13, inter, sorted_ids, expert_ids, num_padded, t_ * k, blocks, k, h, i,
         x.stride(0), w13.stride(0), w13.stride(1), inter.stride(0), BLOCK_N=bn1, **launch)
     _moe_down_kernel[(blocks * triton.cdiv(h, bn2),)](
-        inter, w2, out, weights, topk_ids.reshape(-1), sorted_ids, expert_ids, num_padded,
+        inter, w2, d2, out, weights, topk_ids.reshape(-1), sorted_ids, expert_ids, num_padded,
         t_ * k, blocks, e, h, i, inter.stride(0), w2.stride(0), w2.stride(1), out.stride(0),
         BLOCK_N=bn2, **launch)
     if k == 1:
@@ -423,7 +360,7 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
         return fused_moe_few_tokens(x, w13, w2, topk_weights, topk_ids)
     pairs = t_ * topk_ids.shape[1]
     key = (triton.next_power_of_2(triton.cdiv(pairs, e)), e, h, i, x.dtype)
-    tile = TUNING.tune(key, _tiles(pairs, e, x.element_size()),
+    tile = TUNING.tune(key, _tiles(pairs, e, x.element_size(), tma_ok(x, h, i)),
                        lambda c: _forward(x, w13, w2, topk_weights, topk_ids, c),
                        timing=device.on_gpu())
     return _forward(x, w13, w2, topk_weights, topk_ids, tile)
