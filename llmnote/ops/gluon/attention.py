@@ -336,10 +336,13 @@ def compile_attention(dtype: torch.dtype = torch.bfloat16, head_dim: int = 128, 
 def _launch(q, k, v, out, scales, causal: bool, sm_scale: float, cfg: dict, fp8: bool):
     """q, k (B, H, N, D) and v (B, H_kv, N_k, D), or V^T (B, H_kv, D, N_k) when ``fp8``, as
     2-D row views for TMA; ``out`` (B, H, N_q, D) contiguous."""
+    from llmnote.ops.attention._common import check_grid_y
+
     (b, h, n_q, d), h_kv = q.shape, k.shape[1]
     n_k = k.shape[2]
     if n_q == 0 or b * h == 0:
         return out
+    check_grid_y(b, h)
     (q_block, q_l), (k_block, k_l), (v_block, v_l) = _layouts(q.dtype, d, cfg, fp8)
     q2, k2 = q.reshape(-1, d), k.reshape(-1, d)
     v2 = v.reshape(-1, v.shape[-1])  # FP8: rows of V^T, the last stride kept (padded to 16)
