@@ -119,6 +119,8 @@ def test_greedy_identical_to_plain_engine(near, plain_outputs, method, k, mode):
     if method == "draft":  # guesses kept and refused both happen with this pair
         assert 0 < st.accepted < st.proposed
         assert any(c[1] > 1 for s in llm.step_log for c in s["chunks"] if c[2] == "verify")
+        # greedy batches whose sequences all guess k tokens draft as one multi-step run
+        assert llm.speculator.draft.num_decode_runs > 0
     assert max(s["tokens"] for s in llm.step_log) <= cfg.max_num_batched_tokens
     if mode == "preempt":
         assert llm.scheduler.num_preemptions > 0

@@ -271,8 +271,15 @@ class Speculator:
                        ) -> tuple[list[list[int]], list[torch.Tensor | None]]:
         """``max(ks)`` draft steps, each one token per sequence still guessing (a CUDA graph
         replay where the draft has graphs); sampled rows draw from the draft's
-        distribution, kept for the rejection step."""
+        distribution, kept for the rejection step. A greedy batch whose sequences all guess
+        ``k`` tokens runs them as one multi-step decode run of the draft
+        (:meth:`~llmnote.engine.multistep.MultiStep.launch_steps`): each step's argmax is
+        the next step's input on the device, and the host reads the ``k`` guesses once."""
         seqs = [s for s, _ in batch.items]
+        if ks and ks[0] > 0 and len(set(ks)) == 1 and all(s.params.greedy for s in seqs):
+            run = self.draft.launch_steps(ScheduledBatch([(s, 1) for s in seqs]), ks[0])
+            steps = self.draft.collect(run)
+            return [[step[s.seq_id] for step in steps] for s in seqs], [None] * len(seqs)
         drafts: list[list[int]] = [[] for _ in seqs]
         qs: list[list[torch.Tensor]] = [[] for _ in seqs]
         for j in range(max(ks)):
