@@ -43,6 +43,9 @@ from llmnote.models.llama import DecoderLayer, Llama
 
 
 # ---------------------------------------------------------------- communication
+ONE_SHOT_MAX_BYTES = 256 * 1024  # Comm.use_one_shot's default: a decode step's all-reduces
+
+
 class Comm:
     """The collectives a tensor-parallel layer calls, with a tally of what they moved.
 
@@ -64,7 +67,7 @@ class Comm:
     def world_size(self) -> int:
         return dist.get_world_size(self.group) if dist.is_initialized() else 1
 
-    def use_one_shot(self, device: torch.device, max_bytes: int = 256 * 1024,
+    def use_one_shot(self, device: torch.device, max_bytes: int = ONE_SHOT_MAX_BYTES,
                      dtype: torch.dtype = torch.bfloat16) -> str | None:
         """Reduce tensors of ``dtype`` up to ``max_bytes`` with PyTorch's one-shot kernel over
         symmetric memory instead of NCCL: every GPU reads the others' buffers over NVLink

@@ -31,7 +31,6 @@ sizes in the interpreter: a smoke test, not a measurement.
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -45,6 +44,7 @@ from llmnote.bench.ceilings import measure_ceilings
 from llmnote.bench.harness import Skip, require_compiled, sweep
 from llmnote.bench.results import COLUMNS, environment
 from llmnote.bench.suites.common import compiled, dtype_name
+from llmnote.bench.suites.gluon import require_hopper
 from llmnote.ops.attention import (
     flash_attention, flash_attention_fp8, flash_attention_fp8_quantized, flash_attention_fp8_ref,
     flash_attention_ref, flash_attention_v1, flash_attention_v3, quantize_fp8_blocks, quantize_fp8_channels,
@@ -230,13 +230,6 @@ def _flex_task(setup: Setup, n: int, h: int, d: int, causal: bool, direction: st
 # --------------------------------------------------------------------------------------------
 
 
-def gluon_only(name: str) -> None:
-    """:class:`Skip` off a Hopper GPU: the Gluon kernels run there only."""
-    cap = device.capability()
-    if not (device.on_gpu() and cap and cap[0] == 9):
-        raise Skip(f"{name} runs on a Hopper GPU only; this machine: {device.describe()}")
-
-
 def _fa3_providers(setup: Setup, d: int, causal: bool, dtype) -> dict:
     h = setup.hidden // d
 
@@ -249,7 +242,7 @@ def _fa3_providers(setup: Setup, d: int, causal: bool, dtype) -> dict:
             if name.startswith("fa3"):
                 require_compiled(name, HOPPER)
             if name.startswith("fa3-gluon"):
-                gluon_only(name)
+                require_hopper()
             q, k, v = inputs(n)
             _check(fn, q, k, v, causal, "fwd", q, name)
             task = _task(fn, q, k, v, "fwd", None)
@@ -263,8 +256,7 @@ def _fa3_providers(setup: Setup, d: int, causal: bool, dtype) -> dict:
         def factory(n):
             require_compiled(name, HOPPER)
             if gluon:
-                gluon_only(name)
-                G = importlib.import_module("llmnote.ops.gluon.attention")
+                G = require_hopper()
                 run_fp8, run_quantized = G.attention_fp8, G.attention_fp8_quantized
             else:
                 run_fp8, run_quantized = flash_attention_fp8, flash_attention_fp8_quantized
@@ -298,10 +290,9 @@ def _fa3_providers(setup: Setup, d: int, causal: bool, dtype) -> dict:
             return fn
         return f
 
-    def gluon(pingpong: bool):  # llmnote.ops.gluon imported here: a Triton without Gluon
-        def fn(q, k, v):       # must not break the other providers
-            from llmnote.ops.gluon import attention
-            return attention(q, k, v, causal=causal, PINGPONG=pingpong)
+    def gluon(pingpong: bool):  # (llmnote.ops.gluon imported by require_hopper, on Hopper)
+        def fn(q, k, v):
+            return require_hopper().attention(q, k, v, causal=causal, PINGPONG=pingpong)
         return fn
 
     providers = {

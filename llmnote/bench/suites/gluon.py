@@ -27,8 +27,6 @@ and are skipped elsewhere (the CPU: the Triton and PyTorch rows, wall clock).
 
 from __future__ import annotations
 
-import importlib
-
 import pandas as pd
 import torch
 
@@ -49,7 +47,7 @@ W4_BATCHES, W4_GROUP = [1, 16], 128
 COPY_BYTES = [1 << 20, 1 << 24, 1 << 28, 1 << 30]
 
 
-def _require_hopper():
+def require_hopper():
     """llmnote.ops.gluon, or :class:`Skip` off a Hopper GPU (imported here, not at the top:
     a Triton without Gluon must not break the other suites)."""
     cap = device.capability()
@@ -79,7 +77,7 @@ def _matmul_providers(shape_of, dtype: torch.dtype, weight: bool) -> dict:
         return factory
 
     def gluon_factory(x):
-        return checked(_require_hopper().matmul, "llmnote-gluon")(x)
+        return checked(require_hopper().matmul, "llmnote-gluon")(x)
 
     def cublas(x):
         if not device.on_gpu():
@@ -102,7 +100,7 @@ def _copy_providers(dtype: torch.dtype) -> dict:
     es = torch.empty((), dtype=dtype).element_size()
 
     def ours(nbytes):
-        gluon = _require_hopper()
+        gluon = require_hopper()
         x = torch.randn(nbytes // es, device=dev).to(dtype)
         if not torch.equal(gluon.copy(x), x):
             raise AssertionError(f"gluon copy of {nbytes} bytes differs from its input")
@@ -140,11 +138,11 @@ def _w4_providers(n: int, k: int, dtype: torch.dtype, group: int) -> dict:
         return factory
 
     def gluon_factory(m):
-        return checked(_require_hopper().w4a16_linear, "llmnote-gluon")(m)
+        return checked(require_hopper().w4a16_linear, "llmnote-gluon")(m)
 
     def repacked_factory(m):  # the codes repacked once, as at load time, outside the timing
-        gluon = _require_hopper()
-        qm = importlib.import_module("llmnote.ops.gluon.w4a16").repack_w4a16(qw)
+        gluon = require_hopper()
+        qm = gluon.repack_w4a16(qw)
         return checked(lambda *a: gluon.w4a16_linear(*a, repacked=qm), "llmnote-gluon-repacked")(m)
 
     def linear(m):

@@ -49,7 +49,6 @@ from llmnote.bench.results import environment
 
 BENCH = "tensor_parallel"
 PARTS = ("allreduce", "engine", "70b", "ring")
-ONE_SHOT_BYTES = 256 * 1024  # Comm.use_one_shot's default buffer: the decode steps' sizes
 AR_SIZES = [2**k for k in range(11, 29, 1)]  # 2 KiB .. 256 MiB
 RING_LENGTHS = [32768, 65536, 131072]
 
@@ -142,31 +141,33 @@ def ring_rank(rank: int, world_size: int, lengths: list[int], heads: int, kv_hea
 
 
 # ---------------------------------------------------------------- parts
-def allreduce_rows(env: dict, backend: str, sizes: list[int]) -> list[dict]:
-    from llmnote.parallel import launch
-    from llmnote.parallel.cost import bus_bandwidth, fit_alpha_beta
+def _allreduce_time_rows(env: dict, provider: str, sizes: list[int], samples: list) -> list[dict]:
+    """The time (µs) and bus-bandwidth rows of each size, from rank 0's samples (seconds)."""
+    from llmnote.parallel.cost import bus_bandwidth
 
     rows = []
-    if backend == "nccl":  # the engine's path for small tensors, beside NCCL's
-        small = [n for n in sizes if n <= ONE_SHOT_BYTES]
-        shot = launch(allreduce_rank, 2, small, 10, 20, True, backend=backend, timeout_s=300)
-        for i, nbytes in enumerate(small if shot[0] else []):
-            s = np.array(shot[0][i]) * 1e6
-            p50, p20, p80 = np.quantile(s, [0.5, 0.2, 0.8])
-            rows += rows_for(BENCH, "one-shot", "bytes", nbytes, Timing(p50, p20, p80), {
-                "busbw": ("GB/s", lambda x, us: bus_bandwidth(x, 2, us / 1e6) / 1e9)},
-                {"ranks": 2, "dtype": "bfloat16"}, env)
-            rows[-2]["unit"] = "us"
-    res = launch(allreduce_rank, 2, sizes, backend=backend, timeout_s=300)
-    medians = []
-    for i, nbytes in enumerate(sizes):
-        s = np.array(res[0][i]) * 1e6  # rank 0's samples, µs
-        p50, p20, p80 = np.quantile(s, [0.5, 0.2, 0.8])
-        medians.append(p50 / 1e6)
-        rows += rows_for(BENCH, backend, "bytes", nbytes, Timing(p50, p20, p80), {
+    for nbytes, s in zip(sizes, samples):
+        p50, p20, p80 = np.quantile(np.array(s) * 1e6, [0.5, 0.2, 0.8])
+        rows += rows_for(BENCH, provider, "bytes", nbytes, Timing(p50, p20, p80), {
             "busbw": ("GB/s", lambda x, us: bus_bandwidth(x, 2, us / 1e6) / 1e9)},
             {"ranks": 2, "dtype": "bfloat16"}, env)
         rows[-2]["unit"] = "us"  # the time row
+    return rows
+
+
+def allreduce_rows(env: dict, backend: str, sizes: list[int]) -> list[dict]:
+    from llmnote.parallel import launch
+    from llmnote.parallel.cost import fit_alpha_beta
+    from llmnote.parallel.tensor_parallel import ONE_SHOT_MAX_BYTES
+
+    rows = []
+    if backend == "nccl":  # the engine's path for small tensors, beside NCCL's
+        small = [n for n in sizes if n <= ONE_SHOT_MAX_BYTES]
+        shot = launch(allreduce_rank, 2, small, 10, 20, True, backend=backend, timeout_s=300)
+        rows += _allreduce_time_rows(env, "one-shot", small, shot[0])  # [] where unavailable
+    res = launch(allreduce_rank, 2, sizes, backend=backend, timeout_s=300)
+    rows += _allreduce_time_rows(env, backend, sizes, res[0])
+    medians = [float(np.median(s)) for s in res[0]]
     alpha, bw = fit_alpha_beta(sizes, medians, 2)
     print(f"{BENCH}: all-reduce α-β fit over 2 ranks: α = {alpha * 1e6:.2f} µs per step, "
           f"B = {bw / 1e9:.1f} GB/s")

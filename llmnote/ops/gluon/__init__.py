@@ -10,12 +10,15 @@ for sm_90 without a GPU so their PTX, registers and shared memory can be read. T
 Triton ops in :mod:`llmnote.ops` stay the defaults everywhere.
 """
 
-from llmnote.ops.gluon.attention import attention, attention_ref, compile_attention
+from llmnote.ops.gluon.attention import (
+    attention, attention_fp8, attention_fp8_quantized, attention_ref, compile_attention,
+)
 from llmnote.ops.gluon.compile import Compiled, compile_kernel, tensordesc
 from llmnote.ops.gluon.copy import compile_copy, copy, copy_ref
 from llmnote.ops.gluon.matmul import compile_matmul, matmul, matmul_ref
-from llmnote.ops.gluon.w4a16 import compile_w4a16, w4a16_linear, w4a16_linear_ref
+from llmnote.ops.gluon.w4a16 import compile_w4a16, repack_w4a16, w4a16_linear, w4a16_linear_ref
 
-__all__ = ["Compiled", "attention", "attention_ref", "compile_attention", "compile_copy",
-           "compile_kernel", "compile_matmul", "compile_w4a16", "copy", "copy_ref", "matmul",
-           "matmul_ref", "tensordesc", "w4a16_linear", "w4a16_linear_ref"]
+__all__ = ["Compiled", "attention", "attention_fp8", "attention_fp8_quantized", "attention_ref",
+           "compile_attention", "compile_copy", "compile_kernel", "compile_matmul",
+           "compile_w4a16", "copy", "copy_ref", "matmul", "matmul_ref", "repack_w4a16",
+           "tensordesc", "w4a16_linear", "w4a16_linear_ref"]
