@@ -75,7 +75,11 @@ def test_ping_pong_adds_the_turn_barriers_only():
 
 def test_bad_inputs():
     bf = torch.bfloat16
-    q = torch.zeros(1, 2, 8, 64, dtype=bf)
+    with torch.device(device.default_device()):  # where the backend takes tensors
+        _bad_inputs(bf, torch.zeros(1, 2, 8, 64, dtype=bf))
+
+
+def _bad_inputs(bf, q):
     with pytest.raises(TypeError, match="float16 or bfloat16"):
         GA.attention(q.float(), q.float(), q.float())
     with pytest.raises(ValueError, match="head_dim.*64 or 128, got 32"):

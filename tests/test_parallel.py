@@ -214,4 +214,7 @@ def test_one_shot_all_reduce_equals_nccl(dtype):
     for r in res:
         assert r["why"] is None, r["why"]
         assert r["eager"] == 0 and r["graph"] == 0, r
-        assert r["one_shot_calls"] >= 50 * len(numels)
+        # each size of whole 4-byte words (PyTorch's kernel takes no other) went one-shot
+        # in its 50 eager calls, the graph's warm-up and its capture; the rest went to NCCL
+        words = [n for n in numels if n * torch.empty((), dtype=dtype).element_size() % 4 == 0]
+        assert r["one_shot_calls"] == 52 * len(words), r

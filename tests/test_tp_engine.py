@@ -23,6 +23,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from llmnote import device
 from llmnote.engine import LLM, SamplingParams
 from llmnote.engine.tp_driver import TPRunner, _portable
 from llmnote.engine.tp_worker import RandomWeights, build_shard, random_model, shard_for_engine
@@ -527,10 +528,11 @@ def test_tp2_nccl_loading_peak_is_the_shard(tmp_path):
     or the embedding), and a fixed allowance for what the CUDA runtime and NCCL's start
     allocate through PyTorch (not model-sized; the finite check allocates two scalars, and
     of 151 KiB over a smaller model's shard seen on two H200s, the masks of the check it
-    replaced account, by count, for about 80 KiB; the rest was not traced). The model is sized so that one extra copy of its
-    largest tensor (2 MiB) would break the bound: less than the whole model, from a
-    checkpoint and from random weights."""
-    cfg = get_preset("llama-tiny").replace(num_hidden_layers=4, hidden_size=256,
+    replaced account, by count, for about 80 KiB; the rest was not traced). The model is
+    sized so that one extra copy of its largest tensor (2 MiB) would break the bound, and
+    with enough layers (8) that the shard plus the fp32 group of random weights (4 MiB)
+    is still less than the whole model, from a checkpoint and from random weights."""
+    cfg = get_preset("llama-tiny").replace(num_hidden_layers=8, hidden_size=256,
                                            intermediate_size=1024, vocab_size=4096)
     model = random_model(cfg, "cpu", torch.bfloat16, seed=0)
     whole = sum(p.numel() * 2 for p in model.parameters())
@@ -553,14 +555,15 @@ def test_tp2_nccl_loading_peak_is_the_shard(tmp_path):
 
 
 def test_benchmark_smoke_records_what_the_ranks_loaded():
-    """The tensor-parallel benchmark's engine part on gloo (quick: llama-tiny): TP=1 and
-    TP=2 rows, and the TP=2 rows carry each rank's loaded weight bytes (half the split
+    """The tensor-parallel benchmark's engine part (quick: llama-tiny): TP=1 and TP=2 rows
+    (on two GPUs also TP=2 with every all-reduce through NCCL), and the TP=2 rows carry each rank's loaded weight bytes (half the split
     weights plus the replicated ones: less than the whole model)."""
     from llmnote.bench.suites import tensor_parallel as T
 
     df = T.run(quick=True, parts=("engine",))
     df = df[df.provider != "copy"]  # on two GPUs the run also times the copy ceiling
-    assert set(df.provider) == {"llmnote-tp1", "llmnote-tp2"}
+    nccl = {"llmnote-tp2-nccl"} if torch.cuda.device_count() >= 2 and device.on_gpu() else set()
+    assert set(df.provider) == {"llmnote-tp1", "llmnote-tp2"} | nccl
     tp2, tp1 = df[df.provider == "llmnote-tp2"], df[df.provider == "llmnote-tp1"]
     whole = sum(p.numel() * 4 for p in Llama(get_preset("llama-tiny")).parameters())
     assert ((tp2.load_weight_gb_per_rank * 1e9 > whole / 2)

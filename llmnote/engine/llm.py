@@ -137,7 +137,8 @@ class LLM:
         self.speculator: Speculator | None = None
         if speculative is not None:
             self.speculator = Speculator(speculative, self.runner, None if draft is None else
-                                         draft_runner(draft, self.runner, config))
+                                         draft_runner(draft, self.runner, config,
+                                                      speculative.k))
         self.scheduler = Scheduler(config, self.runner.num_blocks, self.max_model_len)
         self._next_id = 0
         self.requests: dict[int, Sequence] = {}  # every submitted request, by id

@@ -99,11 +99,14 @@ def share_cache(model: Llama, draft: Llama | None, config: EngineConfig) -> Engi
     return config.replace(num_blocks=max(1, n * kt // (kt + kd)))
 
 
-def draft_runner(draft: Llama, runner: ModelRunner, config: EngineConfig) -> ModelRunner:
+def draft_runner(draft: Llama, runner: ModelRunner, config: EngineConfig, k: int
+                 ) -> ModelRunner:
     """The draft's runner: its own cache of as many blocks as the model's, indexed by the
-    same block tables."""
+    same block tables, and room for ``k`` decode steps in one run (a greedy batch's ``k``
+    guesses drafted back to back on the device)."""
     out = ModelRunner(draft, config.replace(num_blocks=runner.num_blocks,
-                                            max_model_len=runner.max_model_len))
+                                            max_model_len=runner.max_model_len,
+                                            decode_steps=max(k, 1)))
     if out.max_model_len < runner.max_model_len:
         raise ValueError(f"the draft's context ({out.max_model_len} tokens) is shorter than the "
                          f"engine's max_model_len ({runner.max_model_len}); pass a smaller "

@@ -47,6 +47,9 @@ class MultiStep:
         continues it (async scheduling: its first ids are ``prev``'s last tokens, on the
         device). On a GPU with graphs nothing waits for the GPU here; :meth:`collect` reads
         the tokens."""
+        if not 0 < steps <= self.decode_steps:
+            raise ValueError(f"steps must be in 1..{self.decode_steps} (this runner's "
+                             f"decode_steps), got {steps}")
         b = len(batch.items)
         after = prev.steps if prev is not None else 0
         if prev is not None and [s for s, _ in prev.batch.items] != [s for s, _ in batch.items]:

@@ -168,7 +168,10 @@ class _Threads(ThreadPoolExecutor):
 
 
 def _can_fork() -> bool:
-    return "fork" in multiprocessing.get_all_start_methods() and sys.platform == "linux"
+    """Fork where the system can, and not from a daemonic process (a tensor-parallel
+    rank): Python refuses such a process children."""
+    return ("fork" in multiprocessing.get_all_start_methods() and sys.platform == "linux"
+            and not multiprocessing.current_process().daemon)
 
 
 @contextlib.contextmanager

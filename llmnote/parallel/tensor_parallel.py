@@ -103,8 +103,9 @@ class Comm:
         self.payload_bytes += t.numel() * t.element_size()
         if not (self.reduce and self.world_size > 1):
             return t
-        buf = self.one_shot
+        buf = self.one_shot  # (PyTorch's kernel takes whole 4-byte words)
         if buf is not None and t.dtype == buf.dtype and t.numel() <= buf.shape[1] \
+                and t.numel() * t.element_size() % 4 == 0 \
                 and t.is_contiguous() and t.device == buf.device:
             flat = t.view(-1)
             half = buf[self.one_shot_calls % 2, : flat.numel()]

@@ -241,7 +241,8 @@ def repack_w4a16(qweight: torch.Tensor) -> torch.Tensor:
     from llmnote.ops._validate import check_tensor
     from llmnote.quant.primitives import pack_int4, unpack_int4
 
-    check_tensor("qweight", qweight, dtypes=(torch.int32,), ndim=2, contiguous=True)
+    check_tensor("qweight", qweight, dtypes=(torch.int32,), ndim=2, contiguous=True,
+                 backend_device=False)  # (a rearrangement in PyTorch: any device)
     k, n = 8 * qweight.shape[0], qweight.shape[1]
     if k % BLOCK_K:
         raise ValueError(f"qweight.shape[0] * 8 (K) must be a multiple of {BLOCK_K}, got {k}")
