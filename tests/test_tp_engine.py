@@ -556,8 +556,9 @@ def test_tp2_nccl_loading_peak_is_the_shard(tmp_path):
 
 def test_benchmark_smoke_records_what_the_ranks_loaded():
     """The tensor-parallel benchmark's engine part (quick: llama-tiny): TP=1 and TP=2 rows
-    (on two GPUs also TP=2 with every all-reduce through NCCL), and the TP=2 rows carry each rank's loaded weight bytes (half the split
-    weights plus the replicated ones: less than the whole model)."""
+    (on two GPUs also TP=2 with every all-reduce through NCCL), and the TP=2 rows carry
+    each rank's loaded weight bytes (half the split weights plus the replicated ones: less
+    than the whole model)."""
     from llmnote.bench.suites import tensor_parallel as T
 
     df = T.run(quick=True, parts=("engine",))
