@@ -331,7 +331,11 @@ def test_w4a16_repacked_reads_16_bytes_a_thread():
     wgmma's operand registers without shared memory or shuffles."""
     book, packed = (gluon.compile_w4a16(torch.bfloat16, block_m=64, repacked=r) for r in (False, True))
     assert book.count("ld.global.b8") == 2 * 16 and book.count("ld.global.v4") == 0  # first + prefetch
-    assert packed.count("ld.global.b8") == 0 and packed.count("ld.global.v4") == 2
+    # the first AHEAD steps before the loop, one more in it
+    assert packed.count("ld.global.b8") == 0 and packed.count("ld.global.v4") == gw4.AHEAD + 1
+    for ahead in (1, 2, 4):  # each step in flight holds its 4 words, scales and zeros
+        c = gluon.compile_w4a16(torch.bfloat16, block_m=16, repacked=True, ahead=ahead)
+        assert c.count("ld.global.v4") == ahead + 1 and c.spilled == 0
     assert packed.count("shfl") == 0 and packed.count("st.shared") == book.count("st.shared")
     assert [w.count("{") for w in packed.lines("wgmma.mma_async")] == [2] * 4  # A in registers
     assert packed.spilled == 0
@@ -403,6 +407,8 @@ def test_w4a16_bad_inputs():
         gluon.w4a16_linear(x, wide, s, z, 64)
     with pytest.raises(ValueError, match=r"repacked must be repack_w4a16\(qweight\)"):
         gluon.w4a16_linear(x, qw, s, z, 64, repacked=qw)
+    with pytest.raises(ValueError, match="ahead must be 1, 2 or 4, got 3"):
+        gluon.w4a16_linear(x, qw, s, z, 64, ahead=3)
     with pytest.raises(ValueError, match="multiple of 64"):
         gw4.repack_w4a16(torch.zeros(4, 8, dtype=torch.int32))
 
@@ -441,6 +447,9 @@ def test_w4a16_on_hopper(m, n, k, g, dtype, seed):
         got = gluon.w4a16_linear(x, qw, s, z, g, bias, split_k=split)
         assert_close_lowp(got, ref32, lowp, atol=1e-3, name=f"gluon w4a16 {(m, n, k, g)} split {split}")
         assert torch.equal(got, gluon.w4a16_linear(x, qw, s, z, g, bias, split_k=split))  # deterministic
+        for ahead in (1, 2, 4):  # slices shorter than the steps in flight included
+            assert torch.equal(gluon.w4a16_linear(x, qw, s, z, g, bias, split_k=split, repacked=qm,
+                                                  ahead=ahead), got)
 
 
 def test_summary_of_the_shipped_csv_keeps_every_product():

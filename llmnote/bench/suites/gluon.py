@@ -12,7 +12,8 @@ Matmul (``bench = "gluon-matmul"``), providers ``llmnote-gluon``
 
 Throughput = 2 M N K / time. W4A16 (``bench = "gluon-w4a16"``): ``llmnote-gluon``
 (:func:`llmnote.ops.gluon.w4a16_linear`; ``llmnote-gluon-repacked`` on codes repacked by
-:func:`~llmnote.ops.gluon.w4a16.repack_w4a16`) vs ``llmnote`` (the Triton
+:func:`~llmnote.ops.gluon.w4a16.repack_w4a16`, ``-ahead4`` with four K steps of them in
+flight instead of one) vs ``llmnote`` (the Triton
 :func:`llmnote.quant.kernels.w4a16_linear`, tuned on its first call) vs ``torch-linear``
 (``F.linear`` on the bf16 weight), the same Llama-3-8B layers at batch 1 and 16, group
 128 (RTN); bandwidth = bytes of the weight as each provider reads it (packed codes,
@@ -140,16 +141,22 @@ def _w4_providers(n: int, k: int, dtype: torch.dtype, group: int) -> dict:
     def gluon_factory(m):
         return checked(require_hopper().w4a16_linear, "llmnote-gluon")(m)
 
-    def repacked_factory(m):  # the codes repacked once, as at load time, outside the timing
-        gluon = require_hopper()
-        qm = gluon.repack_w4a16(qw)
-        return checked(lambda *a: gluon.w4a16_linear(*a, repacked=qm), "llmnote-gluon-repacked")(m)
+    def repacked(ahead, name):
+        def factory(m):  # the codes repacked once, as at load time, outside the timing
+            gluon = require_hopper()
+            qm = gluon.repack_w4a16(qw)
+            kw = {} if ahead is None else {"ahead": ahead}  # None: the default
+            return checked(lambda *a: gluon.w4a16_linear(*a, repacked=qm, **kw), name)(m)
+        return factory
 
     def linear(m):
         x = torch.randn(m, k, device=dev).to(dtype)
         return lambda: F.linear(x, w16)
 
-    return {"llmnote-gluon": gluon_factory, "llmnote-gluon-repacked": repacked_factory,
+    return {"llmnote-gluon": gluon_factory,
+            "llmnote-gluon-repacked": repacked(None, "llmnote-gluon-repacked"),
+            # four steps of codes, scales and zero points in flight instead of one
+            "llmnote-gluon-repacked-ahead4": repacked(4, "llmnote-gluon-repacked-ahead4"),
             "llmnote": checked(triton_w4a16, "llmnote"), "torch-linear": linear}
 
 
@@ -184,7 +191,8 @@ def run(quick: bool = False, dtype: torch.dtype = torch.bfloat16, square: list[i
                                 "layer": layer}))
     for layer, (n, k) in layers.items():
         packed = k * n // 2 + 2 * (k // w4_group) * n * torch.empty((), dtype=dtype).element_size()
-        nbytes = {"llmnote-gluon": packed, "llmnote-gluon-repacked": packed, "llmnote": packed,
+        nbytes = {"llmnote-gluon": packed, "llmnote-gluon-repacked": packed,
+                  "llmnote-gluon-repacked-ahead4": packed, "llmnote": packed,
                   "torch-linear": 2 * n * k}
         for name, factory in _w4_providers(n, k, dtype, w4_group).items():  # each its own bytes
             frames.append(sweep(W4_BENCH, "M", w4_batches, {name: factory},

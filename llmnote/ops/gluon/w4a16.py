@@ -19,7 +19,8 @@ touching shared memory (Marlin's idea). The book's packing gives single-byte loa
 :func:`repack_w4a16` rearranges the codes once (Marlin's repacking, for these tiles) so
 that a thread reads its 32 codes of a step with one 16-byte load. ``x`` tiles come
 by TMA in a ring of ``NUM_STAGES`` slots (as in :mod:`llmnote.ops.gluon.matmul`); the
-bytes of step ``k + 1`` are loaded while step ``k`` is decoded and multiplied.
+bytes of step ``k + 1`` are loaded while step ``k`` is decoded and multiplied (repacked:
+those of steps ``k + 1 .. k + ahead``, with their scales and zero points).
 
 Supported: ``group_size`` a multiple of ``BLOCK_K`` (64), any N and M. Split-K
 (:func:`split_for`): fp32 partial sums go to a workspace and the last program of a tile
@@ -48,6 +49,7 @@ from llmnote.quant.kernels.w4a16 import _workspace
 from llmnote.quant.kernels.w4a16_ref import HALF_DTYPES, check_w4a16, w4a16_linear_ref  # noqa: F401
 
 BLOCK_N, BLOCK_K, NUM_STAGES, NUM_WARPS = 64, 64, 4, 4
+AHEAD = 1  # K steps of repacked codes in flight while one is decoded (1, 2 or 4)
 MAX_BLOCK_M = 64
 GL_DTYPES = {torch.float16: gl.float16, torch.bfloat16: gl.bfloat16}
 SIG_DTYPES = {torch.float16: "fp16", torch.bfloat16: "bf16"}
@@ -110,6 +112,14 @@ def _load_words(qm_ptr, step, pid_n, n_tiles, layout: gl.constexpr):
 
 
 @gluon.jit
+def _load_group(s_ptr, z_ptr, step, n_op, N, GROUP: gl.constexpr, BLOCK_K: gl.constexpr):
+    """The scales and zero points of the channels ``n_op`` for K step ``step`` (one group)."""
+    g = (step * BLOCK_K) // GROUP
+    return (gl.load(s_ptr + g * N + n_op, mask=n_op < N, other=0.0),
+            gl.load(z_ptr + g * N + n_op, mask=n_op < N, other=0.0))
+
+
+@gluon.jit
 def _decode_words(w, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr):
     """Codes (BLOCK_N, BLOCK_K) from a step's words: nibble ``k0 + 2 n3 + 4 k3`` of word
     (d0, d1, d2, d3) is the code of channel ``16 d0 + 8 n3 + d1``, K ``16 d3 + 8 k3 + 2 d2 +
@@ -126,9 +136,11 @@ def _decode_words(w, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr):
 @gluon.jit
 def _w4a16_kernel(x_desc, qb_ptr, s_ptr, z_ptr, bias_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, K, stride_ym,
                   GROUP: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
-                  HAS_BIAS: gl.constexpr, SPLIT_K: gl.constexpr, REPACKED: gl.constexpr):
+                  HAS_BIAS: gl.constexpr, SPLIT_K: gl.constexpr, REPACKED: gl.constexpr,
+                  AHEAD: gl.constexpr):
     """Tile (pid_n, pid_m) of y^T = W^T x^T, BLOCK_N output channels by BLOCK_M tokens, over
-    the pid_k-th of SPLIT_K slices of K."""
+    the pid_k-th of SPLIT_K slices of K. Repacked codes: the words, scales and zero points
+    of the next AHEAD steps (1, 2 or 4) are in flight while a step is decoded."""
     BLOCK_M: gl.constexpr = x_desc.block_type.shape[0]
     BLOCK_K: gl.constexpr = x_desc.block_type.shape[1]
     dtype: gl.constexpr = x_desc.dtype
@@ -162,25 +174,47 @@ def _w4a16_kernel(x_desc, qb_ptr, s_ptr, z_ptr, bias_ptr, y_ptr, ws_ptr, cnt_ptr
     last = gl.maximum(hi, 1) - 1  # a valid step to read ahead from, in every slice
     words: gl.constexpr = _words_layout(gl.num_warps())
     n_tiles = gl.cdiv(N, BLOCK_N)
-    if REPACKED:  # 16 bytes a thread
-        nxt_words = _load_words(qb_ptr, gl.minimum(lo, last), gl.program_id(0), n_tiles, words)
+    gl.static_assert(AHEAD == 1 or AHEAD == 2 or AHEAD == 4, "AHEAD must be 1, 2 or 4")
+    pid_n = gl.program_id(0)
+    if REPACKED:  # 16 bytes a thread; steps lo .. lo + AHEAD - 1 in flight (w0 the first)
+        w0 = _load_words(qb_ptr, gl.minimum(lo, last), pid_n, n_tiles, words)
+        s0, z0 = _load_group(s_ptr, z_ptr, gl.minimum(lo, last), n_op, N, GROUP, BLOCK_K)
+        if AHEAD >= 2:
+            w1 = _load_words(qb_ptr, gl.minimum(lo + 1, last), pid_n, n_tiles, words)
+            s1, z1 = _load_group(s_ptr, z_ptr, gl.minimum(lo + 1, last), n_op, N, GROUP, BLOCK_K)
+        if AHEAD == 4:
+            w2 = _load_words(qb_ptr, gl.minimum(lo + 2, last), pid_n, n_tiles, words)
+            s2, z2 = _load_group(s_ptr, z_ptr, gl.minimum(lo + 2, last), n_op, N, GROUP, BLOCK_K)
+            w3 = _load_words(qb_ptr, gl.minimum(lo + 3, last), pid_n, n_tiles, words)
+            s3, z3 = _load_group(s_ptr, z_ptr, gl.minimum(lo + 3, last), n_op, N, GROUP, BLOCK_K)
     else:  # BLOCK_N x BLOCK_K / 2 bytes, one byte a load
         nxt_bytes = _load_pairs(qb_ptr, gl.minimum(lo, last), n, p, N, BLOCK_K)
     for j in range(0, steps):  # step k = lo + j of K, j-th use of the ring
         k = lo + j
         if REPACKED:
-            codes = _decode_words(nxt_words, BLOCK_N, BLOCK_K)
-            nxt_words = _load_words(qb_ptr, gl.minimum(k + 1, last), gl.program_id(0), n_tiles,
-                                    words)  # prefetch
+            codes, scale, zero = _decode_words(w0, BLOCK_N, BLOCK_K), s0, z0
+            nxt = gl.minimum(k + AHEAD, last)  # the step that joins the ones in flight
+            if AHEAD == 1:
+                w0 = _load_words(qb_ptr, nxt, pid_n, n_tiles, words)
+                s0, z0 = _load_group(s_ptr, z_ptr, nxt, n_op, N, GROUP, BLOCK_K)
+            elif AHEAD == 2:
+                w0, s0, z0 = w1, s1, z1
+                w1 = _load_words(qb_ptr, nxt, pid_n, n_tiles, words)
+                s1, z1 = _load_group(s_ptr, z_ptr, nxt, n_op, N, GROUP, BLOCK_K)
+            else:
+                w0, s0, z0 = w1, s1, z1
+                w1, s1, z1 = w2, s2, z2
+                w2, s2, z2 = w3, s3, z3
+                w3 = _load_words(qb_ptr, nxt, pid_n, n_tiles, words)
+                s3, z3 = _load_group(s_ptr, z_ptr, nxt, n_op, N, GROUP, BLOCK_K)
         else:
             b = nxt_bytes.to(gl.int32)
             nxt_bytes = _load_pairs(qb_ptr, gl.minimum(k + 1, last), n, p, N, BLOCK_K)  # prefetch
             codes = gl.reshape(gl.join(b & 15, b >> 4), [BLOCK_N, BLOCK_K])  # low nibble: even channel
-        g = (k * BLOCK_K) // GROUP  # the step lies in one group
-        scale = gl.load(s_ptr + g * N + n_op, mask=n_op < N, other=0.0).to(gl.float32)
-        zero = gl.load(z_ptr + g * N + n_op, mask=n_op < N, other=0.0).to(gl.float32)
+            scale, zero = _load_group(s_ptr, z_ptr, k, n_op, N, GROUP, BLOCK_K)  # the step's group
         codes = gl.convert_layout(codes, operand, assert_trivial=True)  # already where wgmma wants it
-        w = ((codes.to(gl.float32) - zero[:, None]) * scale[:, None]).to(dtype)  # W^T tile, in registers
+        w = ((codes.to(gl.float32) - zero.to(gl.float32)[:, None])
+             * scale.to(gl.float32)[:, None]).to(dtype)  # W^T tile, in registers
 
         slot = j % NUM_STAGES
         mbarrier.wait(ready.index(slot), (j // NUM_STAGES) & 1)
@@ -272,9 +306,11 @@ def _x_layout(dtype, block_m: int):
 
 
 def compile_w4a16(dtype: torch.dtype = torch.bfloat16, *, block_m: int = 16, group_size: int = 128,
-                  bias: bool = False, split_k: int = 1, repacked: bool = False) -> Compiled:
+                  bias: bool = False, split_k: int = 1, repacked: bool = False,
+                  ahead: int = AHEAD) -> Compiled:
     """The kernel as :func:`w4a16_linear` would launch it for ``block_m`` tokens and ``split_k``
-    slices of K (``repacked``: reading :func:`repack_w4a16`'s codes), compiled for sm_90."""
+    slices of K (``repacked``: reading :func:`repack_w4a16`'s codes, ``ahead`` steps of
+    them in flight), compiled for sm_90."""
     if dtype not in HALF_DTYPES:
         raise TypeError(f"dtype must be torch.float16 or torch.bfloat16, got {dtype}")
     t = SIG_DTYPES[dtype]
@@ -283,22 +319,24 @@ def compile_w4a16(dtype: torch.dtype = torch.bfloat16, *, block_m: int = 16, gro
            "s_ptr": f"*{t}", "z_ptr": f"*{t}", "bias_ptr": f"*{t}", "y_ptr": f"*{t}", "ws_ptr": "*fp32",
            "cnt_ptr": "*i32", "M": "i32", "N": "i32", "K": "i32", "stride_ym": "i32", "GROUP": "constexpr",
            "BLOCK_N": "constexpr", "NUM_STAGES": "constexpr", "HAS_BIAS": "constexpr",
-           "SPLIT_K": "constexpr", "REPACKED": "constexpr"}
+           "SPLIT_K": "constexpr", "REPACKED": "constexpr", "AHEAD": "constexpr"}
     const = {"GROUP": group_size, "BLOCK_N": BLOCK_N, "NUM_STAGES": NUM_STAGES, "HAS_BIAS": bias,
-             "SPLIT_K": split_k, "REPACKED": repacked}
+             "SPLIT_K": split_k, "REPACKED": repacked, "AHEAD": ahead}
     return compile_kernel(_w4a16_kernel, sig, const, num_warps=NUM_WARPS, child=True,  # gl.join: see child
                           aligned=("qb_ptr", "s_ptr", "z_ptr", "bias_ptr", "y_ptr", "N", "K", "stride_ym"))
 
 
 def w4a16_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
                  group_size: int, bias: torch.Tensor | None = None, *,
-                 split_k: int | None = None, repacked: torch.Tensor | None = None) -> torch.Tensor:
+                 split_k: int | None = None, repacked: torch.Tensor | None = None,
+                 ahead: int = AHEAD) -> torch.Tensor:
     """``x @ W^T (+ bias)`` for the book's W4A16 format (see :func:`w4a16_linear_ref`), by
     the Gluon kernel. ``x (..., K)`` bf16/fp16; ``qweight (K // 8, N)`` int32 contiguous;
     ``scales``, ``zeros`` ``(K // G, N)`` contiguous; ``group_size`` a multiple of 64;
     ``split_k``: slices of K (None: :func:`split_for`); ``repacked``:
-    ``repack_w4a16(qweight)``, read instead of ``qweight`` (16-byte loads). Needs a
-    Hopper GPU (raises ``RuntimeError`` elsewhere)."""
+    ``repack_w4a16(qweight)``, read instead of ``qweight`` (16-byte loads), ``ahead`` (1,
+    2 or 4) K steps of it in flight while one is decoded. Needs a Hopper GPU (raises
+    ``RuntimeError`` elsewhere)."""
     check_w4a16(x, qweight, scales, zeros, group_size, bias)
     if repacked is not None:
         want = (qweight.shape[0] // (BLOCK_K // 8), triton.cdiv(qweight.shape[1], BLOCK_N), 512)
@@ -308,6 +346,8 @@ def w4a16_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, z
                    else type(repacked).__name__)
             raise ValueError(f"repacked must be repack_w4a16(qweight): int32 {want} contiguous, "
                              f"got {got}")
+    if ahead not in (1, 2, 4) or isinstance(ahead, bool):
+        raise ValueError(f"ahead must be 1, 2 or 4, got {ahead!r}")
     if split_k is not None and (isinstance(split_k, bool) or not isinstance(split_k, int) or split_k < 1):
         raise ValueError(f"split_k must be None or a positive int, got {split_k!r}")
     if x.dtype not in HALF_DTYPES:
@@ -342,5 +382,5 @@ def w4a16_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, z
                             y if bias is None else bias, y, ws, cnt, m, n, k, y.stride(0),
                             GROUP=group_size, BLOCK_N=BLOCK_N, NUM_STAGES=NUM_STAGES,
                             HAS_BIAS=bias is not None, SPLIT_K=split, REPACKED=repacked is not None,
-                            num_warps=NUM_WARPS)
+                            AHEAD=ahead, num_warps=NUM_WARPS)
     return y.reshape(*lead, n)
