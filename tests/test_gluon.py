@@ -341,6 +341,19 @@ def test_w4a16_repacked_reads_16_bytes_a_thread():
     assert packed.spilled == 0
 
 
+@pytest.mark.parametrize("repacked", [False, True])
+def test_w4a16_float_codes_need_no_int_to_float_conversion(repacked):
+    """float_codes: each of a thread's 32 codes of a step becomes an fp32 bit pattern by
+    integer logic and is dequantized by one multiply-add; the default converts each code
+    (cvt) and subtracts and multiplies."""
+    conv, flt = (gluon.compile_w4a16(torch.bfloat16, block_m=16, repacked=repacked, float_codes=f)
+                 for f in (False, True))
+    cvt = ("cvt.rn.f32.u32", "cvt.rn.f32.s32")
+    assert sum(conv.count(c) for c in cvt) == 32 and conv.count("fma.rn.f32") == 0
+    assert sum(flt.count(c) for c in cvt) == 0 and flt.count("fma.rn.f32") == 32
+    assert flt.spilled == 0
+
+
 @pytest.mark.parametrize("k,n", [(64, 64), (128, 200), (512, 33), (4096, 384)])
 def test_w4a16_repack_round_trip_and_the_kernels_decoding(k, n, seed):
     """repack_w4a16 against its inverse, and against the kernel's decoding written out: word
@@ -409,6 +422,8 @@ def test_w4a16_bad_inputs():
         gluon.w4a16_linear(x, qw, s, z, 64, repacked=qw)
     with pytest.raises(ValueError, match="ahead must be 1, 2 or 4, got 3"):
         gluon.w4a16_linear(x, qw, s, z, 64, ahead=3)
+    with pytest.raises(TypeError, match="float_codes must be a bool, got 1"):
+        gluon.w4a16_linear(x, qw, s, z, 64, float_codes=1)
     with pytest.raises(ValueError, match="multiple of 64"):
         gw4.repack_w4a16(torch.zeros(4, 8, dtype=torch.int32))
 
@@ -443,6 +458,11 @@ def test_w4a16_on_hopper(m, n, k, g, dtype, seed):
     # the repacked codes (16-byte loads) decode to the same operand registers: the same result
     qm = gw4.repack_w4a16(qw)
     assert torch.equal(gluon.w4a16_linear(x, qw, s, z, g, bias, repacked=qm), out)
+    # codes decoded as fp32 1 + q / 16, one multiply-add: with integer zero points both
+    # forms are exact in fp32 before the rounding to the tile's dtype, so the same result
+    for repacked in (None, qm):
+        assert torch.equal(gluon.w4a16_linear(x, qw, s, z, g, bias, repacked=repacked,
+                                              float_codes=True), out)
     for split in (1, 2, 3, 5):  # 5 slices of 2 to 8 steps: some slices empty
         got = gluon.w4a16_linear(x, qw, s, z, g, bias, split_k=split)
         assert_close_lowp(got, ref32, lowp, atol=1e-3, name=f"gluon w4a16 {(m, n, k, g)} split {split}")

@@ -13,9 +13,9 @@ Matmul (``bench = "gluon-matmul"``), providers ``llmnote-gluon``
 Throughput = 2 M N K / time. W4A16 (``bench = "gluon-w4a16"``): ``llmnote-gluon``
 (:func:`llmnote.ops.gluon.w4a16_linear`; ``llmnote-gluon-repacked`` on codes repacked by
 :func:`~llmnote.ops.gluon.w4a16.repack_w4a16`, ``-ahead4`` with four K steps of them in
-flight instead of one) vs ``llmnote`` (the Triton
-:func:`llmnote.quant.kernels.w4a16_linear`, tuned on its first call) vs ``torch-linear``
-(``F.linear`` on the bf16 weight), the same Llama-3-8B layers at batch 1 and 16, group
+flight instead of one, ``-ahead4-float`` also decoding the codes as fp32 bit patterns)
+vs ``llmnote`` (the Triton :func:`llmnote.quant.kernels.w4a16_linear`, tuned on its first
+call) vs ``torch-linear`` (``F.linear`` on the bf16 weight), the same Llama-3-8B layers at batch 1 and 16, group
 128 (RTN); bandwidth = bytes of the weight as each provider reads it (packed codes,
 scales and zeros; 2 N K for bf16) / time. Copy (``bench = "gluon-copy"``): ``llmnote-gluon``
 (:func:`llmnote.ops.gluon.copy`) vs ``torch`` (``dst.copy_(src)``), 1 MiB to 1 GiB;
@@ -141,11 +141,10 @@ def _w4_providers(n: int, k: int, dtype: torch.dtype, group: int) -> dict:
     def gluon_factory(m):
         return checked(require_hopper().w4a16_linear, "llmnote-gluon")(m)
 
-    def repacked(ahead, name):
+    def repacked(name, **kw):  # kw: w4a16_linear's switches, the defaults where absent
         def factory(m):  # the codes repacked once, as at load time, outside the timing
             gluon = require_hopper()
             qm = gluon.repack_w4a16(qw)
-            kw = {} if ahead is None else {"ahead": ahead}  # None: the default
             return checked(lambda *a: gluon.w4a16_linear(*a, repacked=qm, **kw), name)(m)
         return factory
 
@@ -154,9 +153,12 @@ def _w4_providers(n: int, k: int, dtype: torch.dtype, group: int) -> dict:
         return lambda: F.linear(x, w16)
 
     return {"llmnote-gluon": gluon_factory,
-            "llmnote-gluon-repacked": repacked(None, "llmnote-gluon-repacked"),
-            # four steps of codes, scales and zero points in flight instead of one
-            "llmnote-gluon-repacked-ahead4": repacked(4, "llmnote-gluon-repacked-ahead4"),
+            "llmnote-gluon-repacked": repacked("llmnote-gluon-repacked"),
+            # four steps of codes, scales and zero points in flight instead of one; then
+            # also the codes decoded as fp32 bit patterns (no int-to-float conversion)
+            "llmnote-gluon-repacked-ahead4": repacked("llmnote-gluon-repacked-ahead4", ahead=4),
+            "llmnote-gluon-repacked-ahead4-float": repacked(
+                "llmnote-gluon-repacked-ahead4-float", ahead=4, float_codes=True),
             "llmnote": checked(triton_w4a16, "llmnote"), "torch-linear": linear}
 
 
@@ -192,7 +194,8 @@ def run(quick: bool = False, dtype: torch.dtype = torch.bfloat16, square: list[i
     for layer, (n, k) in layers.items():
         packed = k * n // 2 + 2 * (k // w4_group) * n * torch.empty((), dtype=dtype).element_size()
         nbytes = {"llmnote-gluon": packed, "llmnote-gluon-repacked": packed,
-                  "llmnote-gluon-repacked-ahead4": packed, "llmnote": packed,
+                  "llmnote-gluon-repacked-ahead4": packed,
+                  "llmnote-gluon-repacked-ahead4-float": packed, "llmnote": packed,
                   "torch-linear": 2 * n * k}
         for name, factory in _w4_providers(n, k, dtype, w4_group).items():  # each its own bytes
             frames.append(sweep(W4_BENCH, "M", w4_batches, {name: factory},

@@ -50,6 +50,7 @@ from llmnote.quant.kernels.w4a16_ref import HALF_DTYPES, check_w4a16, w4a16_line
 
 BLOCK_N, BLOCK_K, NUM_STAGES, NUM_WARPS = 64, 64, 4, 4
 AHEAD = 1  # K steps of repacked codes in flight while one is decoded (1, 2 or 4)
+FLOAT_CODES = False  # codes decoded as fp32 1 + q / 16 (one multiply-add), not converted
 MAX_BLOCK_M = 64
 GL_DTYPES = {torch.float16: gl.float16, torch.bfloat16: gl.bfloat16}
 SIG_DTYPES = {torch.float16: "fp16", torch.bfloat16: "bf16"}
@@ -120,15 +121,32 @@ def _load_group(s_ptr, z_ptr, step, n_op, N, GROUP: gl.constexpr, BLOCK_K: gl.co
 
 
 @gluon.jit
-def _decode_words(w, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr):
-    """Codes (BLOCK_N, BLOCK_K) from a step's words: nibble ``k0 + 2 n3 + 4 k3`` of word
-    (d0, d1, d2, d3) is the code of channel ``16 d0 + 8 n3 + d1``, K ``16 d3 + 8 k3 + 2 d2 +
-    k0``. The joins put (k0, n3, k3) in registers, the permute and reshape name them: the
-    result is wgmma's operand layout, up to the order of a thread's registers."""
-    a0 = gl.join(w & 15, (w >> 4) & 15)  # (k0 = 0, 1) at n3 = 0, k3 = 0
-    a1 = gl.join((w >> 8) & 15, (w >> 12) & 15)  # n3 = 1, k3 = 0
-    a2 = gl.join((w >> 16) & 15, (w >> 20) & 15)  # n3 = 0, k3 = 1
-    a3 = gl.join((w >> 24) & 15, (w >> 28) & 15)  # n3 = 1, k3 = 1
+def _nibble(w, i: gl.constexpr, FLOAT_CODES: gl.constexpr):
+    """Code ``i`` (bits 4i .. 4i + 3) of int32 ``w``: the integer, or with FLOAT_CODES the
+    bits of the fp32 number ``1 + q / 16`` (the code in mantissa bits 19-22 under the
+    exponent of 1.0: one shift and one and-or, no int-to-float conversion; see
+    :mod:`llmnote.quant.kernels.w4_decode`)."""
+    if FLOAT_CODES:
+        if 4 * i <= 19:
+            x = w << (19 - 4 * i)
+        else:
+            x = w >> (4 * i - 19)
+        return (x & 0x780000) | 0x3F800000
+    else:
+        return (w >> (4 * i)) & 15
+
+
+@gluon.jit
+def _decode_words(w, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, FLOAT_CODES: gl.constexpr):
+    """Codes (BLOCK_N, BLOCK_K) from a step's words (as :func:`_nibble` gives them): nibble
+    ``k0 + 2 n3 + 4 k3`` of word (d0, d1, d2, d3) is the code of channel ``16 d0 + 8 n3 +
+    d1``, K ``16 d3 + 8 k3 + 2 d2 + k0``. The joins put (k0, n3, k3) in registers, the
+    permute and reshape name them: the result is wgmma's operand layout, up to the order
+    of a thread's registers."""
+    a0 = gl.join(_nibble(w, 0, FLOAT_CODES), _nibble(w, 1, FLOAT_CODES))  # (k0 = 0, 1) at n3 = 0, k3 = 0
+    a1 = gl.join(_nibble(w, 2, FLOAT_CODES), _nibble(w, 3, FLOAT_CODES))  # n3 = 1, k3 = 0
+    a2 = gl.join(_nibble(w, 4, FLOAT_CODES), _nibble(w, 5, FLOAT_CODES))  # n3 = 0, k3 = 1
+    a3 = gl.join(_nibble(w, 6, FLOAT_CODES), _nibble(w, 7, FLOAT_CODES))  # n3 = 1, k3 = 1
     t = gl.join(gl.join(a0, a1), gl.join(a2, a3))  # (d0, d1, d2, d3, k0, n3, k3)
     return gl.reshape(gl.permute(t, (0, 5, 1, 3, 6, 2, 4)), [BLOCK_N, BLOCK_K])
 
@@ -137,10 +155,13 @@ def _decode_words(w, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr):
 def _w4a16_kernel(x_desc, qb_ptr, s_ptr, z_ptr, bias_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, K, stride_ym,
                   GROUP: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
                   HAS_BIAS: gl.constexpr, SPLIT_K: gl.constexpr, REPACKED: gl.constexpr,
-                  AHEAD: gl.constexpr):
+                  AHEAD: gl.constexpr, FLOAT_CODES: gl.constexpr):
     """Tile (pid_n, pid_m) of y^T = W^T x^T, BLOCK_N output channels by BLOCK_M tokens, over
     the pid_k-th of SPLIT_K slices of K. Repacked codes: the words, scales and zero points
-    of the next AHEAD steps (1, 2 or 4) are in flight while a step is decoded."""
+    of the next AHEAD steps (1, 2 or 4) are in flight while a step is decoded. FLOAT_CODES:
+    the codes decoded as fp32 ``1 + q / 16`` and dequantized with one multiply-add,
+    ``f (16 s) - (16 + z) s``, instead of an int-to-float conversion, a subtract and a
+    multiply (the same result: with an integer zero point both are exact in fp32)."""
     BLOCK_M: gl.constexpr = x_desc.block_type.shape[0]
     BLOCK_K: gl.constexpr = x_desc.block_type.shape[1]
     dtype: gl.constexpr = x_desc.dtype
@@ -192,7 +213,7 @@ def _w4a16_kernel(x_desc, qb_ptr, s_ptr, z_ptr, bias_ptr, y_ptr, ws_ptr, cnt_ptr
     for j in range(0, steps):  # step k = lo + j of K, j-th use of the ring
         k = lo + j
         if REPACKED:
-            codes, scale, zero = _decode_words(w0, BLOCK_N, BLOCK_K), s0, z0
+            codes, scale, zero = _decode_words(w0, BLOCK_N, BLOCK_K, FLOAT_CODES), s0, z0
             nxt = gl.minimum(k + AHEAD, last)  # the step that joins the ones in flight
             if AHEAD == 1:
                 w0 = _load_words(qb_ptr, nxt, pid_n, n_tiles, words)
@@ -210,11 +231,16 @@ def _w4a16_kernel(x_desc, qb_ptr, s_ptr, z_ptr, bias_ptr, y_ptr, ws_ptr, cnt_ptr
         else:
             b = nxt_bytes.to(gl.int32)
             nxt_bytes = _load_pairs(qb_ptr, gl.minimum(k + 1, last), n, p, N, BLOCK_K)  # prefetch
-            codes = gl.reshape(gl.join(b & 15, b >> 4), [BLOCK_N, BLOCK_K])  # low nibble: even channel
+            codes = gl.reshape(gl.join(_nibble(b, 0, FLOAT_CODES), _nibble(b, 1, FLOAT_CODES)),
+                               [BLOCK_N, BLOCK_K])  # low nibble: even channel
             scale, zero = _load_group(s_ptr, z_ptr, k, n_op, N, GROUP, BLOCK_K)  # the step's group
         codes = gl.convert_layout(codes, operand, assert_trivial=True)  # already where wgmma wants it
-        w = ((codes.to(gl.float32) - zero.to(gl.float32)[:, None])
-             * scale.to(gl.float32)[:, None]).to(dtype)  # W^T tile, in registers
+        scale, zero = scale.to(gl.float32), zero.to(gl.float32)
+        if FLOAT_CODES:  # W^T tile, in registers
+            f = codes.to(gl.float32, bitcast=True)  # 1 + q / 16
+            w = (f * (16.0 * scale)[:, None] - ((zero + 16.0) * scale)[:, None]).to(dtype)
+        else:
+            w = ((codes.to(gl.float32) - zero[:, None]) * scale[:, None]).to(dtype)
 
         slot = j % NUM_STAGES
         mbarrier.wait(ready.index(slot), (j // NUM_STAGES) & 1)
@@ -307,10 +333,10 @@ def _x_layout(dtype, block_m: int):
 
 def compile_w4a16(dtype: torch.dtype = torch.bfloat16, *, block_m: int = 16, group_size: int = 128,
                   bias: bool = False, split_k: int = 1, repacked: bool = False,
-                  ahead: int = AHEAD) -> Compiled:
+                  ahead: int = AHEAD, float_codes: bool = FLOAT_CODES) -> Compiled:
     """The kernel as :func:`w4a16_linear` would launch it for ``block_m`` tokens and ``split_k``
     slices of K (``repacked``: reading :func:`repack_w4a16`'s codes, ``ahead`` steps of
-    them in flight), compiled for sm_90."""
+    them in flight; ``float_codes``: decoded as fp32), compiled for sm_90."""
     if dtype not in HALF_DTYPES:
         raise TypeError(f"dtype must be torch.float16 or torch.bfloat16, got {dtype}")
     t = SIG_DTYPES[dtype]
@@ -319,9 +345,11 @@ def compile_w4a16(dtype: torch.dtype = torch.bfloat16, *, block_m: int = 16, gro
            "s_ptr": f"*{t}", "z_ptr": f"*{t}", "bias_ptr": f"*{t}", "y_ptr": f"*{t}", "ws_ptr": "*fp32",
            "cnt_ptr": "*i32", "M": "i32", "N": "i32", "K": "i32", "stride_ym": "i32", "GROUP": "constexpr",
            "BLOCK_N": "constexpr", "NUM_STAGES": "constexpr", "HAS_BIAS": "constexpr",
-           "SPLIT_K": "constexpr", "REPACKED": "constexpr", "AHEAD": "constexpr"}
+           "SPLIT_K": "constexpr", "REPACKED": "constexpr", "AHEAD": "constexpr",
+           "FLOAT_CODES": "constexpr"}
     const = {"GROUP": group_size, "BLOCK_N": BLOCK_N, "NUM_STAGES": NUM_STAGES, "HAS_BIAS": bias,
-             "SPLIT_K": split_k, "REPACKED": repacked, "AHEAD": ahead}
+             "SPLIT_K": split_k, "REPACKED": repacked, "AHEAD": ahead,
+             "FLOAT_CODES": float_codes}
     return compile_kernel(_w4a16_kernel, sig, const, num_warps=NUM_WARPS, child=True,  # gl.join: see child
                           aligned=("qb_ptr", "s_ptr", "z_ptr", "bias_ptr", "y_ptr", "N", "K", "stride_ym"))
 
@@ -329,14 +357,15 @@ def compile_w4a16(dtype: torch.dtype = torch.bfloat16, *, block_m: int = 16, gro
 def w4a16_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
                  group_size: int, bias: torch.Tensor | None = None, *,
                  split_k: int | None = None, repacked: torch.Tensor | None = None,
-                 ahead: int = AHEAD) -> torch.Tensor:
+                 ahead: int = AHEAD, float_codes: bool = FLOAT_CODES) -> torch.Tensor:
     """``x @ W^T (+ bias)`` for the book's W4A16 format (see :func:`w4a16_linear_ref`), by
     the Gluon kernel. ``x (..., K)`` bf16/fp16; ``qweight (K // 8, N)`` int32 contiguous;
     ``scales``, ``zeros`` ``(K // G, N)`` contiguous; ``group_size`` a multiple of 64;
     ``split_k``: slices of K (None: :func:`split_for`); ``repacked``:
     ``repack_w4a16(qweight)``, read instead of ``qweight`` (16-byte loads), ``ahead`` (1,
-    2 or 4) K steps of it in flight while one is decoded. Needs a Hopper GPU (raises
-    ``RuntimeError`` elsewhere)."""
+    2 or 4) K steps of it in flight while one is decoded; ``float_codes``: the codes
+    decoded as fp32 bit patterns instead of converted (see :func:`_nibble`). Needs a Hopper
+    GPU (raises ``RuntimeError`` elsewhere)."""
     check_w4a16(x, qweight, scales, zeros, group_size, bias)
     if repacked is not None:
         want = (qweight.shape[0] // (BLOCK_K // 8), triton.cdiv(qweight.shape[1], BLOCK_N), 512)
@@ -348,6 +377,8 @@ def w4a16_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, z
                              f"got {got}")
     if ahead not in (1, 2, 4) or isinstance(ahead, bool):
         raise ValueError(f"ahead must be 1, 2 or 4, got {ahead!r}")
+    if not isinstance(float_codes, bool):
+        raise TypeError(f"float_codes must be a bool, got {float_codes!r}")
     if split_k is not None and (isinstance(split_k, bool) or not isinstance(split_k, int) or split_k < 1):
         raise ValueError(f"split_k must be None or a positive int, got {split_k!r}")
     if x.dtype not in HALF_DTYPES:
@@ -382,5 +413,5 @@ def w4a16_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, z
                             y if bias is None else bias, y, ws, cnt, m, n, k, y.stride(0),
                             GROUP=group_size, BLOCK_N=BLOCK_N, NUM_STAGES=NUM_STAGES,
                             HAS_BIAS=bias is not None, SPLIT_K=split, REPACKED=repacked is not None,
-                            AHEAD=ahead, num_warps=NUM_WARPS)
+                            AHEAD=ahead, FLOAT_CODES=float_codes, num_warps=NUM_WARPS)
     return y.reshape(*lead, n)
