@@ -214,9 +214,15 @@ def _text(v) -> str:
     return str(int(v)) if isinstance(v, float) and v.is_integer() else str(v)
 
 
+# the Gluon providers of the summary and the label each adds to its checks
+GLUON_PROVIDERS = [("llmnote-gluon", ""), ("llmnote-gluon-repacked", "-repacked"),
+                   ("llmnote-gluon-repacked-ahead4", "-repacked-ahead4"),
+                   ("llmnote-gluon-repacked-ahead4-float", "-repacked-ahead4-float")]
+
+
 def summary(df: pd.DataFrame) -> pd.DataFrame:
     """One row per measured size and Gluon provider (the W4A16's repacked codes as checks
-    ``w4a16-repacked ...``): the Gluon kernel's rate (``gluon``, in ``unit``), its
+    ``w4a16-repacked ...``, its switches ``w4a16-repacked-ahead4 ...`` and so on): the Gluon kernel's rate (``gluon``, in ``unit``), its
     speed-up (time ratio) over the Triton kernel (``vs_triton``) and over the peer
     (``vs_peer``: cuBLAS, ``F.linear`` on the bf16 weight, PyTorch's copy), and for
     bandwidths the fraction of the copy ceiling of the same run (``vs_ceiling``)."""
@@ -235,7 +241,7 @@ def summary(df: pd.DataFrame) -> pd.DataFrame:
         for key, g in part.groupby(keys, sort=False, dropna=False):
             times = g[g.metric == "time"]
             t = dict(zip(times.provider, times.p50))
-            for ours, label in (("llmnote-gluon", ""), ("llmnote-gluon-repacked", "-repacked")):
+            for ours, label in GLUON_PROVIDERS:
                 mine = g[(g.metric == rate) & (g.provider == ours)]
                 if mine.empty:
                     continue
