@@ -25,6 +25,11 @@ def test_tiny_layer_sweep_records_every_metric():
     assert set(layer[layer.provider != "llmnote"].l2_flush) <= {"read"}
     assert set(layer[layer.provider == "llmnote"].l2_flush) == (
         {"read", "write"} if device.on_gpu() else {"read"})
+    # the tile the tuner chose, on llmnote's rows only (the interpreter's one tile at 5
+    # tokens; 1 token takes the few-token path, which has none)
+    assert set(layer[layer.provider != "llmnote"].tile) == {""}
+    ours = layer[layer.provider == "llmnote"]
+    assert set(ours[ours.x_value == 1].tile) == {""} and "" not in set(ours[ours.x_value == 5].tile)
     assert set(df[df.bench == "ceiling"].provider) == {"copy"}
     assert len(S.summary(df)) == 4  # per size: speed-up over the best peer, roofline fraction
 

@@ -12,7 +12,8 @@ loop before timing (low-precision rule of :mod:`llmnote.testing`), then timed wi
 ``do_bench``'s method, the L2 emptied before each call by a flush that reads
 (``l2_flush = "read"``: a decode step meets an L2 of clean lines, see
 :mod:`llmnote.bench.harness`); on a GPU llmnote's block at 1..16 tokens is timed after
-``do_bench``'s writing flush as well (rows ``l2_flush = "write"``). Each timed call
+``do_bench``'s writing flush as well (rows ``l2_flush = "write"``); its rows name the
+tile its tuner chose (``tile``, empty on the few-token path). Each timed call
 routes its tokens afresh from one of 8 precomputed routings, so the experts it reads
 are rarely the ones the call before left in L2. Metrics: ``time``; ``weight_bandwidth``
 = bytes of the experts the call's tokens touch / time; ``roofline_fraction`` = that
@@ -47,6 +48,7 @@ from llmnote import device
 from llmnote.bench.ceilings import copy_bandwidth
 from llmnote.bench.harness import Skip, Timing, measure, rows_for
 from llmnote.bench.results import environment
+from llmnote.ops.moe import TUNING as MOE_TUNING
 from llmnote.ops.moe import fused_moe, fused_moe_ref, route
 from llmnote.testing import assert_close_lowp, interpreter_allowance
 
@@ -146,8 +148,12 @@ def _layer_rows(model: str, shape: tuple[int, int, int, int], tokens: list[int],
         extra = {"dtype": "bfloat16", "model": model, "experts": e, "top_k": k, "hidden": h,
                  "width": i, "touched_bytes": wbytes}
         for name, fn in providers.items():
+            tile = ""  # llmnote's: the tile its tuner chose for this size (none: few tokens)
             try:
-                got = fn(x, w13, w2, w, ids)
+                with MOE_TUNING.recorded() as keys:
+                    got = fn(x, w13, w2, w, ids)
+                if name == "llmnote" and keys:
+                    tile = str(MOE_TUNING.get(keys[-1]))
                 if ref32 is not None:
                     atol = 1e-2 + interpreter_allowance(dtype, ref32)
                     assert_close_lowp(got, ref32, lowp, atol=atol, name=f"{name} {model} T={t}")
@@ -170,9 +176,10 @@ def _layer_rows(model: str, shape: tuple[int, int, int, int], tokens: list[int],
                 timing = measure(call, warmup_ms=10, rep_ms=50 if device.on_gpu() else 5,
                                  l2_flush=flush)
                 rows += rows_for(BENCH, name, "tokens", t, timing, metrics,
-                                 {**extra, "l2_flush": flush}, env)
+                                 {**extra, "l2_flush": flush, "tile": tile}, env)
                 print(f"{model} T={t} {name} ({flush} flush): {timing.p50 * 1e3:.1f} us, "
-                      f"{wbytes / (timing.p50 * 1e-3) / 1e9:.0f} GB/s of touched weights")
+                      f"{wbytes / (timing.p50 * 1e-3) / 1e9:.0f} GB/s of touched weights"
+                      + (f", tile {tile}" if tile else ""))
         if device.on_gpu() and t <= 16:  # the same bytes, one plain read
             flat = torch.randn(int(wbytes) // 2, device=dev, dtype=dtype, generator=g)
             for flush in ("read", "write"):
