@@ -354,6 +354,17 @@ def test_w4a16_float_codes_need_no_int_to_float_conversion(repacked):
     assert flt.spilled == 0
 
 
+def test_w4a16_overlap_leaves_one_product_in_flight():
+    """overlap: the loop waits for all but one product (the step before's), so a step's
+    wgmma runs while the next step is decoded; the last one is waited for after the loop."""
+    one, two = (gluon.compile_w4a16(torch.bfloat16, block_m=16, repacked=True, overlap=o)
+                for o in (False, True))
+    waits = [w.split()[-1] for w in one.lines("wgmma.wait_group")]
+    assert waits == ["0;"]
+    assert [w.split()[-1] for w in two.lines("wgmma.wait_group")] == ["1;", "0;"]
+    assert two.count("wgmma.mma_async") == one.count("wgmma.mma_async") and two.spilled == 0
+
+
 @pytest.mark.parametrize("k,n", [(64, 64), (128, 200), (512, 33), (4096, 384)])
 def test_w4a16_repack_round_trip_and_the_kernels_decoding(k, n, seed):
     """repack_w4a16 against its inverse, and against the kernel's decoding written out: word
@@ -424,6 +435,8 @@ def test_w4a16_bad_inputs():
         gluon.w4a16_linear(x, qw, s, z, 64, ahead=3)
     with pytest.raises(TypeError, match="float_codes must be a bool, got 1"):
         gluon.w4a16_linear(x, qw, s, z, 64, float_codes=1)
+    with pytest.raises(TypeError, match="overlap must be a bool, got 1"):
+        gluon.w4a16_linear(x, qw, s, z, 64, overlap=1)
     with pytest.raises(ValueError, match="multiple of 64"):
         gw4.repack_w4a16(torch.zeros(4, 8, dtype=torch.int32))
 
@@ -460,9 +473,12 @@ def test_w4a16_on_hopper(m, n, k, g, dtype, seed):
     assert torch.equal(gluon.w4a16_linear(x, qw, s, z, g, bias, repacked=qm), out)
     # codes decoded as fp32 1 + q / 16, one multiply-add: with integer zero points both
     # forms are exact in fp32 before the rounding to the tile's dtype, so the same result
+    # and with each product left in flight while the next step decodes: the same
+    # products in the same order
     for repacked in (None, qm):
-        assert torch.equal(gluon.w4a16_linear(x, qw, s, z, g, bias, repacked=repacked,
-                                              float_codes=True), out)
+        for kw in ({"float_codes": True}, {"overlap": True}, {"float_codes": True, "overlap": True}):
+            assert torch.equal(gluon.w4a16_linear(x, qw, s, z, g, bias, repacked=repacked, **kw),
+                               out), kw
     for split in (1, 2, 3, 5):  # 5 slices of 2 to 8 steps: some slices empty
         got = gluon.w4a16_linear(x, qw, s, z, g, bias, split_k=split)
         assert_close_lowp(got, ref32, lowp, atol=1e-3, name=f"gluon w4a16 {(m, n, k, g)} split {split}")
@@ -470,6 +486,8 @@ def test_w4a16_on_hopper(m, n, k, g, dtype, seed):
         for ahead in (1, 2, 4):  # slices shorter than the steps in flight included
             assert torch.equal(gluon.w4a16_linear(x, qw, s, z, g, bias, split_k=split, repacked=qm,
                                                   ahead=ahead), got)
+        assert torch.equal(gluon.w4a16_linear(x, qw, s, z, g, bias, split_k=split, repacked=qm,
+                                              ahead=4, float_codes=True, overlap=True), got)
 
 
 def test_summary_of_the_shipped_csv_keeps_every_product():

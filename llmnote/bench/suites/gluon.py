@@ -13,7 +13,8 @@ Matmul (``bench = "gluon-matmul"``), providers ``llmnote-gluon``
 Throughput = 2 M N K / time. W4A16 (``bench = "gluon-w4a16"``): ``llmnote-gluon``
 (:func:`llmnote.ops.gluon.w4a16_linear`; ``llmnote-gluon-repacked`` on codes repacked by
 :func:`~llmnote.ops.gluon.w4a16.repack_w4a16`, ``-ahead4`` with four K steps of them in
-flight instead of one, ``-ahead4-float`` also decoding the codes as fp32 bit patterns)
+flight instead of one, ``-ahead4-float`` also decoding the codes as fp32 bit patterns,
+``-ahead4-float-overlap`` also leaving each step's product in flight)
 vs ``llmnote`` (the Triton :func:`llmnote.quant.kernels.w4a16_linear`, tuned on its first
 call) vs ``torch-linear`` (``F.linear`` on the bf16 weight), the same Llama-3-8B layers at batch 1 and 16, group
 128 (RTN); bandwidth = bytes of the weight as each provider reads it (packed codes,
@@ -159,6 +160,10 @@ def _w4_providers(n: int, k: int, dtype: torch.dtype, group: int) -> dict:
             "llmnote-gluon-repacked-ahead4": repacked("llmnote-gluon-repacked-ahead4", ahead=4),
             "llmnote-gluon-repacked-ahead4-float": repacked(
                 "llmnote-gluon-repacked-ahead4-float", ahead=4, float_codes=True),
+            # and each step's product left in flight while the next step is decoded
+            "llmnote-gluon-repacked-ahead4-float-overlap": repacked(
+                "llmnote-gluon-repacked-ahead4-float-overlap", ahead=4, float_codes=True,
+                overlap=True),
             "llmnote": checked(triton_w4a16, "llmnote"), "torch-linear": linear}
 
 
@@ -195,7 +200,8 @@ def run(quick: bool = False, dtype: torch.dtype = torch.bfloat16, square: list[i
         packed = k * n // 2 + 2 * (k // w4_group) * n * torch.empty((), dtype=dtype).element_size()
         nbytes = {"llmnote-gluon": packed, "llmnote-gluon-repacked": packed,
                   "llmnote-gluon-repacked-ahead4": packed,
-                  "llmnote-gluon-repacked-ahead4-float": packed, "llmnote": packed,
+                  "llmnote-gluon-repacked-ahead4-float": packed,
+                  "llmnote-gluon-repacked-ahead4-float-overlap": packed, "llmnote": packed,
                   "torch-linear": 2 * n * k}
         for name, factory in _w4_providers(n, k, dtype, w4_group).items():  # each its own bytes
             frames.append(sweep(W4_BENCH, "M", w4_batches, {name: factory},
@@ -217,7 +223,9 @@ def _text(v) -> str:
 # the Gluon providers of the summary and the label each adds to its checks
 GLUON_PROVIDERS = [("llmnote-gluon", ""), ("llmnote-gluon-repacked", "-repacked"),
                    ("llmnote-gluon-repacked-ahead4", "-repacked-ahead4"),
-                   ("llmnote-gluon-repacked-ahead4-float", "-repacked-ahead4-float")]
+                   ("llmnote-gluon-repacked-ahead4-float", "-repacked-ahead4-float"),
+                   ("llmnote-gluon-repacked-ahead4-float-overlap",
+                    "-repacked-ahead4-float-overlap")]
 
 
 def summary(df: pd.DataFrame) -> pd.DataFrame:

@@ -51,6 +51,7 @@ from llmnote.quant.kernels.w4a16_ref import HALF_DTYPES, check_w4a16, w4a16_line
 BLOCK_N, BLOCK_K, NUM_STAGES, NUM_WARPS = 64, 64, 4, 4
 AHEAD = 1  # K steps of repacked codes in flight while one is decoded (1, 2 or 4)
 FLOAT_CODES = False  # codes decoded as fp32 1 + q / 16 (one multiply-add), not converted
+OVERLAP = False  # a step's wgmma in flight while the next step is decoded
 MAX_BLOCK_M = 64
 GL_DTYPES = {torch.float16: gl.float16, torch.bfloat16: gl.bfloat16}
 SIG_DTYPES = {torch.float16: "fp16", torch.bfloat16: "bf16"}
@@ -155,13 +156,14 @@ def _decode_words(w, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, FLOAT_CODES: 
 def _w4a16_kernel(x_desc, qb_ptr, s_ptr, z_ptr, bias_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, K, stride_ym,
                   GROUP: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
                   HAS_BIAS: gl.constexpr, SPLIT_K: gl.constexpr, REPACKED: gl.constexpr,
-                  AHEAD: gl.constexpr, FLOAT_CODES: gl.constexpr):
+                  AHEAD: gl.constexpr, FLOAT_CODES: gl.constexpr, OVERLAP: gl.constexpr):
     """Tile (pid_n, pid_m) of y^T = W^T x^T, BLOCK_N output channels by BLOCK_M tokens, over
     the pid_k-th of SPLIT_K slices of K. Repacked codes: the words, scales and zero points
     of the next AHEAD steps (1, 2 or 4) are in flight while a step is decoded. FLOAT_CODES:
     the codes decoded as fp32 ``1 + q / 16`` and dequantized with one multiply-add,
     ``f (16 s) - (16 + z) s``, instead of an int-to-float conversion, a subtract and a
-    multiply (the same result: with an integer zero point both are exact in fp32)."""
+    multiply (the same result: with an integer zero point both are exact in fp32).
+    OVERLAP: a step's product stays in flight while the next step is decoded."""
     BLOCK_M: gl.constexpr = x_desc.block_type.shape[0]
     BLOCK_K: gl.constexpr = x_desc.block_type.shape[1]
     dtype: gl.constexpr = x_desc.dtype
@@ -192,6 +194,8 @@ def _w4a16_kernel(x_desc, qb_ptr, s_ptr, z_ptr, bias_ptr, y_ptr, ws_ptr, cnt_ptr
         tma_load(x_desc, [off_m, (lo + s) * BLOCK_K], ready.index(s), x_ring.index(s), pred=issue)
 
     acc = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout=mma)
+    if OVERLAP:  # the operand of the product in flight (none yet)
+        w_prev = gl.zeros([BLOCK_N, BLOCK_K], dtype, layout=operand)
     last = gl.maximum(hi, 1) - 1  # a valid step to read ahead from, in every slice
     words: gl.constexpr = _words_layout(gl.num_warps())
     n_tiles = gl.cdiv(N, BLOCK_N)
@@ -245,12 +249,18 @@ def _w4a16_kernel(x_desc, qb_ptr, s_ptr, z_ptr, bias_ptr, y_ptr, ws_ptr, cnt_ptr
         slot = j % NUM_STAGES
         mbarrier.wait(ready.index(slot), (j // NUM_STAGES) & 1)
         acc = warpgroup_mma(w, x_ring.index(slot).permute((1, 0)), acc, is_async=True)
-        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))  # w's registers are free again
+        if OVERLAP:  # step j - 1's product is done, step j's runs on while j + 1 is decoded
+            acc, w_prev = warpgroup_mma_wait(num_outstanding=1, deps=(acc, w_prev))
+            w_prev = w  # (kept alive by the next wait: the product reads its registers)
+        else:
+            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))  # w's registers are free again
         nxt = j + NUM_STAGES - 1  # refill the slot the previous step used
         issue = nxt < steps
         mbarrier.expect(ready.index(nxt % NUM_STAGES), x_desc.block_type.nbytes, pred=issue)
         tma_load(x_desc, [off_m, (lo + nxt) * BLOCK_K], ready.index(nxt % NUM_STAGES),
                  x_ring.index(nxt % NUM_STAGES), pred=issue)
+    if OVERLAP:
+        acc, w_prev = warpgroup_mma_wait(num_outstanding=0, deps=(acc, w_prev))
     for s in gl.static_range(NUM_STAGES):
         mbarrier.invalidate(ready.index(s))
 
@@ -333,10 +343,12 @@ def _x_layout(dtype, block_m: int):
 
 def compile_w4a16(dtype: torch.dtype = torch.bfloat16, *, block_m: int = 16, group_size: int = 128,
                   bias: bool = False, split_k: int = 1, repacked: bool = False,
-                  ahead: int = AHEAD, float_codes: bool = FLOAT_CODES) -> Compiled:
+                  ahead: int = AHEAD, float_codes: bool = FLOAT_CODES,
+                  overlap: bool = OVERLAP) -> Compiled:
     """The kernel as :func:`w4a16_linear` would launch it for ``block_m`` tokens and ``split_k``
     slices of K (``repacked``: reading :func:`repack_w4a16`'s codes, ``ahead`` steps of
-    them in flight; ``float_codes``: decoded as fp32), compiled for sm_90."""
+    them in flight; ``float_codes``: decoded as fp32; ``overlap``: a product in flight
+    while the next step is decoded), compiled for sm_90."""
     if dtype not in HALF_DTYPES:
         raise TypeError(f"dtype must be torch.float16 or torch.bfloat16, got {dtype}")
     t = SIG_DTYPES[dtype]
@@ -346,10 +358,10 @@ def compile_w4a16(dtype: torch.dtype = torch.bfloat16, *, block_m: int = 16, gro
            "cnt_ptr": "*i32", "M": "i32", "N": "i32", "K": "i32", "stride_ym": "i32", "GROUP": "constexpr",
            "BLOCK_N": "constexpr", "NUM_STAGES": "constexpr", "HAS_BIAS": "constexpr",
            "SPLIT_K": "constexpr", "REPACKED": "constexpr", "AHEAD": "constexpr",
-           "FLOAT_CODES": "constexpr"}
+           "FLOAT_CODES": "constexpr", "OVERLAP": "constexpr"}
     const = {"GROUP": group_size, "BLOCK_N": BLOCK_N, "NUM_STAGES": NUM_STAGES, "HAS_BIAS": bias,
              "SPLIT_K": split_k, "REPACKED": repacked, "AHEAD": ahead,
-             "FLOAT_CODES": float_codes}
+             "FLOAT_CODES": float_codes, "OVERLAP": overlap}
     return compile_kernel(_w4a16_kernel, sig, const, num_warps=NUM_WARPS, child=True,  # gl.join: see child
                           aligned=("qb_ptr", "s_ptr", "z_ptr", "bias_ptr", "y_ptr", "N", "K", "stride_ym"))
 
@@ -357,15 +369,17 @@ def compile_w4a16(dtype: torch.dtype = torch.bfloat16, *, block_m: int = 16, gro
 def w4a16_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
                  group_size: int, bias: torch.Tensor | None = None, *,
                  split_k: int | None = None, repacked: torch.Tensor | None = None,
-                 ahead: int = AHEAD, float_codes: bool = FLOAT_CODES) -> torch.Tensor:
+                 ahead: int = AHEAD, float_codes: bool = FLOAT_CODES,
+                 overlap: bool = OVERLAP) -> torch.Tensor:
     """``x @ W^T (+ bias)`` for the book's W4A16 format (see :func:`w4a16_linear_ref`), by
     the Gluon kernel. ``x (..., K)`` bf16/fp16; ``qweight (K // 8, N)`` int32 contiguous;
     ``scales``, ``zeros`` ``(K // G, N)`` contiguous; ``group_size`` a multiple of 64;
     ``split_k``: slices of K (None: :func:`split_for`); ``repacked``:
     ``repack_w4a16(qweight)``, read instead of ``qweight`` (16-byte loads), ``ahead`` (1,
     2 or 4) K steps of it in flight while one is decoded; ``float_codes``: the codes
-    decoded as fp32 bit patterns instead of converted (see :func:`_nibble`). Needs a Hopper
-    GPU (raises ``RuntimeError`` elsewhere)."""
+    decoded as fp32 bit patterns instead of converted (see :func:`_nibble`); ``overlap``:
+    each step's product left in flight while the next step is decoded. Needs a Hopper GPU
+    (raises ``RuntimeError`` elsewhere)."""
     check_w4a16(x, qweight, scales, zeros, group_size, bias)
     if repacked is not None:
         want = (qweight.shape[0] // (BLOCK_K // 8), triton.cdiv(qweight.shape[1], BLOCK_N), 512)
@@ -377,8 +391,9 @@ def w4a16_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, z
                              f"got {got}")
     if ahead not in (1, 2, 4) or isinstance(ahead, bool):
         raise ValueError(f"ahead must be 1, 2 or 4, got {ahead!r}")
-    if not isinstance(float_codes, bool):
-        raise TypeError(f"float_codes must be a bool, got {float_codes!r}")
+    for name, flag in (("float_codes", float_codes), ("overlap", overlap)):
+        if not isinstance(flag, bool):
+            raise TypeError(f"{name} must be a bool, got {flag!r}")
     if split_k is not None and (isinstance(split_k, bool) or not isinstance(split_k, int) or split_k < 1):
         raise ValueError(f"split_k must be None or a positive int, got {split_k!r}")
     if x.dtype not in HALF_DTYPES:
@@ -413,5 +428,6 @@ def w4a16_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, z
                             y if bias is None else bias, y, ws, cnt, m, n, k, y.stride(0),
                             GROUP=group_size, BLOCK_N=BLOCK_N, NUM_STAGES=NUM_STAGES,
                             HAS_BIAS=bias is not None, SPLIT_K=split, REPACKED=repacked is not None,
-                            AHEAD=ahead, FLOAT_CODES=float_codes, num_warps=NUM_WARPS)
+                            AHEAD=ahead, FLOAT_CODES=float_codes, OVERLAP=overlap,
+                            num_warps=NUM_WARPS)
     return y.reshape(*lead, n)
