@@ -86,7 +86,10 @@ def _flash_case(b: int = 4, h: int = 16, n: int = 4096, d: int = 128):
     return build
 
 
-def _w4_case(k: int, n: int, gluon: bool = False):
+def _w4_case(k: int, n: int, gluon: bool = False, repacked: bool = False, **switches):
+    """W4A16 at batch 1; ``gluon``: the Gluon kernel, on codes repacked once outside the
+    profiled call where ``repacked``, with its ``switches`` (``ahead``, ``float_codes``,
+    ``overlap``)."""
     def build():
         from llmnote.bench.suites.quant import GROUP, _w4_weights
         from llmnote.quant import kernels as K
@@ -94,11 +97,13 @@ def _w4_case(k: int, n: int, gluon: bool = False):
         qw, s, z = _w4_weights(k, n, torch.device("cuda"))
         x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
         moved = qw.numel() * 4 + (s.numel() + z.numel()) * 2 + (k + n) * 2
-        if gluon:
-            from llmnote.ops.gluon import w4a16_linear
-        else:
-            w4a16_linear = K.w4a16_linear
-        return (lambda: w4a16_linear(x, qw, s, z, GROUP)), float(moved), float(2 * k * n)
+        if not gluon:
+            return (lambda: K.w4a16_linear(x, qw, s, z, GROUP)), float(moved), float(2 * k * n)
+        from llmnote.ops.gluon import w4a16_linear
+        from llmnote.ops.gluon.w4a16 import repack_w4a16
+
+        kw = {**switches, "repacked": repack_w4a16(qw) if repacked else None}
+        return (lambda: w4a16_linear(x, qw, s, z, GROUP, **kw)), float(moved), float(2 * k * n)
     return build
 
 
@@ -126,6 +131,12 @@ CASES: dict[str, Case] = {
     "w4a16-b1-mlp": Case("_w4a16_", _w4_case(4096, 14336), "W4A16 GEMV at batch 1, K 4096, N 14336"),
     "gluon-w4a16-b1": Case("_w4a16_kernel", _w4_case(4096, 14336, gluon=True),
                            "Gluon W4A16 at batch 1, K 4096, N 14336, g128 (Hopper)"),
+    "gluon-w4a16-b1-repacked": Case("_w4a16_kernel", _w4_case(4096, 14336, gluon=True, repacked=True),
+                                    "Gluon W4A16 at batch 1 on repacked codes, K 4096, N 14336 (Hopper)"),
+    "gluon-w4a16-b1-switched": Case(
+        "_w4a16_kernel", _w4_case(4096, 14336, gluon=True, repacked=True, ahead=4, float_codes=True,
+                                  overlap=True),
+        "Gluon W4A16 at batch 1, repacked, ahead=4, float_codes, overlap, K 4096, N 14336 (Hopper)"),
     "gluon-fa3-fwd": Case("_attention_kernel", _gluon_attention_case(),
                           "Gluon FlashAttention-3 forward, B 4, H 16, N 4096, D 128, bf16 (Hopper)"),
 }
