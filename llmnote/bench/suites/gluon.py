@@ -198,17 +198,13 @@ def run(quick: bool = False, dtype: torch.dtype = torch.bfloat16, square: list[i
                                 "layer": layer}))
     for layer, (n, k) in layers.items():
         packed = k * n // 2 + 2 * (k // w4_group) * n * torch.empty((), dtype=dtype).element_size()
-        nbytes = {"llmnote-gluon": packed, "llmnote-gluon-repacked": packed,
-                  "llmnote-gluon-repacked-ahead4": packed,
-                  "llmnote-gluon-repacked-ahead4-float": packed,
-                  "llmnote-gluon-repacked-ahead4-float-overlap": packed, "llmnote": packed,
-                  "torch-linear": 2 * n * k}
         for name, factory in _w4_providers(n, k, dtype, w4_group).items():  # each its own bytes
+            nbytes = 2 * n * k if name == "torch-linear" else packed  # bf16, or int4 + groups
             frames.append(sweep(W4_BENCH, "M", w4_batches, {name: factory},
-                                {"bandwidth": ("GB/s", lambda m, ms, b=nbytes[name]: b / (ms * 1e-3) / 1e9)},
+                                {"bandwidth": ("GB/s", lambda m, ms, b=nbytes: b / (ms * 1e-3) / 1e9)},
                                 extra={"dtype": dtype_name(dtype), "N": n, "K": k, "layer": layer,
                                        "group_size": w4_group, "shape": "linear",
-                                       "weight_bytes": nbytes[name]}))
+                                       "weight_bytes": nbytes}))
     frames.append(sweep(COPY_BENCH, "bytes", copy_bytes, _copy_providers(dtype),
                         {"bandwidth": ("GB/s", lambda nbytes, ms: 2 * nbytes / (ms * 1e-3) / 1e9)},
                         extra={"dtype": dtype_name(dtype)}))
@@ -220,12 +216,10 @@ def _text(v) -> str:
     return str(int(v)) if isinstance(v, float) and v.is_integer() else str(v)
 
 
-# the Gluon providers of the summary and the label each adds to its checks
-GLUON_PROVIDERS = [("llmnote-gluon", ""), ("llmnote-gluon-repacked", "-repacked"),
-                   ("llmnote-gluon-repacked-ahead4", "-repacked-ahead4"),
-                   ("llmnote-gluon-repacked-ahead4-float", "-repacked-ahead4-float"),
-                   ("llmnote-gluon-repacked-ahead4-float-overlap",
-                    "-repacked-ahead4-float-overlap")]
+# the Gluon providers of the summary; each adds its name past "llmnote-gluon" to its checks
+GLUON_PROVIDERS = ["llmnote-gluon", "llmnote-gluon-repacked", "llmnote-gluon-repacked-ahead4",
+                   "llmnote-gluon-repacked-ahead4-float",
+                   "llmnote-gluon-repacked-ahead4-float-overlap"]
 
 
 def summary(df: pd.DataFrame) -> pd.DataFrame:
@@ -249,7 +243,8 @@ def summary(df: pd.DataFrame) -> pd.DataFrame:
         for key, g in part.groupby(keys, sort=False, dropna=False):
             times = g[g.metric == "time"]
             t = dict(zip(times.provider, times.p50))
-            for ours, label in GLUON_PROVIDERS:
+            for ours in GLUON_PROVIDERS:
+                label = ours.removeprefix("llmnote-gluon")
                 mine = g[(g.metric == rate) & (g.provider == ours)]
                 if mine.empty:
                     continue

@@ -122,6 +122,16 @@ def _load_group(s_ptr, z_ptr, step, n_op, N, GROUP: gl.constexpr, BLOCK_K: gl.co
 
 
 @gluon.jit
+def _load_step(qm_ptr, s_ptr, z_ptr, step, pid_n, n_tiles, n_op, N, words: gl.constexpr,
+               GROUP: gl.constexpr, BLOCK_K: gl.constexpr):
+    """What a thread decodes at K step ``step`` of the repacked codes: its words, and the
+    scales and zero points of its channels."""
+    w = _load_words(qm_ptr, step, pid_n, n_tiles, words)
+    s, z = _load_group(s_ptr, z_ptr, step, n_op, N, GROUP, BLOCK_K)
+    return w, s, z
+
+
+@gluon.jit
 def _nibble(w, i: gl.constexpr, FLOAT_CODES: gl.constexpr):
     """Code ``i`` (bits 4i .. 4i + 3) of int32 ``w``: the integer, or with FLOAT_CODES the
     bits of the fp32 number ``1 + q / 16`` (the code in mantissa bits 19-22 under the
@@ -202,16 +212,16 @@ def _w4a16_kernel(x_desc, qb_ptr, s_ptr, z_ptr, bias_ptr, y_ptr, ws_ptr, cnt_ptr
     gl.static_assert(AHEAD == 1 or AHEAD == 2 or AHEAD == 4, "AHEAD must be 1, 2 or 4")
     pid_n = gl.program_id(0)
     if REPACKED:  # 16 bytes a thread; steps lo .. lo + AHEAD - 1 in flight (w0 the first)
-        w0 = _load_words(qb_ptr, gl.minimum(lo, last), pid_n, n_tiles, words)
-        s0, z0 = _load_group(s_ptr, z_ptr, gl.minimum(lo, last), n_op, N, GROUP, BLOCK_K)
+        w0, s0, z0 = _load_step(qb_ptr, s_ptr, z_ptr, gl.minimum(lo, last), pid_n, n_tiles, n_op, N,
+                                words, GROUP, BLOCK_K)
         if AHEAD >= 2:
-            w1 = _load_words(qb_ptr, gl.minimum(lo + 1, last), pid_n, n_tiles, words)
-            s1, z1 = _load_group(s_ptr, z_ptr, gl.minimum(lo + 1, last), n_op, N, GROUP, BLOCK_K)
+            w1, s1, z1 = _load_step(qb_ptr, s_ptr, z_ptr, gl.minimum(lo + 1, last), pid_n, n_tiles,
+                                    n_op, N, words, GROUP, BLOCK_K)
         if AHEAD == 4:
-            w2 = _load_words(qb_ptr, gl.minimum(lo + 2, last), pid_n, n_tiles, words)
-            s2, z2 = _load_group(s_ptr, z_ptr, gl.minimum(lo + 2, last), n_op, N, GROUP, BLOCK_K)
-            w3 = _load_words(qb_ptr, gl.minimum(lo + 3, last), pid_n, n_tiles, words)
-            s3, z3 = _load_group(s_ptr, z_ptr, gl.minimum(lo + 3, last), n_op, N, GROUP, BLOCK_K)
+            w2, s2, z2 = _load_step(qb_ptr, s_ptr, z_ptr, gl.minimum(lo + 2, last), pid_n, n_tiles,
+                                    n_op, N, words, GROUP, BLOCK_K)
+            w3, s3, z3 = _load_step(qb_ptr, s_ptr, z_ptr, gl.minimum(lo + 3, last), pid_n, n_tiles,
+                                    n_op, N, words, GROUP, BLOCK_K)
     else:  # BLOCK_N x BLOCK_K / 2 bytes, one byte a load
         nxt_bytes = _load_pairs(qb_ptr, gl.minimum(lo, last), n, p, N, BLOCK_K)
     for j in range(0, steps):  # step k = lo + j of K, j-th use of the ring
@@ -220,18 +230,18 @@ def _w4a16_kernel(x_desc, qb_ptr, s_ptr, z_ptr, bias_ptr, y_ptr, ws_ptr, cnt_ptr
             codes, scale, zero = _decode_words(w0, BLOCK_N, BLOCK_K, FLOAT_CODES), s0, z0
             nxt = gl.minimum(k + AHEAD, last)  # the step that joins the ones in flight
             if AHEAD == 1:
-                w0 = _load_words(qb_ptr, nxt, pid_n, n_tiles, words)
-                s0, z0 = _load_group(s_ptr, z_ptr, nxt, n_op, N, GROUP, BLOCK_K)
+                w0, s0, z0 = _load_step(qb_ptr, s_ptr, z_ptr, nxt, pid_n, n_tiles, n_op, N, words,
+                                        GROUP, BLOCK_K)
             elif AHEAD == 2:
                 w0, s0, z0 = w1, s1, z1
-                w1 = _load_words(qb_ptr, nxt, pid_n, n_tiles, words)
-                s1, z1 = _load_group(s_ptr, z_ptr, nxt, n_op, N, GROUP, BLOCK_K)
+                w1, s1, z1 = _load_step(qb_ptr, s_ptr, z_ptr, nxt, pid_n, n_tiles, n_op, N, words,
+                                        GROUP, BLOCK_K)
             else:
                 w0, s0, z0 = w1, s1, z1
                 w1, s1, z1 = w2, s2, z2
                 w2, s2, z2 = w3, s3, z3
-                w3 = _load_words(qb_ptr, nxt, pid_n, n_tiles, words)
-                s3, z3 = _load_group(s_ptr, z_ptr, nxt, n_op, N, GROUP, BLOCK_K)
+                w3, s3, z3 = _load_step(qb_ptr, s_ptr, z_ptr, nxt, pid_n, n_tiles, n_op, N, words,
+                                        GROUP, BLOCK_K)
         else:
             b = nxt_bytes.to(gl.int32)
             nxt_bytes = _load_pairs(qb_ptr, gl.minimum(k + 1, last), n, p, N, BLOCK_K)  # prefetch
