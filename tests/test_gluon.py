@@ -354,6 +354,25 @@ def test_w4a16_float_codes_need_no_int_to_float_conversion(repacked):
     assert flt.spilled == 0
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_w4a16_pairs_dequantize_two_weights_an_instruction(dtype):
+    """pairs: a thread's 32 codes of a step become 16 pairs of 16-bit floats M + q by integer
+    logic (no conversion), and each pair is dequantized by two subtractions and one
+    multiplication on the pair (sub and mul on bf16x2 / f16x2), with no fp32 arithmetic;
+    the dequantized tile lands in wgmma's operand registers as before."""
+    t = "bf16x2" if dtype == torch.bfloat16 else "f16x2"
+    one = gluon.compile_w4a16(dtype, block_m=16, repacked=True)
+    for kw in ({}, {"ahead": 4}, {"overlap": True}, {"split_k": 3, "bias": True}):
+        two = gluon.compile_w4a16(dtype, block_m=16, repacked=True, pairs=True, **kw)
+        ptx = two.asm["ptx"]
+        assert (ptx.count(f"sub.rn.{t}"), ptx.count(f"mul.rn.{t}")) == (32, 16), kw
+        assert two.count("cvt.rn.f32") == 0 and two.count("fma.rn.f32") == 0
+        assert two.count("mul.f32") + two.count("mul.rn.f32") == 0
+        assert [w.count("{") for w in two.lines("wgmma.mma_async")] == [2] * 4
+        assert two.spilled == 0 and two.count("shfl") == 0
+    assert gluon.compile_w4a16(dtype, block_m=16, repacked=True, pairs=True).registers <= one.registers
+
+
 def test_w4a16_overlap_leaves_one_product_in_flight():
     """overlap: the loop waits for all but one product (the step before's), so a step's
     wgmma runs while the next step is decoded; the last one is waited for after the loop."""
@@ -437,6 +456,13 @@ def test_w4a16_bad_inputs():
         gluon.w4a16_linear(x, qw, s, z, 64, float_codes=1)
     with pytest.raises(TypeError, match="overlap must be a bool, got 1"):
         gluon.w4a16_linear(x, qw, s, z, 64, overlap=1)
+    with pytest.raises(TypeError, match="pairs must be a bool, got 1"):
+        gluon.w4a16_linear(x, qw, s, z, 64, pairs=1)
+    with pytest.raises(ValueError, match="pairs decodes repacked codes.*repacked=None"):
+        gluon.w4a16_linear(x, qw, s, z, 64, pairs=True)
+    with pytest.raises(ValueError, match="pairs decodes repacked codes.*float_codes=True"):
+        gluon.w4a16_linear(x, qw, s, z, 64, pairs=True, repacked=gw4.repack_w4a16(qw),
+                           float_codes=True)
     with pytest.raises(ValueError, match="multiple of 64"):
         gw4.repack_w4a16(torch.zeros(4, 8, dtype=torch.int32))
 
@@ -488,6 +514,11 @@ def test_w4a16_on_hopper(m, n, k, g, dtype, seed):
                                                   ahead=ahead), got)
         assert torch.equal(gluon.w4a16_linear(x, qw, s, z, g, bias, split_k=split, repacked=qm,
                                               ahead=4, float_codes=True, overlap=True), got)
+        # pairs: q - z is exact in the 16-bit type (an integer below 16 in magnitude) and
+        # (q - z) s is rounded once, as the fp32 path's conversion rounds it: the same tile
+        for kw in ({}, {"ahead": 4}, {"ahead": 2, "overlap": True}):
+            assert torch.equal(gluon.w4a16_linear(x, qw, s, z, g, bias, split_k=split, repacked=qm,
+                                                  pairs=True, **kw), got), kw
 
 
 def test_summary_of_the_shipped_csv_keeps_every_product():

@@ -14,7 +14,8 @@ Throughput = 2 M N K / time. W4A16 (``bench = "gluon-w4a16"``): ``llmnote-gluon`
 (:func:`llmnote.ops.gluon.w4a16_linear`; ``llmnote-gluon-repacked`` on codes repacked by
 :func:`~llmnote.ops.gluon.w4a16.repack_w4a16`, ``-ahead4`` with four K steps of them in
 flight instead of one, ``-ahead4-float`` also decoding the codes as fp32 bit patterns,
-``-ahead4-float-overlap`` also leaving each step's product in flight)
+``-ahead4-float-overlap`` also leaving each step's product in flight; ``-pairs`` with
+the default one step in flight, decoding two codes at a time into 16-bit pairs)
 vs ``llmnote`` (the Triton :func:`llmnote.quant.kernels.w4a16_linear`, tuned on its first
 call) vs ``torch-linear`` (``F.linear`` on the bf16 weight), the same Llama-3-8B layers at batch 1 and 16, group
 128 (RTN); bandwidth = bytes of the weight as each provider reads it (packed codes,
@@ -164,6 +165,8 @@ def _w4_providers(n: int, k: int, dtype: torch.dtype, group: int) -> dict:
             "llmnote-gluon-repacked-ahead4-float-overlap": repacked(
                 "llmnote-gluon-repacked-ahead4-float-overlap", ahead=4, float_codes=True,
                 overlap=True),
+            # two codes at a time into a 16-bit pair, dequantized in the tile's dtype
+            "llmnote-gluon-repacked-pairs": repacked("llmnote-gluon-repacked-pairs", pairs=True),
             "llmnote": checked(triton_w4a16, "llmnote"), "torch-linear": linear}
 
 
@@ -219,7 +222,7 @@ def _text(v) -> str:
 # the Gluon providers of the summary; each adds its name past "llmnote-gluon" to its checks
 GLUON_PROVIDERS = ["llmnote-gluon", "llmnote-gluon-repacked", "llmnote-gluon-repacked-ahead4",
                    "llmnote-gluon-repacked-ahead4-float",
-                   "llmnote-gluon-repacked-ahead4-float-overlap"]
+                   "llmnote-gluon-repacked-ahead4-float-overlap", "llmnote-gluon-repacked-pairs"]
 
 
 def summary(df: pd.DataFrame) -> pd.DataFrame:

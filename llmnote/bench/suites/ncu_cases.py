@@ -137,6 +137,9 @@ CASES: dict[str, Case] = {
         "_w4a16_kernel", _w4_case(4096, 14336, gluon=True, repacked=True, ahead=4, float_codes=True,
                                   overlap=True),
         "Gluon W4A16 at batch 1, repacked, ahead=4, float_codes, overlap, K 4096, N 14336 (Hopper)"),
+    "gluon-w4a16-b1-pairs": Case(
+        "_w4a16_kernel", _w4_case(4096, 14336, gluon=True, repacked=True, pairs=True),
+        "Gluon W4A16 at batch 1, repacked, codes decoded in 16-bit pairs, K 4096, N 14336 (Hopper)"),
     "gluon-fa3-fwd": Case("_attention_kernel", _gluon_attention_case(),
                           "Gluon FlashAttention-3 forward, B 4, H 16, N 4096, D 128, bf16 (Hopper)"),
 }

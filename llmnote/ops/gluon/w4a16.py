@@ -52,6 +52,7 @@ BLOCK_N, BLOCK_K, NUM_STAGES, NUM_WARPS = 64, 64, 4, 4
 AHEAD = 1  # K steps of repacked codes in flight while one is decoded (1, 2 or 4)
 FLOAT_CODES = False  # codes decoded as fp32 1 + q / 16 (one multiply-add), not converted
 OVERLAP = False  # a step's wgmma in flight while the next step is decoded
+PAIRS = False  # repacked codes decoded two at a time into 16-bit pairs (see _pair)
 MAX_BLOCK_M = 64
 GL_DTYPES = {torch.float16: gl.float16, torch.bfloat16: gl.bfloat16}
 SIG_DTYPES = {torch.float16: "fp16", torch.bfloat16: "bf16"}
@@ -158,22 +159,115 @@ def _decode_words(w, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, FLOAT_CODES: 
     a1 = gl.join(_nibble(w, 2, FLOAT_CODES), _nibble(w, 3, FLOAT_CODES))  # n3 = 1, k3 = 0
     a2 = gl.join(_nibble(w, 4, FLOAT_CODES), _nibble(w, 5, FLOAT_CODES))  # n3 = 0, k3 = 1
     a3 = gl.join(_nibble(w, 6, FLOAT_CODES), _nibble(w, 7, FLOAT_CODES))  # n3 = 1, k3 = 1
+    return _arrange(a0, a1, a2, a3, BLOCK_N, BLOCK_K)
+
+
+@gluon.jit
+def _arrange(a0, a1, a2, a3, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr):
+    """The tile (BLOCK_N, BLOCK_K) from the values of a step's words, pair by pair: ``aj``
+    holds (k0 = 0, k0 = 1) of nibbles 2j, 2j + 1, i.e. n3 = j % 2, k3 = j // 2."""
     t = gl.join(gl.join(a0, a1), gl.join(a2, a3))  # (d0, d1, d2, d3, k0, n3, k3)
     return gl.reshape(gl.permute(t, (0, 5, 1, 3, 6, 2, 4)), [BLOCK_N, BLOCK_K])
+
+
+@gluon.jit
+def _pair(w, j: gl.constexpr, MAGIC: gl.constexpr):
+    """Codes 2j and 2j + 1 of int32 ``w`` (K offsets k0 = 0 and 1 of one channel) as the bits
+    of two 16-bit floats ``M + q``: code 2j in the low half, code 2j + 1 in the high half,
+    each in the lowest mantissa bits under ``MAGIC``'s exponent (M = 128 in bf16, 1024 in
+    fp16, where one unit is one step of the mantissa). Two shifts and one three-input logic
+    operation; no conversion (Marlin's decode)."""
+    lo = w >> (8 * j) if j > 0 else w
+    if 8 * j < 12:  # bits 8j + 4 .. 8j + 7 to bits 16 .. 19
+        hi = w << (12 - 8 * j)
+    else:
+        hi = w >> (8 * j - 12)
+    return (lo & 0xF) | (hi & 0xF0000) | MAGIC
+
+
+@gluon.constexpr_function
+def _pair_magic(dtype):
+    """The bits of the pair (M, M): M = 128 in bf16, 1024 in fp16 (one unit a mantissa step)."""
+    return 0x43004300 if str(dtype) == "bf16" else 0x64006400
+
+
+@gluon.constexpr_function
+def _pair_asm(dtype):
+    """PTX for :func:`_dequant_pair`: $2 the pair, $3 the zero point, $4 the scale."""
+    t = "bf16x2" if str(dtype) == "bf16" else "f16x2"
+    return ("{ .reg .b32 t, m, z, s; "
+            f"mov.b32 m, {_pair_magic(dtype):#x}; mov.b32 z, {{$3, $3}}; mov.b32 s, {{$4, $4}}; "
+            f"sub.rn.{t} t, $2, m; sub.rn.{t} t, t, z; mul.rn.{t} t, t, s; "
+            "mov.b32 {$0, $1}, t; }")
+
+
+@gluon.constexpr_function
+def _both(dtype):
+    """The dtypes of the two halves of a pair."""
+    return (dtype, dtype)
+
+
+@gluon.jit
+def _dequant_pair(p, zero, scale, dtype: gl.constexpr):
+    """``(q - z) s`` for the pair ``p`` of :func:`_pair`, in the tile's dtype, two weights per
+    instruction: subtract M (exact: q), subtract the zero point (exact for an integer one),
+    multiply by the scale (the only rounding, as in the fp32 path's final conversion)."""
+    return gl.inline_asm_elementwise(_pair_asm(dtype), "=h,=h,r,h,h", [p, zero, scale],
+                                     dtype=_both(dtype), is_pure=True, pack=1)
+
+
+@gluon.constexpr_function
+def _channels_layout(num_warps):
+    """The scales or zero points of a step's two channels per thread, (num_warps, 8, 2) =
+    (d0, d1, n3): laid out like the words' (d0, d1) with n3 in a register, so that
+    splitting n3 off gives each word's own channel (:func:`_per_word`)."""
+    warps = [[1 << i, 0, 0] for i in range(num_warps.bit_length() - 1)]
+    return gl.DistributedLinearLayout(reg_bases=[[0, 0, 1]],
+                                      lane_bases=[[0, 0, 0], [0, 0, 0], [0, 1, 0], [0, 2, 0], [0, 4, 0]],
+                                      warp_bases=warps, block_bases=[], shape=[num_warps, 8, 2])
+
+
+@gluon.jit
+def _per_word(v, words: gl.constexpr):
+    """(d0, d1, n3) values as two tensors that broadcast over the words (d0, d1, d2, d3)."""
+    v0, v1 = gl.split(v)
+    two: gl.constexpr = gl.SliceLayout(2, gl.SliceLayout(3, words))
+    v0 = gl.convert_layout(v0, two, assert_trivial=True)
+    v1 = gl.convert_layout(v1, two, assert_trivial=True)
+    return v0[:, :, None, None], v1[:, :, None, None]
+
+
+@gluon.jit
+def _decode_pairs(w, scale, zero, words: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
+                  dtype: gl.constexpr):
+    """The dequantized tile (BLOCK_N, BLOCK_K) in ``dtype`` from a step's words and its
+    channels' scales and zero points ((d0, d1, n3), :func:`_channels_layout`): each pair of
+    codes decoded by :func:`_pair` and dequantized by :func:`_dequant_pair`."""
+    MAGIC: gl.constexpr = _pair_magic(dtype)
+    s0, s1 = _per_word(scale, words)  # channel n3 = 0, 1 of each word
+    z0, z1 = _per_word(zero, words)
+    a0 = gl.join(*_dequant_pair(_pair(w, 0, MAGIC), z0, s0, dtype))  # n3 = 0, k3 = 0
+    a1 = gl.join(*_dequant_pair(_pair(w, 1, MAGIC), z1, s1, dtype))  # n3 = 1, k3 = 0
+    a2 = gl.join(*_dequant_pair(_pair(w, 2, MAGIC), z0, s0, dtype))  # n3 = 0, k3 = 1
+    a3 = gl.join(*_dequant_pair(_pair(w, 3, MAGIC), z1, s1, dtype))  # n3 = 1, k3 = 1
+    return _arrange(a0, a1, a2, a3, BLOCK_N, BLOCK_K)
 
 
 @gluon.jit
 def _w4a16_kernel(x_desc, qb_ptr, s_ptr, z_ptr, bias_ptr, y_ptr, ws_ptr, cnt_ptr, M, N, K, stride_ym,
                   GROUP: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
                   HAS_BIAS: gl.constexpr, SPLIT_K: gl.constexpr, REPACKED: gl.constexpr,
-                  AHEAD: gl.constexpr, FLOAT_CODES: gl.constexpr, OVERLAP: gl.constexpr):
+                  AHEAD: gl.constexpr, FLOAT_CODES: gl.constexpr, OVERLAP: gl.constexpr,
+                  PAIRS: gl.constexpr):
     """Tile (pid_n, pid_m) of y^T = W^T x^T, BLOCK_N output channels by BLOCK_M tokens, over
     the pid_k-th of SPLIT_K slices of K. Repacked codes: the words, scales and zero points
     of the next AHEAD steps (1, 2 or 4) are in flight while a step is decoded. FLOAT_CODES:
     the codes decoded as fp32 ``1 + q / 16`` and dequantized with one multiply-add,
     ``f (16 s) - (16 + z) s``, instead of an int-to-float conversion, a subtract and a
     multiply (the same result: with an integer zero point both are exact in fp32).
-    OVERLAP: a step's product stays in flight while the next step is decoded."""
+    OVERLAP: a step's product stays in flight while the next step is decoded. PAIRS
+    (repacked only): two codes at a time decoded into a 16-bit pair and dequantized in the
+    tile's dtype (:func:`_decode_pairs`; the same result with integer zero points)."""
     BLOCK_M: gl.constexpr = x_desc.block_type.shape[0]
     BLOCK_K: gl.constexpr = x_desc.block_type.shape[1]
     dtype: gl.constexpr = x_desc.dtype
@@ -188,6 +282,13 @@ def _w4a16_kernel(x_desc, qb_ptr, s_ptr, z_ptr, bias_ptr, y_ptr, ws_ptr, cnt_ptr
     n = off_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, pairs))  # the channels each thread holds
     p = gl.arange(0, BLOCK_K // 2, layout=gl.SliceLayout(0, pairs))
     n_op = off_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, operand))
+    if PAIRS:  # the channels of the scales and zero points: (d0, d1, n3) of the words
+        gl.static_assert(REPACKED and not FLOAT_CODES, "PAIRS decodes repacked codes, not as floats")
+        ch: gl.constexpr = _channels_layout(gl.num_warps())
+        c0 = gl.arange(0, gl.num_warps(), layout=gl.SliceLayout(1, gl.SliceLayout(2, ch)))
+        c1 = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(2, ch)))
+        c2 = gl.arange(0, 2, layout=gl.SliceLayout(0, gl.SliceLayout(1, ch)))
+        n_op = off_n + 16 * c0[:, None, None] + c1[None, :, None] + 8 * c2[None, None, :]
     k_tiles = K // BLOCK_K
     per = gl.cdiv(k_tiles, SPLIT_K)
     lo = pid_k * per  # this program's K steps: [lo, hi)
@@ -227,7 +328,10 @@ def _w4a16_kernel(x_desc, qb_ptr, s_ptr, z_ptr, bias_ptr, y_ptr, ws_ptr, cnt_ptr
     for j in range(0, steps):  # step k = lo + j of K, j-th use of the ring
         k = lo + j
         if REPACKED:
-            codes, scale, zero = _decode_words(w0, BLOCK_N, BLOCK_K, FLOAT_CODES), s0, z0
+            if PAIRS:
+                w = _decode_pairs(w0, s0, z0, words, BLOCK_N, BLOCK_K, dtype)
+            else:
+                codes, scale, zero = _decode_words(w0, BLOCK_N, BLOCK_K, FLOAT_CODES), s0, z0
             nxt = gl.minimum(k + AHEAD, last)  # the step that joins the ones in flight
             if AHEAD == 1:
                 w0, s0, z0 = _load_step(qb_ptr, s_ptr, z_ptr, nxt, pid_n, n_tiles, n_op, N, words,
@@ -248,13 +352,16 @@ def _w4a16_kernel(x_desc, qb_ptr, s_ptr, z_ptr, bias_ptr, y_ptr, ws_ptr, cnt_ptr
             codes = gl.reshape(gl.join(_nibble(b, 0, FLOAT_CODES), _nibble(b, 1, FLOAT_CODES)),
                                [BLOCK_N, BLOCK_K])  # low nibble: even channel
             scale, zero = _load_group(s_ptr, z_ptr, k, n_op, N, GROUP, BLOCK_K)  # the step's group
-        codes = gl.convert_layout(codes, operand, assert_trivial=True)  # already where wgmma wants it
-        scale, zero = scale.to(gl.float32), zero.to(gl.float32)
-        if FLOAT_CODES:  # W^T tile, in registers
-            f = codes.to(gl.float32, bitcast=True)  # 1 + q / 16
-            w = (f * (16.0 * scale)[:, None] - ((zero + 16.0) * scale)[:, None]).to(dtype)
+        if PAIRS:  # W^T tile, in registers
+            w = gl.convert_layout(w, operand, assert_trivial=True)  # already where wgmma wants it
         else:
-            w = ((codes.to(gl.float32) - zero[:, None]) * scale[:, None]).to(dtype)
+            codes = gl.convert_layout(codes, operand, assert_trivial=True)
+            scale, zero = scale.to(gl.float32), zero.to(gl.float32)
+            if FLOAT_CODES:
+                f = codes.to(gl.float32, bitcast=True)  # 1 + q / 16
+                w = (f * (16.0 * scale)[:, None] - ((zero + 16.0) * scale)[:, None]).to(dtype)
+            else:
+                w = ((codes.to(gl.float32) - zero[:, None]) * scale[:, None]).to(dtype)
 
         slot = j % NUM_STAGES
         mbarrier.wait(ready.index(slot), (j // NUM_STAGES) & 1)
@@ -354,11 +461,12 @@ def _x_layout(dtype, block_m: int):
 def compile_w4a16(dtype: torch.dtype = torch.bfloat16, *, block_m: int = 16, group_size: int = 128,
                   bias: bool = False, split_k: int = 1, repacked: bool = False,
                   ahead: int = AHEAD, float_codes: bool = FLOAT_CODES,
-                  overlap: bool = OVERLAP) -> Compiled:
+                  overlap: bool = OVERLAP, pairs: bool = PAIRS) -> Compiled:
     """The kernel as :func:`w4a16_linear` would launch it for ``block_m`` tokens and ``split_k``
     slices of K (``repacked``: reading :func:`repack_w4a16`'s codes, ``ahead`` steps of
     them in flight; ``float_codes``: decoded as fp32; ``overlap``: a product in flight
-    while the next step is decoded), compiled for sm_90."""
+    while the next step is decoded; ``pairs``: repacked codes decoded two at a time in the
+    tile's dtype), compiled for sm_90."""
     if dtype not in HALF_DTYPES:
         raise TypeError(f"dtype must be torch.float16 or torch.bfloat16, got {dtype}")
     t = SIG_DTYPES[dtype]
@@ -368,10 +476,10 @@ def compile_w4a16(dtype: torch.dtype = torch.bfloat16, *, block_m: int = 16, gro
            "cnt_ptr": "*i32", "M": "i32", "N": "i32", "K": "i32", "stride_ym": "i32", "GROUP": "constexpr",
            "BLOCK_N": "constexpr", "NUM_STAGES": "constexpr", "HAS_BIAS": "constexpr",
            "SPLIT_K": "constexpr", "REPACKED": "constexpr", "AHEAD": "constexpr",
-           "FLOAT_CODES": "constexpr", "OVERLAP": "constexpr"}
+           "FLOAT_CODES": "constexpr", "OVERLAP": "constexpr", "PAIRS": "constexpr"}
     const = {"GROUP": group_size, "BLOCK_N": BLOCK_N, "NUM_STAGES": NUM_STAGES, "HAS_BIAS": bias,
              "SPLIT_K": split_k, "REPACKED": repacked, "AHEAD": ahead,
-             "FLOAT_CODES": float_codes, "OVERLAP": overlap}
+             "FLOAT_CODES": float_codes, "OVERLAP": overlap, "PAIRS": pairs}
     return compile_kernel(_w4a16_kernel, sig, const, num_warps=NUM_WARPS, child=True,  # gl.join: see child
                           aligned=("qb_ptr", "s_ptr", "z_ptr", "bias_ptr", "y_ptr", "N", "K", "stride_ym"))
 
@@ -380,7 +488,7 @@ def w4a16_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, z
                  group_size: int, bias: torch.Tensor | None = None, *,
                  split_k: int | None = None, repacked: torch.Tensor | None = None,
                  ahead: int = AHEAD, float_codes: bool = FLOAT_CODES,
-                 overlap: bool = OVERLAP) -> torch.Tensor:
+                 overlap: bool = OVERLAP, pairs: bool = PAIRS) -> torch.Tensor:
     """``x @ W^T (+ bias)`` for the book's W4A16 format (see :func:`w4a16_linear_ref`), by
     the Gluon kernel. ``x (..., K)`` bf16/fp16; ``qweight (K // 8, N)`` int32 contiguous;
     ``scales``, ``zeros`` ``(K // G, N)`` contiguous; ``group_size`` a multiple of 64;
@@ -388,8 +496,10 @@ def w4a16_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, z
     ``repack_w4a16(qweight)``, read instead of ``qweight`` (16-byte loads), ``ahead`` (1,
     2 or 4) K steps of it in flight while one is decoded; ``float_codes``: the codes
     decoded as fp32 bit patterns instead of converted (see :func:`_nibble`); ``overlap``:
-    each step's product left in flight while the next step is decoded. Needs a Hopper GPU
-    (raises ``RuntimeError`` elsewhere)."""
+    each step's product left in flight while the next step is decoded; ``pairs`` (with
+    ``repacked``): two codes at a time decoded into a 16-bit pair and dequantized in x's
+    dtype (see :func:`_pair`; the same result where the zero points are integers). Needs a
+    Hopper GPU (raises ``RuntimeError`` elsewhere)."""
     check_w4a16(x, qweight, scales, zeros, group_size, bias)
     if repacked is not None:
         want = (qweight.shape[0] // (BLOCK_K // 8), triton.cdiv(qweight.shape[1], BLOCK_N), 512)
@@ -401,9 +511,14 @@ def w4a16_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, z
                              f"got {got}")
     if ahead not in (1, 2, 4) or isinstance(ahead, bool):
         raise ValueError(f"ahead must be 1, 2 or 4, got {ahead!r}")
-    for name, flag in (("float_codes", float_codes), ("overlap", overlap)):
+    for name, flag in (("float_codes", float_codes), ("overlap", overlap), ("pairs", pairs)):
         if not isinstance(flag, bool):
             raise TypeError(f"{name} must be a bool, got {flag!r}")
+    if pairs and (repacked is None or float_codes):
+        raise ValueError("pairs decodes repacked codes in x's dtype: it needs repacked="
+                         "repack_w4a16(qweight) and float_codes=False, got "
+                         f"repacked={'None' if repacked is None else 'given'}, "
+                         f"float_codes={float_codes}")
     if split_k is not None and (isinstance(split_k, bool) or not isinstance(split_k, int) or split_k < 1):
         raise ValueError(f"split_k must be None or a positive int, got {split_k!r}")
     if x.dtype not in HALF_DTYPES:
@@ -438,6 +553,6 @@ def w4a16_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, z
                             y if bias is None else bias, y, ws, cnt, m, n, k, y.stride(0),
                             GROUP=group_size, BLOCK_N=BLOCK_N, NUM_STAGES=NUM_STAGES,
                             HAS_BIAS=bias is not None, SPLIT_K=split, REPACKED=repacked is not None,
-                            AHEAD=ahead, FLOAT_CODES=float_codes, OVERLAP=overlap,
+                            AHEAD=ahead, FLOAT_CODES=float_codes, OVERLAP=overlap, PAIRS=pairs,
                             num_warps=NUM_WARPS)
     return y.reshape(*lead, n)
