@@ -275,6 +275,15 @@ def test_benchmark_suite_runs_tiny_and_summarises():
     assert "torch" in set(df[df.bench == S.COPY_BENCH].provider)
     assert {"copy", "matmul-bf16"} <= set(df[df.bench == "ceiling"].provider)
 
+    # only the named W4A16 providers, and none of the other sweeps (gluon_pairs.csv's run)
+    few = S.run(square=[], layers={"o": (16, 128)}, tokens=[], copy_bytes=[], w4_batches=[2],
+                w4_group=64, w4_providers=["torch-linear"])
+    assert set(few.bench) == {"ceiling", S.W4_BENCH} and set(few[few.bench == S.W4_BENCH].provider) == {
+        "torch-linear"}
+    with pytest.raises(ValueError, match=r"w4_providers must be among .*got \['nope'\]"):
+        S.run(square=[], layers={"o": (16, 128)}, tokens=[], copy_bytes=[], w4_batches=[2],
+              w4_group=64, w4_providers=["nope"])
+
     env = {"gpu_name": "test"}
     shape = {"shape": "linear", "layer": "o", "M": 64, "N": 4096, "K": 4096}
     rows = []

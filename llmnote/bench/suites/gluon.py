@@ -173,10 +173,11 @@ def _w4_providers(n: int, k: int, dtype: torch.dtype, group: int) -> dict:
 def run(quick: bool = False, dtype: torch.dtype = torch.bfloat16, square: list[int] | None = None,
         layers: dict[str, tuple[int, int]] | None = None, tokens: list[int] | None = None,
         copy_bytes: list[int] | None = None, w4_batches: list[int] | None = None,
-        w4_group: int = W4_GROUP) -> pd.DataFrame:
+        w4_group: int = W4_GROUP, w4_providers: list[str] | None = None) -> pd.DataFrame:
     """The Gluon benchmark (quick: two square sizes, the o layer at 4096 tokens and batch 1,
     two copies); the keyword lists override the sizes (a CPU smoke test passes tiny ones; an
-    empty list leaves that sweep out)."""
+    empty list leaves that sweep out); ``w4_providers`` names the W4A16 providers to time
+    (None: all of them)."""
     on_gpu = device.on_gpu()
     square = ([2048, 4096] if quick else SQUARE) if square is None else square
     layers = ({"o": LLAMA_LAYERS["o"]} if quick else LLAMA_LAYERS) if layers is None else layers
@@ -201,7 +202,13 @@ def run(quick: bool = False, dtype: torch.dtype = torch.bfloat16, square: list[i
                                 "layer": layer}))
     for layer, (n, k) in layers.items():
         packed = k * n // 2 + 2 * (k // w4_group) * n * torch.empty((), dtype=dtype).element_size()
-        for name, factory in _w4_providers(n, k, dtype, w4_group).items():  # each its own bytes
+        providers = _w4_providers(n, k, dtype, w4_group)
+        unknown = sorted(set(w4_providers or ()) - set(providers))
+        if unknown:
+            raise ValueError(f"w4_providers must be among {sorted(providers)}, got {unknown}")
+        for name, factory in providers.items():  # each its own bytes
+            if w4_providers is not None and name not in w4_providers:
+                continue
             nbytes = 2 * n * k if name == "torch-linear" else packed  # bf16, or int4 + groups
             frames.append(sweep(W4_BENCH, "M", w4_batches, {name: factory},
                                 {"bandwidth": ("GB/s", lambda m, ms, b=nbytes: b / (ms * 1e-3) / 1e9)},

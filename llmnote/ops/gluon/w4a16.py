@@ -175,8 +175,8 @@ def _pair(w, j: gl.constexpr, MAGIC: gl.constexpr):
     """Codes 2j and 2j + 1 of int32 ``w`` (K offsets k0 = 0 and 1 of one channel) as the bits
     of two 16-bit floats ``M + q``: code 2j in the low half, code 2j + 1 in the high half,
     each in the lowest mantissa bits under ``MAGIC``'s exponent (M = 128 in bf16, 1024 in
-    fp16, where one unit is one step of the mantissa). Two shifts and one three-input logic
-    operation; no conversion (Marlin's decode)."""
+    fp16, where one unit is one step of the mantissa). Shifts and masks, which ptxas merges
+    into three-input logic operations; no conversion (Marlin's decode)."""
     lo = w >> (8 * j) if j > 0 else w
     if 8 * j < 12:  # bits 8j + 4 .. 8j + 7 to bits 16 .. 19
         hi = w << (12 - 8 * j)
