@@ -382,6 +382,31 @@ def test_w4a16_pairs_dequantize_two_weights_an_instruction(dtype):
     assert gluon.compile_w4a16(dtype, block_m=16, repacked=True, pairs=True).registers <= one.registers
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_w4a16_pairs_arithmetic_is_the_fp32_paths(dtype, seed):
+    """The pair M + q (M = 128 in bf16, 1024 in fp16: _pair_magic's halves), minus M, minus an
+    integer zero point, times a scale, each rounded once to the 16-bit type as sub.rn and
+    mul.rn round (their exact results fit in fp32): for every pair of codes, every zero
+    point and scales over eight decades, the same bits as ((q - z) * s) in fp32 rounded
+    once, the default path's tile."""
+    from triton.experimental.gluon import language as gl
+
+    magic = gw4._pair_magic(gl.bfloat16 if dtype == torch.bfloat16 else gl.float16)
+    big = 128.0 if dtype == torch.bfloat16 else 1024.0
+    q = torch.arange(16, dtype=torch.int32)
+    lo, hi = (c.reshape(-1) for c in torch.meshgrid(q, q, indexing="ij"))
+    pair = lo | (hi << 16) | magic  # the two codes in the two halves' lowest mantissa bits
+    m = pair.view(dtype).reshape(-1, 2)
+    assert torch.equal(m.float(), torch.stack((lo, hi), 1).float() + big)  # M + q, exactly
+    scales = (torch.randn(300) * torch.logspace(-6, 2, 300)).to(dtype)
+    for z in range(16):
+        want = ((torch.stack((lo, hi), 1)[None] - z) * scales.float()[:, None, None]).to(dtype)
+        t = (m.float() - big).to(dtype)
+        t = (t.float() - z).to(dtype)
+        got = (t.float()[None] * scales.float()[:, None, None]).to(dtype)
+        assert torch.equal(got, want), z
+
+
 def test_w4a16_overlap_leaves_one_product_in_flight():
     """overlap: the loop waits for all but one product (the step before's), so a step's
     wgmma runs while the next step is decoded; the last one is waited for after the loop."""
