@@ -456,6 +456,9 @@ def test_w4a16_split_k_compiles_to_a_deterministic_reduction():
     # Llama-3-8B layers on 132 SMs: the 4096-channel ones split K, the 28672-channel one hardly
     assert [W.split_for(1, n, k, 132) for n, k in [(4096, 4096), (28672, 4096), (4096, 14336)]] == [8, 2, 9]
     assert W.split_for(1, 4096, 256, 132) == 1  # four K steps: no split
+    # about eight programs an SM: twice the slices, as far as four-step slices allow
+    assert [W.split_for(1, n, k, 132, per_sm=8) for n, k in [(4096, 4096), (28672, 4096),
+                                                             (4096, 14336)]] == [16, 3, 16]
 
 
 def _w4(n, k, g, dtype, dev):

@@ -15,7 +15,8 @@ Throughput = 2 M N K / time. W4A16 (``bench = "gluon-w4a16"``): ``llmnote-gluon`
 :func:`~llmnote.ops.gluon.w4a16.repack_w4a16`, ``-ahead4`` with four K steps of them in
 flight instead of one, ``-ahead4-float`` also decoding the codes as fp32 bit patterns,
 ``-ahead4-float-overlap`` also leaving each step's product in flight; ``-pairs`` with
-the default one step in flight, decoding two codes at a time into 16-bit pairs)
+the default one step in flight, decoding two codes at a time into 16-bit pairs;
+``-pairs-8`` that with K sliced for about eight programs per SM instead of four)
 vs ``llmnote`` (the Triton :func:`llmnote.quant.kernels.w4a16_linear`, tuned on its first
 call) vs ``torch-linear`` (``F.linear`` on the bf16 weight), the same Llama-3-8B layers at batch 1 and 16, group
 128 (RTN); bandwidth = bytes of the weight as each provider reads it (packed codes,
@@ -143,11 +144,15 @@ def _w4_providers(n: int, k: int, dtype: torch.dtype, group: int) -> dict:
     def gluon_factory(m):
         return checked(require_hopper().w4a16_linear, "llmnote-gluon")(m)
 
-    def repacked(name, **kw):  # kw: w4a16_linear's switches, the defaults where absent
+    def repacked(name, per_sm=None, **kw):  # kw: w4a16_linear's switches, the defaults where absent
         def factory(m):  # the codes repacked once, as at load time, outside the timing
             gluon = require_hopper()
+            from llmnote.ops.gluon.w4a16 import split_for
+            from llmnote.ops.matmul_configs import _num_sms
+
             qm = gluon.repack_w4a16(qw)
-            return checked(lambda *a: gluon.w4a16_linear(*a, repacked=qm, **kw), name)(m)
+            split = {} if per_sm is None else {"split_k": split_for(m, n, k, _num_sms(dev), per_sm)}
+            return checked(lambda *a: gluon.w4a16_linear(*a, repacked=qm, **split, **kw), name)(m)
         return factory
 
     def linear(m):
@@ -167,6 +172,10 @@ def _w4_providers(n: int, k: int, dtype: torch.dtype, group: int) -> dict:
                 overlap=True),
             # two codes at a time into a 16-bit pair, dequantized in the tile's dtype
             "llmnote-gluon-repacked-pairs": repacked("llmnote-gluon-repacked-pairs", pairs=True),
+            # and K sliced for about eight programs per SM instead of four (its fewer
+            # registers leave room for more resident programs)
+            "llmnote-gluon-repacked-pairs-8": repacked("llmnote-gluon-repacked-pairs-8", per_sm=8,
+                                                       pairs=True),
             "llmnote": checked(triton_w4a16, "llmnote"), "torch-linear": linear}
 
 
@@ -229,7 +238,8 @@ def _text(v) -> str:
 # the Gluon providers of the summary; each adds its name past "llmnote-gluon" to its checks
 GLUON_PROVIDERS = ["llmnote-gluon", "llmnote-gluon-repacked", "llmnote-gluon-repacked-ahead4",
                    "llmnote-gluon-repacked-ahead4-float",
-                   "llmnote-gluon-repacked-ahead4-float-overlap", "llmnote-gluon-repacked-pairs"]
+                   "llmnote-gluon-repacked-ahead4-float-overlap", "llmnote-gluon-repacked-pairs",
+                   "llmnote-gluon-repacked-pairs-8"]
 
 
 def summary(df: pd.DataFrame) -> pd.DataFrame:

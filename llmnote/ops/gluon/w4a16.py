@@ -54,6 +54,7 @@ FLOAT_CODES = False  # codes decoded as fp32 1 + q / 16 (one multiply-add), not 
 OVERLAP = False  # a step's wgmma in flight while the next step is decoded
 PAIRS = False  # repacked codes decoded two at a time into 16-bit pairs (see _pair)
 MAX_BLOCK_M = 64
+PROGRAMS_PER_SM = 4  # split_for's aim: programs per SM, by slicing K
 GL_DTYPES = {torch.float16: gl.float16, torch.bfloat16: gl.bfloat16}
 SIG_DTYPES = {torch.float16: "fp16", torch.bfloat16: "bf16"}
 
@@ -410,12 +411,12 @@ def block_m_for(m: int) -> int:
     return min(MAX_BLOCK_M, max(16, triton.next_power_of_2(m)))
 
 
-def split_for(m: int, n: int, k: int, sms: int) -> int:
-    """Slices of K: enough programs for about four per SM (a 4096-channel layer has only
-    64 tiles of 64 channels), each slice at least four K steps long."""
+def split_for(m: int, n: int, k: int, sms: int, per_sm: int = PROGRAMS_PER_SM) -> int:
+    """Slices of K: enough programs for about ``per_sm`` per SM (a 4096-channel layer has
+    only 64 tiles of 64 channels), each slice at least four K steps long."""
     tiles = triton.cdiv(n, BLOCK_N) * triton.cdiv(m, block_m_for(m))
     steps = k // BLOCK_K
-    split = max(1, min(triton.cdiv(4 * sms, tiles), steps // 4))
+    split = max(1, min(triton.cdiv(per_sm * sms, tiles), steps // 4))
     return triton.cdiv(steps, triton.cdiv(steps, split))  # no empty slice
 
 
