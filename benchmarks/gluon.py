@@ -7,9 +7,9 @@ copy vs PyTorch's copy; with the copy and matmul ceilings of the same run. The s
 lives in llmnote.bench.suites.gluon so that the chapter can run it live; see that
 module for what is timed and checked.
 
-`--parts w4a16` runs only the W4A16 sweep (of matmul, w4a16, copy; the ceilings always),
-`--w4-providers A,B` only those W4A16 providers (`gluon_pairs.csv` is
-`--parts w4a16 --w4-providers llmnote-gluon-repacked,llmnote-gluon-repacked-pairs,llmnote,torch-linear`).
+`--parts w4a16` runs only the W4A16 sweep (of matmul, w4a16, copy; the ceilings always;
+`gluon_w4a16.csv` is that run), `--w4-providers A,B` only those W4A16 providers (for
+example `--w4-providers llmnote-gluon-repacked,llmnote,torch-linear`).
 """
 
 import argparse

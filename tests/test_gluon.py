@@ -275,7 +275,7 @@ def test_benchmark_suite_runs_tiny_and_summarises():
     assert "torch" in set(df[df.bench == S.COPY_BENCH].provider)
     assert {"copy", "matmul-bf16"} <= set(df[df.bench == "ceiling"].provider)
 
-    # only the named W4A16 providers, and none of the other sweeps (gluon_pairs.csv's run)
+    # only the named W4A16 providers, and none of the other sweeps
     few = S.run(square=[], layers={"o": (16, 128)}, tokens=[], copy_bytes=[], w4_batches=[2],
                 w4_group=64, w4_providers=["torch-linear"])
     assert set(few.bench) == {"ceiling", S.W4_BENCH} and set(few[few.bench == S.W4_BENCH].provider) == {
@@ -343,8 +343,10 @@ def test_w4a16_repacked_reads_16_bytes_a_thread():
     # the first AHEAD steps before the loop, one more in it
     assert packed.count("ld.global.b8") == 0 and packed.count("ld.global.v4") == gw4.AHEAD + 1
     for ahead in (1, 2, 4):  # each step in flight holds its 4 words, scales and zeros
-        c = gluon.compile_w4a16(torch.bfloat16, block_m=16, repacked=True, ahead=ahead)
-        assert c.count("ld.global.v4") == ahead + 1 and c.spilled == 0
+        for pairs in (False, True):
+            c = gluon.compile_w4a16(torch.bfloat16, block_m=16, repacked=True, ahead=ahead,
+                                    pairs=pairs)
+            assert c.count("ld.global.v4") == ahead + 1 and c.spilled == 0, (ahead, pairs)
     assert packed.count("shfl") == 0 and packed.count("st.shared") == book.count("st.shared")
     assert [w.count("{") for w in packed.lines("wgmma.mma_async")] == [2] * 4  # A in registers
     assert packed.spilled == 0
@@ -353,10 +355,10 @@ def test_w4a16_repacked_reads_16_bytes_a_thread():
 @pytest.mark.parametrize("repacked", [False, True])
 def test_w4a16_float_codes_need_no_int_to_float_conversion(repacked):
     """float_codes: each of a thread's 32 codes of a step becomes an fp32 bit pattern by
-    integer logic and is dequantized by one multiply-add; the default converts each code
-    (cvt) and subtracts and multiplies."""
-    conv, flt = (gluon.compile_w4a16(torch.bfloat16, block_m=16, repacked=repacked, float_codes=f)
-                 for f in (False, True))
+    integer logic and is dequantized by one multiply-add; one code at a time, the kernel
+    converts each code (cvt) and subtracts and multiplies."""
+    conv, flt = (gluon.compile_w4a16(torch.bfloat16, block_m=16, repacked=repacked, float_codes=f,
+                                     pairs=False) for f in (False, True))
     cvt = ("cvt.rn.f32.u32", "cvt.rn.f32.s32")
     assert sum(conv.count(c) for c in cvt) == 32 and conv.count("fma.rn.f32") == 0
     assert sum(flt.count(c) for c in cvt) == 0 and flt.count("fma.rn.f32") == 32
@@ -368,18 +370,25 @@ def test_w4a16_pairs_dequantize_two_weights_an_instruction(dtype):
     """pairs: a thread's 32 codes of a step become 16 pairs of 16-bit floats M + q by integer
     logic (no conversion), and each pair is dequantized by two subtractions and one
     multiplication on the pair (sub and mul on bf16x2 / f16x2), with no fp32 arithmetic;
-    the dequantized tile lands in wgmma's operand registers as before."""
+    the dequantized tile lands in wgmma's operand registers as before. It is the default on
+    repacked codes (pairs=None); pairs=False decodes one code at a time."""
     t = "bf16x2" if dtype == torch.bfloat16 else "f16x2"
-    one = gluon.compile_w4a16(dtype, block_m=16, repacked=True)
+    one = gluon.compile_w4a16(dtype, block_m=16, repacked=True, pairs=False)
+    assert one.asm["ptx"].count(f"sub.rn.{t}") == 0 and one.count("cvt.rn.f32") == 32
     for kw in ({}, {"ahead": 4}, {"overlap": True}, {"split_k": 3, "bias": True}):
-        two = gluon.compile_w4a16(dtype, block_m=16, repacked=True, pairs=True, **kw)
+        two = gluon.compile_w4a16(dtype, block_m=16, repacked=True, **kw)  # the default: pairs
         ptx = two.asm["ptx"]
         assert (ptx.count(f"sub.rn.{t}"), ptx.count(f"mul.rn.{t}")) == (32, 16), kw
         assert two.count("cvt.rn.f32") == 0 and two.count("fma.rn.f32") == 0
         assert two.count("mul.f32") + two.count("mul.rn.f32") == 0
         assert [w.count("{") for w in two.lines("wgmma.mma_async")] == [2] * 4
         assert two.spilled == 0 and two.count("shfl") == 0
-    assert gluon.compile_w4a16(dtype, block_m=16, repacked=True, pairs=True).registers <= one.registers
+    assert gluon.compile_w4a16(dtype, block_m=16, repacked=True).registers <= one.registers
+    assert gluon.compile_w4a16(dtype, block_m=16, repacked=True, pairs=True).asm["ptx"] == \
+        gluon.compile_w4a16(dtype, block_m=16, repacked=True).asm["ptx"]
+    # float codes are the fp32 path: no pairs there by default
+    assert gluon.compile_w4a16(dtype, block_m=16, repacked=True, float_codes=True).asm["ptx"] \
+        .count(f"sub.rn.{t}") == 0
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -493,7 +502,7 @@ def test_w4a16_bad_inputs():
         gluon.w4a16_linear(x, qw, s, z, 64, float_codes=1)
     with pytest.raises(TypeError, match="overlap must be a bool, got 1"):
         gluon.w4a16_linear(x, qw, s, z, 64, overlap=1)
-    with pytest.raises(TypeError, match="pairs must be a bool, got 1"):
+    with pytest.raises(TypeError, match="pairs must be None or a bool, got 1"):
         gluon.w4a16_linear(x, qw, s, z, 64, pairs=1)
     with pytest.raises(ValueError, match="pairs decodes repacked codes.*repacked=None"):
         gluon.w4a16_linear(x, qw, s, z, 64, pairs=True)
@@ -533,7 +542,9 @@ def test_w4a16_on_hopper(m, n, k, g, dtype, seed):
     assert torch.equal(gluon.w4a16_linear(x3, qw, s, z, g, bias), out.reshape(1, m, n))
     # the repacked codes (16-byte loads) decode to the same operand registers: the same result
     qm = gw4.repack_w4a16(qw)
+    # (by default two codes at a time, pairs; below, one at a time as well)
     assert torch.equal(gluon.w4a16_linear(x, qw, s, z, g, bias, repacked=qm), out)
+    assert torch.equal(gluon.w4a16_linear(x, qw, s, z, g, bias, repacked=qm, pairs=False), out)
     # codes decoded as fp32 1 + q / 16, one multiply-add: with integer zero points both
     # forms are exact in fp32 before the rounding to the tile's dtype, so the same result
     # and with each product left in flight while the next step decodes: the same
@@ -547,15 +558,17 @@ def test_w4a16_on_hopper(m, n, k, g, dtype, seed):
         assert_close_lowp(got, ref32, lowp, atol=1e-3, name=f"gluon w4a16 {(m, n, k, g)} split {split}")
         assert torch.equal(got, gluon.w4a16_linear(x, qw, s, z, g, bias, split_k=split))  # deterministic
         for ahead in (1, 2, 4):  # slices shorter than the steps in flight included
-            assert torch.equal(gluon.w4a16_linear(x, qw, s, z, g, bias, split_k=split, repacked=qm,
-                                                  ahead=ahead), got)
+            for pairs in (False, None):
+                assert torch.equal(gluon.w4a16_linear(x, qw, s, z, g, bias, split_k=split,
+                                                      repacked=qm, ahead=ahead, pairs=pairs), got)
         assert torch.equal(gluon.w4a16_linear(x, qw, s, z, g, bias, split_k=split, repacked=qm,
                                               ahead=4, float_codes=True, overlap=True), got)
-        # pairs: q - z is exact in the 16-bit type (an integer below 16 in magnitude) and
-        # (q - z) s is rounded once, as the fp32 path's conversion rounds it: the same tile
-        for kw in ({}, {"ahead": 4}, {"ahead": 2, "overlap": True}):
+        # pairs (the default above): q - z is exact in the 16-bit type (an integer below 16
+        # in magnitude) and (q - z) s is rounded once, as the fp32 path's conversion rounds
+        # it: the same tile, with the product in flight too
+        for kw in ({"pairs": True}, {"ahead": 2, "overlap": True}):
             assert torch.equal(gluon.w4a16_linear(x, qw, s, z, g, bias, split_k=split, repacked=qm,
-                                                  pairs=True, **kw), got), kw
+                                                  **kw), got), kw
 
 
 def test_summary_of_the_shipped_csv_keeps_every_product():

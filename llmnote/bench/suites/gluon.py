@@ -12,11 +12,12 @@ Matmul (``bench = "gluon-matmul"``), providers ``llmnote-gluon``
 
 Throughput = 2 M N K / time. W4A16 (``bench = "gluon-w4a16"``): ``llmnote-gluon``
 (:func:`llmnote.ops.gluon.w4a16_linear`; ``llmnote-gluon-repacked`` on codes repacked by
-:func:`~llmnote.ops.gluon.w4a16.repack_w4a16`, ``-ahead4`` with four K steps of them in
-flight instead of one, ``-ahead4-float`` also decoding the codes as fp32 bit patterns,
-``-ahead4-float-overlap`` also leaving each step's product in flight; ``-pairs`` with
-the default one step in flight, decoding two codes at a time into 16-bit pairs;
-``-pairs-8`` that with K sliced for about eight programs per SM instead of four)
+:func:`~llmnote.ops.gluon.w4a16.repack_w4a16`, its defaults: two codes at a time decoded
+into 16-bit pairs; ``-repacked-8`` that with K sliced for about eight programs per SM
+instead of four; ``-repacked-single`` one code at a time (``pairs=False``),
+``-single-ahead4`` that with four K steps of codes in flight instead of one,
+``-single-ahead4-float`` also decoding the codes as fp32 bit patterns,
+``-single-ahead4-float-overlap`` also leaving each step's product in flight)
 vs ``llmnote`` (the Triton :func:`llmnote.quant.kernels.w4a16_linear`, tuned on its first
 call) vs ``torch-linear`` (``F.linear`` on the bf16 weight), the same Llama-3-8B layers at batch 1 and 16, group
 128 (RTN); bandwidth = bytes of the weight as each provider reads it (packed codes,
@@ -160,22 +161,25 @@ def _w4_providers(n: int, k: int, dtype: torch.dtype, group: int) -> dict:
         return lambda: F.linear(x, w16)
 
     return {"llmnote-gluon": gluon_factory,
+            # the defaults: two codes at a time into a 16-bit pair, dequantized in the
+            # tile's dtype
             "llmnote-gluon-repacked": repacked("llmnote-gluon-repacked"),
+            # and K sliced for about eight programs per SM instead of four (the pairs
+            # decode's fewer registers leave room for more resident programs)
+            "llmnote-gluon-repacked-8": repacked("llmnote-gluon-repacked-8", per_sm=8),
+            # one code at a time
+            "llmnote-gluon-repacked-single": repacked("llmnote-gluon-repacked-single", pairs=False),
             # four steps of codes, scales and zero points in flight instead of one; then
             # also the codes decoded as fp32 bit patterns (no int-to-float conversion)
-            "llmnote-gluon-repacked-ahead4": repacked("llmnote-gluon-repacked-ahead4", ahead=4),
-            "llmnote-gluon-repacked-ahead4-float": repacked(
-                "llmnote-gluon-repacked-ahead4-float", ahead=4, float_codes=True),
+            "llmnote-gluon-repacked-single-ahead4": repacked(
+                "llmnote-gluon-repacked-single-ahead4", ahead=4, pairs=False),
+            "llmnote-gluon-repacked-single-ahead4-float": repacked(
+                "llmnote-gluon-repacked-single-ahead4-float", ahead=4, float_codes=True,
+                pairs=False),
             # and each step's product left in flight while the next step is decoded
-            "llmnote-gluon-repacked-ahead4-float-overlap": repacked(
-                "llmnote-gluon-repacked-ahead4-float-overlap", ahead=4, float_codes=True,
-                overlap=True),
-            # two codes at a time into a 16-bit pair, dequantized in the tile's dtype
-            "llmnote-gluon-repacked-pairs": repacked("llmnote-gluon-repacked-pairs", pairs=True),
-            # and K sliced for about eight programs per SM instead of four (its fewer
-            # registers leave room for more resident programs)
-            "llmnote-gluon-repacked-pairs-8": repacked("llmnote-gluon-repacked-pairs-8", per_sm=8,
-                                                       pairs=True),
+            "llmnote-gluon-repacked-single-ahead4-float-overlap": repacked(
+                "llmnote-gluon-repacked-single-ahead4-float-overlap", ahead=4, float_codes=True,
+                overlap=True, pairs=False),
             "llmnote": checked(triton_w4a16, "llmnote"), "torch-linear": linear}
 
 
@@ -236,15 +240,15 @@ def _text(v) -> str:
 
 
 # the Gluon providers of the summary; each adds its name past "llmnote-gluon" to its checks
-GLUON_PROVIDERS = ["llmnote-gluon", "llmnote-gluon-repacked", "llmnote-gluon-repacked-ahead4",
-                   "llmnote-gluon-repacked-ahead4-float",
-                   "llmnote-gluon-repacked-ahead4-float-overlap", "llmnote-gluon-repacked-pairs",
-                   "llmnote-gluon-repacked-pairs-8"]
+GLUON_PROVIDERS = ["llmnote-gluon", "llmnote-gluon-repacked", "llmnote-gluon-repacked-8",
+                   "llmnote-gluon-repacked-single", "llmnote-gluon-repacked-single-ahead4",
+                   "llmnote-gluon-repacked-single-ahead4-float",
+                   "llmnote-gluon-repacked-single-ahead4-float-overlap"]
 
 
 def summary(df: pd.DataFrame) -> pd.DataFrame:
     """One row per measured size and Gluon provider (the W4A16's repacked codes as checks
-    ``w4a16-repacked ...``, its switches ``w4a16-repacked-ahead4 ...`` and so on): the Gluon kernel's rate (``gluon``, in ``unit``), its
+    ``w4a16-repacked ...``, one code at a time ``w4a16-repacked-single ...`` and so on): the Gluon kernel's rate (``gluon``, in ``unit``), its
     speed-up (time ratio) over the Triton kernel (``vs_triton``) and over the peer
     (``vs_peer``: cuBLAS, ``F.linear`` on the bf16 weight, PyTorch's copy), and for
     bandwidths the fraction of the copy ceiling of the same run (``vs_ceiling``)."""

@@ -89,7 +89,7 @@ def _flash_case(b: int = 4, h: int = 16, n: int = 4096, d: int = 128):
 def _w4_case(k: int, n: int, gluon: bool = False, repacked: bool = False, **switches):
     """W4A16 at batch 1; ``gluon``: the Gluon kernel, on codes repacked once outside the
     profiled call where ``repacked``, with its ``switches`` (``ahead``, ``float_codes``,
-    ``overlap``)."""
+    ``overlap``, ``pairs``)."""
     def build():
         from llmnote.bench.suites.quant import GROUP, _w4_weights
         from llmnote.quant import kernels as K
@@ -131,15 +131,17 @@ CASES: dict[str, Case] = {
     "w4a16-b1-mlp": Case("_w4a16_", _w4_case(4096, 14336), "W4A16 GEMV at batch 1, K 4096, N 14336"),
     "gluon-w4a16-b1": Case("_w4a16_kernel", _w4_case(4096, 14336, gluon=True),
                            "Gluon W4A16 at batch 1, K 4096, N 14336, g128 (Hopper)"),
-    "gluon-w4a16-b1-repacked": Case("_w4a16_kernel", _w4_case(4096, 14336, gluon=True, repacked=True),
-                                    "Gluon W4A16 at batch 1 on repacked codes, K 4096, N 14336 (Hopper)"),
+    "gluon-w4a16-b1-repacked": Case(
+        "_w4a16_kernel", _w4_case(4096, 14336, gluon=True, repacked=True),
+        "Gluon W4A16 at batch 1 on repacked codes, its defaults (codes decoded in 16-bit pairs), "
+        "K 4096, N 14336 (Hopper)"),
+    "gluon-w4a16-b1-single": Case(
+        "_w4a16_kernel", _w4_case(4096, 14336, gluon=True, repacked=True, pairs=False),
+        "Gluon W4A16 at batch 1 on repacked codes, one code at a time, K 4096, N 14336 (Hopper)"),
     "gluon-w4a16-b1-switched": Case(
         "_w4a16_kernel", _w4_case(4096, 14336, gluon=True, repacked=True, ahead=4, float_codes=True,
                                   overlap=True),
         "Gluon W4A16 at batch 1, repacked, ahead=4, float_codes, overlap, K 4096, N 14336 (Hopper)"),
-    "gluon-w4a16-b1-pairs": Case(
-        "_w4a16_kernel", _w4_case(4096, 14336, gluon=True, repacked=True, pairs=True),
-        "Gluon W4A16 at batch 1, repacked, codes decoded in 16-bit pairs, K 4096, N 14336 (Hopper)"),
     "gluon-fa3-fwd": Case("_attention_kernel", _gluon_attention_case(),
                           "Gluon FlashAttention-3 forward, B 4, H 16, N 4096, D 128, bf16 (Hopper)"),
 }

@@ -20,7 +20,10 @@ touching shared memory (Marlin's idea). The book's packing gives single-byte loa
 that a thread reads its 32 codes of a step with one 16-byte load. ``x`` tiles come
 by TMA in a ring of ``NUM_STAGES`` slots (as in :mod:`llmnote.ops.gluon.matmul`); the
 bytes of step ``k + 1`` are loaded while step ``k`` is decoded and multiplied (repacked:
-those of steps ``k + 1 .. k + ahead``, with their scales and zero points).
+those of steps ``k + 1 .. k + ahead``, with their scales and zero points). Repacked codes
+are decoded two at a time by default: a pair of codes becomes one bf16x2 / f16x2 register
+and is dequantized in that type (``pairs``, :func:`_pair`), half the instructions of one
+code at a time and fewer registers.
 
 Supported: ``group_size`` a multiple of ``BLOCK_K`` (64), any N and M. Split-K
 (:func:`split_for`): fp32 partial sums go to a workspace and the last program of a tile
@@ -52,7 +55,8 @@ BLOCK_N, BLOCK_K, NUM_STAGES, NUM_WARPS = 64, 64, 4, 4
 AHEAD = 1  # K steps of repacked codes in flight while one is decoded (1, 2 or 4)
 FLOAT_CODES = False  # codes decoded as fp32 1 + q / 16 (one multiply-add), not converted
 OVERLAP = False  # a step's wgmma in flight while the next step is decoded
-PAIRS = False  # repacked codes decoded two at a time into 16-bit pairs (see _pair)
+PAIRS = None  # repacked codes decoded two at a time into 16-bit pairs (see _pair); None:
+#               wherever that applies (repacked codes, float_codes off), as it pays
 MAX_BLOCK_M = 64
 PROGRAMS_PER_SM = 4  # split_for's aim: programs per SM, by slicing K
 GL_DTYPES = {torch.float16: gl.float16, torch.bfloat16: gl.bfloat16}
@@ -459,17 +463,30 @@ def _x_layout(dtype, block_m: int):
     return gl.NVMMASharedLayout.get_default_for([block_m, BLOCK_K], GL_DTYPES[dtype])
 
 
+def _pairs_for(pairs: bool | None, repacked: bool, float_codes: bool) -> bool:
+    """``pairs`` as the kernel takes it: None becomes True wherever the pairs decode applies
+    (repacked codes, ``float_codes`` off); True where it does not is an error."""
+    if pairs is not None and not isinstance(pairs, bool):
+        raise TypeError(f"pairs must be None or a bool, got {pairs!r}")
+    if pairs and (not repacked or float_codes):
+        raise ValueError("pairs decodes repacked codes in x's dtype: it needs repacked="
+                         "repack_w4a16(qweight) and float_codes=False, got "
+                         f"repacked={'given' if repacked else 'None'}, float_codes={float_codes}")
+    return bool(repacked and not float_codes) if pairs is None else pairs
+
+
 def compile_w4a16(dtype: torch.dtype = torch.bfloat16, *, block_m: int = 16, group_size: int = 128,
                   bias: bool = False, split_k: int = 1, repacked: bool = False,
                   ahead: int = AHEAD, float_codes: bool = FLOAT_CODES,
-                  overlap: bool = OVERLAP, pairs: bool = PAIRS) -> Compiled:
+                  overlap: bool = OVERLAP, pairs: bool | None = PAIRS) -> Compiled:
     """The kernel as :func:`w4a16_linear` would launch it for ``block_m`` tokens and ``split_k``
     slices of K (``repacked``: reading :func:`repack_w4a16`'s codes, ``ahead`` steps of
     them in flight; ``float_codes``: decoded as fp32; ``overlap``: a product in flight
     while the next step is decoded; ``pairs``: repacked codes decoded two at a time in the
-    tile's dtype), compiled for sm_90."""
+    tile's dtype, None: wherever that applies), compiled for sm_90."""
     if dtype not in HALF_DTYPES:
         raise TypeError(f"dtype must be torch.float16 or torch.bfloat16, got {dtype}")
+    pairs = _pairs_for(pairs, repacked, float_codes)
     t = SIG_DTYPES[dtype]
     sig = {"x_desc": tensordesc(t, [block_m, BLOCK_K], _x_layout(dtype, block_m)),
            "qb_ptr": "*i32" if repacked else "*u8",
@@ -489,7 +506,7 @@ def w4a16_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, z
                  group_size: int, bias: torch.Tensor | None = None, *,
                  split_k: int | None = None, repacked: torch.Tensor | None = None,
                  ahead: int = AHEAD, float_codes: bool = FLOAT_CODES,
-                 overlap: bool = OVERLAP, pairs: bool = PAIRS) -> torch.Tensor:
+                 overlap: bool = OVERLAP, pairs: bool | None = PAIRS) -> torch.Tensor:
     """``x @ W^T (+ bias)`` for the book's W4A16 format (see :func:`w4a16_linear_ref`), by
     the Gluon kernel. ``x (..., K)`` bf16/fp16; ``qweight (K // 8, N)`` int32 contiguous;
     ``scales``, ``zeros`` ``(K // G, N)`` contiguous; ``group_size`` a multiple of 64;
@@ -499,8 +516,9 @@ def w4a16_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, z
     decoded as fp32 bit patterns instead of converted (see :func:`_nibble`); ``overlap``:
     each step's product left in flight while the next step is decoded; ``pairs`` (with
     ``repacked``): two codes at a time decoded into a 16-bit pair and dequantized in x's
-    dtype (see :func:`_pair`; the same result where the zero points are integers). Needs a
-    Hopper GPU (raises ``RuntimeError`` elsewhere)."""
+    dtype (see :func:`_pair`; the same result where the zero points are integers), None
+    (the default): whenever ``repacked`` is given and ``float_codes`` is off, False: one
+    code at a time. Needs a Hopper GPU (raises ``RuntimeError`` elsewhere)."""
     check_w4a16(x, qweight, scales, zeros, group_size, bias)
     if repacked is not None:
         want = (qweight.shape[0] // (BLOCK_K // 8), triton.cdiv(qweight.shape[1], BLOCK_N), 512)
@@ -512,14 +530,10 @@ def w4a16_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, z
                              f"got {got}")
     if ahead not in (1, 2, 4) or isinstance(ahead, bool):
         raise ValueError(f"ahead must be 1, 2 or 4, got {ahead!r}")
-    for name, flag in (("float_codes", float_codes), ("overlap", overlap), ("pairs", pairs)):
+    for name, flag in (("float_codes", float_codes), ("overlap", overlap)):
         if not isinstance(flag, bool):
             raise TypeError(f"{name} must be a bool, got {flag!r}")
-    if pairs and (repacked is None or float_codes):
-        raise ValueError("pairs decodes repacked codes in x's dtype: it needs repacked="
-                         "repack_w4a16(qweight) and float_codes=False, got "
-                         f"repacked={'None' if repacked is None else 'given'}, "
-                         f"float_codes={float_codes}")
+    pairs = _pairs_for(pairs, repacked is not None, float_codes)
     if split_k is not None and (isinstance(split_k, bool) or not isinstance(split_k, int) or split_k < 1):
         raise ValueError(f"split_k must be None or a positive int, got {split_k!r}")
     if x.dtype not in HALF_DTYPES:
