@@ -12,6 +12,7 @@ The batch grader against adversarial submissions: tests/test_grading_batch.py.
 from __future__ import annotations
 
 import importlib.util
+import math
 import time
 from pathlib import Path
 
@@ -257,6 +258,24 @@ def test_speed_table_layout():
 
 
 # ------------------------------------------------------------------ the check runner
+
+@pytest.mark.parametrize("shape", [(), (7,), (2, 3), (3, 1, 4), (2, 3, 4, 5)])
+def test_a_mismatch_is_named_by_its_index(shape):
+    """The worst elements of a failed comparison are named by their index, as
+    torch.unravel_index gives it (computed without it: its first call spends about a third
+    of a second importing, enough to turn a graded check's plain mismatch into a timeout)."""
+    from llmnote.testing import _unravel, describe_mismatch
+
+    n = math.prod(shape)
+    for i in range(n):
+        assert _unravel(i, shape) == tuple(int(v) for v in torch.unravel_index(torch.tensor(i), shape))
+    expected = torch.zeros(shape)
+    actual = expected.clone()
+    actual.view(-1)[n - 1] = 3.0  # the last element: every index at its largest
+    last = tuple(d - 1 for d in shape)
+    assert describe_mismatch(actual, expected).splitlines()[0] == \
+        f"  at {last}: got 3, expected 0 (|diff| 3)"
+
 
 def test_statuses_in_plain_words():
     a = grading.Assignment("demo", "demo", (
