@@ -368,7 +368,7 @@ def test_w4a16_float_codes_need_no_int_to_float_conversion(repacked):
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_w4a16_pairs_dequantize_two_weights_an_instruction(dtype):
     """pairs: a thread's 32 codes of a step become 16 pairs of 16-bit floats M + q by integer
-    logic (no conversion), and each pair is dequantized by two subtractions and one
+    logic (no conversion; one lop3 a pair), and each pair is dequantized by two subtractions and one
     multiplication on the pair (sub and mul on bf16x2 / f16x2), with no fp32 arithmetic;
     the dequantized tile lands in wgmma's operand registers as before. It is the default on
     repacked codes (pairs=None); pairs=False decodes one code at a time."""
@@ -379,6 +379,8 @@ def test_w4a16_pairs_dequantize_two_weights_an_instruction(dtype):
         two = gluon.compile_w4a16(dtype, block_m=16, repacked=True, **kw)  # the default: pairs
         ptx = two.asm["ptx"]
         assert (ptx.count(f"sub.rn.{t}"), ptx.count(f"mul.rn.{t}")) == (32, 16), kw
+        # the two codes of a pair lie 16 bits apart: one logic operation takes out both
+        assert ptx.count("lop3.b32") == 16, kw
         assert two.count("cvt.rn.f32") == 0 and two.count("fma.rn.f32") == 0
         assert two.count("mul.f32") + two.count("mul.rn.f32") == 0
         assert [w.count("{") for w in two.lines("wgmma.mma_async")] == [2] * 4
@@ -430,8 +432,9 @@ def test_w4a16_overlap_leaves_one_product_in_flight():
 @pytest.mark.parametrize("k,n", [(64, 64), (128, 200), (512, 33), (4096, 384)])
 def test_w4a16_repack_round_trip_and_the_kernels_decoding(k, n, seed):
     """repack_w4a16 against its inverse, and against the kernel's decoding written out: word
-    (d0, d1, d2, d3) of tile (step, t), nibble k0 + 2 n3 + 4 k3 holds the code of K
-    64 step + 16 d3 + 8 k3 + 2 d2 + k0 and channel 64 t + 16 d0 + 8 n3 + d1 (0 past N)."""
+    (d0, d1, d2, d3) of tile (step, t), nibble n3 + 2 k3 + 4 k0 holds the code of K
+    64 step + 16 d3 + 8 k3 + 2 d2 + k0 and channel 64 t + 16 d0 + 8 n3 + d1 (0 past N):
+    the two codes of a pair (k0 = 0, 1) 16 bits apart."""
     from llmnote.quant.primitives import pack_int4
 
     q = torch.randint(0, 16, (k, n), dtype=torch.uint8)
@@ -442,7 +445,7 @@ def test_w4a16_repack_round_trip_and_the_kernels_decoding(k, n, seed):
     idx = torch.arange(512)
     d0, d1, d2, d3 = idx // 128, idx // 16 % 8, idx // 4 % 4, idx % 4
     j = torch.arange(8)
-    k0, n3, k3 = j % 2, j // 2 % 2, j // 4
+    n3, k3, k0 = j % 2, j // 2 % 2, j // 4
     nib = (qm.long()[..., None] >> (4 * j)) & 15  # (steps, tiles, 512, 8)
     kk = (64 * torch.arange(k // 64)[:, None, None, None] + 16 * d3[:, None] + 8 * k3
           + 2 * d2[:, None] + k0)

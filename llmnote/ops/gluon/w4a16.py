@@ -156,38 +156,44 @@ def _nibble(w, i: gl.constexpr, FLOAT_CODES: gl.constexpr):
 @gluon.jit
 def _decode_words(w, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, FLOAT_CODES: gl.constexpr):
     """Codes (BLOCK_N, BLOCK_K) from a step's words (as :func:`_nibble` gives them): nibble
-    ``k0 + 2 n3 + 4 k3`` of word (d0, d1, d2, d3) is the code of channel ``16 d0 + 8 n3 +
-    d1``, K ``16 d3 + 8 k3 + 2 d2 + k0``. The joins put (k0, n3, k3) in registers, the
-    permute and reshape name them: the result is wgmma's operand layout, up to the order
-    of a thread's registers."""
-    a0 = gl.join(_nibble(w, 0, FLOAT_CODES), _nibble(w, 1, FLOAT_CODES))  # (k0 = 0, 1) at n3 = 0, k3 = 0
-    a1 = gl.join(_nibble(w, 2, FLOAT_CODES), _nibble(w, 3, FLOAT_CODES))  # n3 = 1, k3 = 0
-    a2 = gl.join(_nibble(w, 4, FLOAT_CODES), _nibble(w, 5, FLOAT_CODES))  # n3 = 0, k3 = 1
-    a3 = gl.join(_nibble(w, 6, FLOAT_CODES), _nibble(w, 7, FLOAT_CODES))  # n3 = 1, k3 = 1
+    ``n3 + 2 k3 + 4 k0`` of word (d0, d1, d2, d3) is the code of channel ``16 d0 + 8 n3 +
+    d1``, K ``16 d3 + 8 k3 + 2 d2 + k0``, so the two codes of a pair (k0 = 0, 1) lie 16 bits
+    apart. The joins put (k0, n3, k3) in registers, the permute and reshape name them: the
+    result is wgmma's operand layout, up to the order of a thread's registers."""
+    a0 = gl.join(_nibble(w, 0, FLOAT_CODES), _nibble(w, 4, FLOAT_CODES))  # (k0 = 0, 1) at n3 = 0, k3 = 0
+    a1 = gl.join(_nibble(w, 1, FLOAT_CODES), _nibble(w, 5, FLOAT_CODES))  # n3 = 1, k3 = 0
+    a2 = gl.join(_nibble(w, 2, FLOAT_CODES), _nibble(w, 6, FLOAT_CODES))  # n3 = 0, k3 = 1
+    a3 = gl.join(_nibble(w, 3, FLOAT_CODES), _nibble(w, 7, FLOAT_CODES))  # n3 = 1, k3 = 1
     return _arrange(a0, a1, a2, a3, BLOCK_N, BLOCK_K)
 
 
 @gluon.jit
 def _arrange(a0, a1, a2, a3, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr):
     """The tile (BLOCK_N, BLOCK_K) from the values of a step's words, pair by pair: ``aj``
-    holds (k0 = 0, k0 = 1) of nibbles 2j, 2j + 1, i.e. n3 = j % 2, k3 = j // 2."""
+    holds (k0 = 0, k0 = 1) of nibbles j, j + 4, i.e. n3 = j % 2, k3 = j // 2."""
     t = gl.join(gl.join(a0, a1), gl.join(a2, a3))  # (d0, d1, d2, d3, k0, n3, k3)
     return gl.reshape(gl.permute(t, (0, 5, 1, 3, 6, 2, 4)), [BLOCK_N, BLOCK_K])
 
 
 @gluon.jit
 def _pair(w, j: gl.constexpr, MAGIC: gl.constexpr):
-    """Codes 2j and 2j + 1 of int32 ``w`` (K offsets k0 = 0 and 1 of one channel) as the bits
-    of two 16-bit floats ``M + q``: code 2j in the low half, code 2j + 1 in the high half,
-    each in the lowest mantissa bits under ``MAGIC``'s exponent (M = 128 in bf16, 1024 in
-    fp16, where one unit is one step of the mantissa). Shifts and masks, which ptxas merges
-    into three-input logic operations; no conversion (Marlin's decode)."""
-    lo = w >> (8 * j) if j > 0 else w
-    if 8 * j < 12:  # bits 8j + 4 .. 8j + 7 to bits 16 .. 19
-        hi = w << (12 - 8 * j)
-    else:
-        hi = w >> (8 * j - 12)
-    return (lo & 0xF) | (hi & 0xF0000) | MAGIC
+    """Codes j and j + 4 of int32 ``w`` (K offsets k0 = 0 and 1 of one channel, 16 bits
+    apart) as the bits of two 16-bit floats ``M + q``: code j in the low half, code j + 4
+    in the high half, each in the lowest mantissa bits under ``MAGIC``'s exponent (M = 128
+    in bf16, 1024 in fp16, where one unit is one step of the mantissa). One shift and one
+    three-input logic operation, ``(v & 0x000F000F) | MAGIC``, for both codes; no
+    conversion (Marlin's decode). The logic operation is written in PTX (``lop3``): left
+    to itself the compiler makes it two, an and and an or, each with its constant."""
+    v = w >> (4 * j) if j > 0 else w
+    return gl.inline_asm_elementwise(_lop3_asm(MAGIC), "=r,r", [v], dtype=gl.int32,
+                                     is_pure=True, pack=1)
+
+
+@gluon.constexpr_function
+def _lop3_asm(magic):
+    """PTX for :func:`_pair`: ``$0 = ($1 & 0x000F000F) | magic`` in one instruction (0xEA is
+    the truth table of ``(a & b) | c``)."""
+    return f"lop3.b32 $0, $1, 0x000F000F, {int(magic):#x}, 0xEA;"
 
 
 @gluon.constexpr_function
@@ -443,7 +449,7 @@ def repack_w4a16(qweight: torch.Tensor) -> torch.Tensor:
     codes[:, :n] = unpack_int4(qweight)
     # k = 16 k45 + 8 k3 + 2 k12 + k0, n = 16 n45 + 8 n3 + n012, per (step, tile)
     c = codes.view(k // BLOCK_K, 4, 2, 4, 2, tiles, 4, 2, 8)  # s, k45, k3, k12, k0, t, n45, n3, n012
-    c = c.permute(2, 7, 4, 0, 5, 6, 8, 3, 1)  # nibble (k3, n3, k0) first, then s, t, d0..d3
+    c = c.permute(4, 2, 7, 0, 5, 6, 8, 3, 1)  # nibble (k0, k3, n3) first, then s, t, d0..d3
     return pack_int4(c.reshape(8, -1)).view(k // BLOCK_K, tiles, 512)
 
 
@@ -453,8 +459,8 @@ def unrepack_w4a16(qm: torch.Tensor, n: int) -> torch.Tensor:
     from llmnote.quant.primitives import pack_int4, unpack_int4
 
     steps, tiles = qm.shape[:2]
-    nib = unpack_int4(qm.reshape(1, -1)).view(2, 2, 2, steps, tiles, 4, 8, 4, 4)  # k3 n3 k0 ...
-    c = nib.permute(3, 8, 0, 7, 2, 4, 5, 1, 6)  # s, k45, k3, k12, k0, t, n45, n3, n012
+    nib = unpack_int4(qm.reshape(1, -1)).view(2, 2, 2, steps, tiles, 4, 8, 4, 4)  # k0 k3 n3 ...
+    c = nib.permute(3, 8, 1, 7, 0, 4, 5, 2, 6)  # s, k45, k3, k12, k0, t, n45, n3, n012
     codes = c.reshape(steps * BLOCK_K, tiles * BLOCK_N)[:, :n]
     return pack_int4(codes.contiguous())
 
