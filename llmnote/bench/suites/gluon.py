@@ -14,7 +14,8 @@ Throughput = 2 M N K / time. W4A16 (``bench = "gluon-w4a16"``): ``llmnote-gluon`
 (:func:`llmnote.ops.gluon.w4a16_linear`; ``llmnote-gluon-repacked`` on codes repacked by
 :func:`~llmnote.ops.gluon.w4a16.repack_w4a16`, its defaults: two codes at a time decoded
 into 16-bit pairs; ``-repacked-8`` that with K sliced for about eight programs per SM
-instead of four; ``-repacked-single`` one code at a time (``pairs=False``),
+instead of four; ``-repacked-ahead2`` / ``-ahead4`` the defaults with two or four K steps
+of codes, scales and zero points in flight instead of one; ``-repacked-single`` one code at a time (``pairs=False``),
 ``-single-ahead4`` that with four K steps of codes in flight instead of one,
 ``-single-ahead4-float`` also decoding the codes as fp32 bit patterns,
 ``-single-ahead4-float-overlap`` also leaving each step's product in flight)
@@ -167,6 +168,10 @@ def _w4_providers(n: int, k: int, dtype: torch.dtype, group: int) -> dict:
             # and K sliced for about eight programs per SM instead of four (the pairs
             # decode's fewer registers leave room for more resident programs)
             "llmnote-gluon-repacked-8": repacked("llmnote-gluon-repacked-8", per_sm=8),
+            # two or four steps of codes, scales and zero points in flight instead of one:
+            # more bytes in flight per SM, on the decode that no longer limits the issue rate
+            "llmnote-gluon-repacked-ahead2": repacked("llmnote-gluon-repacked-ahead2", ahead=2),
+            "llmnote-gluon-repacked-ahead4": repacked("llmnote-gluon-repacked-ahead4", ahead=4),
             # one code at a time
             "llmnote-gluon-repacked-single": repacked("llmnote-gluon-repacked-single", pairs=False),
             # four steps of codes, scales and zero points in flight instead of one; then
@@ -241,6 +246,7 @@ def _text(v) -> str:
 
 # the Gluon providers of the summary; each adds its name past "llmnote-gluon" to its checks
 GLUON_PROVIDERS = ["llmnote-gluon", "llmnote-gluon-repacked", "llmnote-gluon-repacked-8",
+                   "llmnote-gluon-repacked-ahead2", "llmnote-gluon-repacked-ahead4",
                    "llmnote-gluon-repacked-single", "llmnote-gluon-repacked-single-ahead4",
                    "llmnote-gluon-repacked-single-ahead4-float",
                    "llmnote-gluon-repacked-single-ahead4-float-overlap"]
