@@ -525,7 +525,11 @@ def test_w4a16_no_gpu_error():
 
 @needs_hopper
 @pytest.mark.parametrize("m,n,k,g", [(1, 1, 64, 64), (1, 40, 256, 128), (5, 33, 192, 64), (16, 200, 512, 128),
-                                     (33, 64, 128, 64), (64, 130, 384, 128), (100, 72, 256, 256)])
+                                     (33, 64, 128, 64), (64, 130, 384, 128), (100, 72, 256, 256),
+                                     # 24 K steps: unsplit, the x ring wraps five times and each
+                                     # slot's barrier comes back to phase 0 (the full-size
+                                     # benchmark shapes were the only cover of that)
+                                     (1, 96, 1536, 128)])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_w4a16_on_hopper(m, n, k, g, dtype, seed):
     from llmnote.quant.kernels.w4a16_ref import dequantize_int4_weight
