@@ -135,6 +135,10 @@ CASES: dict[str, Case] = {
         "_w4a16_kernel", _w4_case(4096, 14336, gluon=True, repacked=True),
         "Gluon W4A16 at batch 1 on repacked codes, its defaults (codes decoded in 16-bit pairs), "
         "K 4096, N 14336 (Hopper)"),
+    "gluon-w4a16-b1-ahead4": Case(
+        "_w4a16_kernel", _w4_case(4096, 14336, gluon=True, repacked=True, ahead=4),
+        "Gluon W4A16 at batch 1 on repacked codes, pairs, four K steps in flight, K 4096, "
+        "N 14336 (Hopper)"),
     "gluon-w4a16-b1-single": Case(
         "_w4a16_kernel", _w4_case(4096, 14336, gluon=True, repacked=True, pairs=False),
         "Gluon W4A16 at batch 1 on repacked codes, one code at a time, K 4096, N 14336 (Hopper)"),
