@@ -3,10 +3,12 @@
 
 All-reduce times against the α-β model, the engine at tensor_parallel_size 1 and 2
 on a Llama-3-8B shape (batch-1 time per token, nano-vllm workload throughput), a
-Llama-3-70B shape cut to fewer layers, and ring attention at 32k-128k tokens
-against one GPU. What is timed: llmnote.bench.suites.tensor_parallel.
+Llama-3-70B shape cut to fewer layers, ring attention at 32k-128k tokens against
+one GPU, and a profile of every rank's batch-1 decode (where a TP=2 step's time
+goes: its kernels, its all-reduces, waiting for the other rank, idle). What is
+timed: llmnote.bench.suites.tensor_parallel.
 
-`--parts allreduce,ring` runs only those parts (of allreduce, engine, 70b, ring);
+`--parts allreduce,ring` runs only those parts (of allreduce, engine, 70b, ring, trace);
 `--requests N` sets the workload's size (default 128), `--layers-70b L` the cut
 model's depth (default 32: 59 GB in bf16, so TP=1 fits one H100 too).
 `--quick` runs tiny shapes on gloo: a CPU smoke test, not a measurement.

@@ -571,3 +571,52 @@ def test_benchmark_smoke_records_what_the_ranks_loaded():
     assert ((tp2.load_weight_gb_per_rank * 1e9 > whole / 2)
             & (tp2.load_weight_gb_per_rank * 1e9 < whole)).all()
     assert tp1.load_weight_gb_per_rank.isna().all()
+
+
+def test_profile_records_every_rank_and_the_engine_goes_on(tiny_llama):
+    """``TPRunner.profile``: one trace per rank of what the engine ran meanwhile (on gloo the
+    host's operators, each layer's two all-reduces among them, in every rank); a callable
+    that raises stops the ranks' profiles and leaves the engine serving."""
+    from llmnote.bench.profiling import trace_events
+
+    sp = SamplingParams(temperature=0.0, max_tokens=6)
+    layers = tiny_llama.config.num_hidden_layers
+    with LLM(tiny_llama, device="cpu", tensor_parallel_size=2) as llm:
+        out = []
+        traces = llm.runner.profile(
+            lambda: out.extend(llm.generate([[1, 2, 3]], sp, use_tqdm=False)))
+        assert len(traces) == 2 and len(out[0].token_ids) == 6
+        for trace in traces:
+            ops = trace_events(trace)
+            # six tokens: a prefill and five decode steps (or runs of them), two per layer each
+            assert (ops.name == "c10d::allreduce_").sum() >= 2 * layers * 2
+        with pytest.raises(ZeroDivisionError):
+            llm.runner.profile(lambda: 1 / 0)
+        with pytest.raises(TypeError, match="fn must be a callable, got NoneType"):
+            llm.runner.profile(None)
+        again = llm.generate([[1, 2, 3]], sp, use_tqdm=False)
+        traces = llm.runner.profile(lambda: None)  # a profile after the failed one: empty
+        assert len(traces) == 2
+    assert again[0].token_ids == out[0].token_ids
+
+
+def test_benchmark_trace_splits_each_ranks_decode():
+    """The benchmark's trace part (quick: llama-tiny; on gloo the host's operators, on two
+    GPUs the kernels, CUDA graphs' included): per rank and token the span, its busy and
+    idle parts and the all-reduces; TP=1 has none, each TP=2 rank two per layer and
+    token, and the split adds up."""
+    from llmnote.bench.suites import tensor_parallel as T
+
+    df = T.run(quick=True, parts=("trace",))
+    df = df[df.provider != "copy"]  # on two GPUs the run also times the copy ceiling
+    v = df.set_index(["provider", "metric"]).p50
+    layers = get_preset("llama-tiny").num_hidden_layers
+    assert v["llmnote-tp1-rank0", "all_reduce_calls"] == 0
+    for r in (0, 1):
+        p = f"llmnote-tp2-rank{r}"
+        assert v[p, "all_reduce_calls"] == 2 * layers
+        assert v[p, "kernels"] == pytest.approx(v[p, "all_reduce"] + v[p, "other_kernels"])
+        assert v[p, "span"] == pytest.approx(v[p, "kernels"] + v[p, "idle"])
+        assert v[p, "all_reduce_least"] > 0 and v[p, "all_reduce_wait"] >= 0
+    # every engine step profiled ran its decode_steps tokens
+    assert (df.tokens == T.TRACE_CALLS * df.decode_steps).all()

@@ -1,8 +1,10 @@
 """Profiling helpers: torch.profiler traces as tables, Nsight Compute (``ncu``) runs.
 
 * :func:`profile_trace` runs a callable under ``torch.profiler`` and returns its
-  Chrome trace (a dict); :func:`trace_events` turns a trace into a DataFrame of
-  complete events (``name, cat, ts, dur, pid, tid`` in microseconds).
+  Chrome trace (a dict); :func:`start_trace` and :func:`stop_trace` are its two halves
+  (a tensor-parallel rank's profile starts on one message and ends on another);
+  :func:`trace_events` turns a trace into a DataFrame of complete events (``name,
+  cat, ts, dur, pid, tid`` in microseconds).
 * :func:`kernel_intervals`, :func:`busy_time` and :func:`launch_gaps` read the GPU
   side of a trace: kernels, the time the GPU was busy (the union of kernel
   intervals) and the idle gaps between consecutive kernels.
@@ -46,25 +48,47 @@ class NcuUnavailable(RuntimeError):
 
 
 # ------------------------------------------------------------------ torch.profiler
-def profile_trace(fn: Callable[[], object], *, cuda: bool | None = None) -> dict:
-    """Run ``fn()`` once under ``torch.profiler`` (host ops, and the GPU's kernels when
-    ``cuda``, default: when CUDA is available) and return its Chrome trace as a dict."""
+def start_trace(*, cuda: bool | None = None):
+    """A started ``torch.profiler`` session recording host ops, and the GPU's kernels when
+    ``cuda`` (default: when CUDA is available); :func:`stop_trace` ends it. For work that
+    is not one call (a tensor-parallel rank starts on one message and stops on another)."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 
-    if not callable(fn):
-        raise TypeError(f"fn must be a callable, got {type(fn).__name__}")
     cuda = torch.cuda.is_available() if cuda is None else cuda
-    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
-    with profile(activities=acts) as prof:
-        fn()
-        if cuda:
-            torch.cuda.synchronize()
+    prof = profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else []))
+    prof.start()
+    return prof
+
+
+def stop_trace(prof) -> dict:
+    """End a session of :func:`start_trace` (after the GPU's work, where it records the GPU)
+    and return its Chrome trace as a dict."""
+    import torch
+    from torch.profiler import ProfilerActivity
+
+    if ProfilerActivity.CUDA in prof.activities:
+        torch.cuda.synchronize()
+    prof.stop()
     with tempfile.TemporaryDirectory() as d:
         path = os.path.join(d, "trace.json")
         prof.export_chrome_trace(path)
         with open(path, encoding="utf-8") as f:
             return json.load(f)
+
+
+def profile_trace(fn: Callable[[], object], *, cuda: bool | None = None) -> dict:
+    """Run ``fn()`` once under ``torch.profiler`` (host ops, and the GPU's kernels when
+    ``cuda``, default: when CUDA is available) and return its Chrome trace as a dict."""
+    if not callable(fn):
+        raise TypeError(f"fn must be a callable, got {type(fn).__name__}")
+    prof = start_trace(cuda=cuda)
+    try:
+        fn()
+    except BaseException:
+        prof.stop()
+        raise
+    return stop_trace(prof)
 
 
 def trace_events(trace: dict | str | Path) -> pd.DataFrame:

@@ -15,7 +15,8 @@ down and raises in the driver (the rank's own exception, with its traceback as t
 cause; a killed rank before the errors its peers then meet); the engine is then
 closed. A ``KeyboardInterrupt`` in the driver leaves the ranks running: the answer
 they send late carries an old tag and is dropped. :meth:`TPRunner.close` stops the
-ranks and waits for them.
+ranks and waits for them. :meth:`TPRunner.profile` records every rank under
+``torch.profiler`` while the engine runs a callable, and returns their traces.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import pickle
 import tempfile
 import time
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
 from multiprocessing.connection import wait
 from pathlib import Path
@@ -341,6 +343,27 @@ class TPRunner:
         tag = self._tag()
         self._send(("collect", run.rid, tag))
         return self._reply("a multi-step run", tag)
+
+    def profile(self, fn: Callable[[], object]) -> list[dict]:
+        """Run ``fn()`` (calls of the engine) with every rank under ``torch.profiler``; each
+        rank's Chrome trace, in rank order, with its GPU's kernels on NCCL ranks (what
+        :func:`llmnote.bench.profiling.profile_trace` gives for one process)."""
+        if not callable(fn):
+            raise TypeError(f"fn must be a callable, got {type(fn).__name__}")
+        self._send(("profile", True))
+        try:
+            fn()
+        finally:
+            tag = self._tag()
+            if self._error is None and self.procs:  # (after a rank's failure: nothing to stop)
+                self._send(("profile", False, tag))
+        deadline, traces = time.monotonic() + self.timeout_s, {}
+        while len(traces) < self.world_size:
+            want = set(range(self.world_size)) - set(traces)
+            for r, msg in self._receive(deadline, "their profiles", want):
+                if msg[0] == "profile" and msg[1] == tag:
+                    traces[r] = msg[2]
+        return [traces[r] for r in range(self.world_size)]
 
     def release(self, seq_id: int) -> None:
         if self._sent.pop(seq_id, None) is not None:

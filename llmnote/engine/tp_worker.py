@@ -12,7 +12,8 @@ plus one tensor's slice (a checkpoint) or one fp32 layer or embedding-sized matr
 (random weights), never the whole model. On it the rank builds an ordinary
 :class:`~llmnote.engine.model_runner.ModelRunner`, CUDA graphs and multi-step
 decoding included. Then it runs what the driver (:mod:`llmnote.engine.tp_driver`)
-sends: a step, a multi-step run to queue, a run's tokens to read. The wire format
+sends: a step, a multi-step run to queue, a run's tokens to read, the start and end of
+a profile (:meth:`~llmnote.engine.tp_driver.TPRunner.profile`). The wire format
 is lean: per sequence only the tokens the rank has not seen yet, its position, its
 block table; the rank keeps a mirror :class:`~llmnote.engine.sequence.Sequence` per
 request. Rank 0 answers; a rank that raises sends its exception and exits.
@@ -367,11 +368,21 @@ def rank_main(rank: int, world_size: int, port: int, backend: str, conn, source:
         conn.send(("ready", info))
         seqs: dict[int, Sequence] = {}
         runs: dict = {}  # multi-step runs launched and not yet collected, by the driver's id
+        prof = None  # a torch.profiler session between ("profile", True) and ("profile", False)
         while True:
             msg = conn.recv()
             kind = msg[0]
             if kind == "close":
                 break
+            if kind == "profile":  # every rank answers a stop, with its Chrome trace
+                from llmnote.bench.profiling import start_trace, stop_trace
+
+                if msg[1]:
+                    prof = prof or start_trace(cuda=dev.type == "cuda")
+                else:
+                    conn.send(("profile", msg[2], None if prof is None else stop_trace(prof)))
+                    prof = None
+                continue
             if kind == "collect":  # a multi-step run's tokens, per step
                 out = runner.collect(runs.pop(msg[1]))
                 if rank == 0:

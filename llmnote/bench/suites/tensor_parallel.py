@@ -23,6 +23,16 @@ Parts (``--parts``), each a list of rows with ``bench = "tensor_parallel"``:
   at the same N; extra columns ``compute_ms`` and ``wait_ms`` (time the busiest rank
   spent attending, and blocked on the ring after it, from two further calls that
   synchronise after each step).
+* ``trace``: batch-1 decode of the ``engine`` part's model at TP=1 and TP=2 under
+  ``torch.profiler`` (every rank: :meth:`~llmnote.engine.tp_driver.TPRunner.profile`),
+  ``TRACE_CALLS`` engine steps after the prefill; per rank and token (``provider
+  llmnote-tp{N}-rank{r}``, ``x_name tp``): ``span`` (first kernel start to last end),
+  ``kernels`` (time some kernel ran), ``all_reduce`` (time in all-reduce kernels, each
+  of which also waits for the slower rank to arrive), ``other_kernels`` (the rest),
+  ``idle`` (span less kernels), all in µs; ``all_reduce_calls`` per token; and per
+  call ``all_reduce_least`` (µs, call by call the shorter of the two ranks' kernels:
+  the reduction itself, the rank that arrived last waiting least) and
+  ``all_reduce_wait`` (µs, the mean over ranks less that: waiting for the other rank).
 
 A ``ceiling`` row records the GPU's copy bandwidth in the same run. Every engine
 is built as a user builds one. ``NCCL_NVLS_ENABLE=0`` is set before
@@ -36,6 +46,7 @@ from __future__ import annotations
 import functools
 import gc
 import os
+import re
 import time
 
 import numpy as np
@@ -48,7 +59,10 @@ from llmnote.bench.harness import Timing, measure, rows_for
 from llmnote.bench.results import environment
 
 BENCH = "tensor_parallel"
-PARTS = ("allreduce", "engine", "70b", "ring")
+PARTS = ("allreduce", "engine", "70b", "ring", "trace")
+TRACE_CALLS = 8  # LLM.step() calls profiled in the trace part (each up to decode_steps tokens)
+# the kernels of an all-reduce: PyTorch's one-shot over symmetric memory, or NCCL's
+ALL_REDUCE_KERNEL = re.compile(r"one_shot|all_?reduce|nccl", re.IGNORECASE)
 AR_SIZES = [2**k for k in range(11, 29, 1)]  # 2 KiB .. 256 MiB
 RING_LENGTHS = [32768, 65536, 131072]
 
@@ -335,6 +349,82 @@ def ring_rows(env: dict, backend: str, lengths: list[int], reps: int) -> list[di
     return rows
 
 
+def _trace_split(trace: dict, tokens: int, gpu: bool) -> tuple[dict, np.ndarray]:
+    """One rank's profiled decode, per token (µs), and its all-reduce kernels' durations
+    (not ``gpu``: the host's operators, for the CPU smoke test)."""
+    from llmnote.bench.profiling import (KERNEL_CATS, busy_time, kernel_intervals, short_name,
+                                         trace_events)
+
+    k = kernel_intervals(trace_events(trace), KERNEL_CATS if gpu else ("cpu_op",))
+    if k.empty:
+        what = "GPU kernels" if gpu else "operators"
+        raise RuntimeError(f"the profile of a decode holds no {what}")
+    is_ar = k.name.str.contains(ALL_REDUCE_KERNEL)
+    span, busy = float(k.end.max() - k.ts.min()), busy_time(k)
+    ar = busy_time(k[is_ar])
+    top = k.groupby(k.name.map(short_name)).dur.sum().sort_values(ascending=False).head(8)
+    print("  " + "; ".join(f"{n}: {d / tokens:.1f} us" for n, d in top.items()))
+    return ({"span": span / tokens, "kernels": busy / tokens, "all_reduce": ar / tokens,
+             "other_kernels": (busy - ar) / tokens, "idle": (span - busy) / tokens,
+             "all_reduce_calls": int(is_ar.sum()) / tokens}, k[is_ar].dur.to_numpy())
+
+
+def _steps(llm, n: int) -> None:
+    for _ in range(n):
+        llm.step()
+
+
+def trace_rows(env: dict, model: str, context: int, quick: bool, backend: str) -> list[dict]:
+    from llmnote.bench.profiling import profile_trace
+    from llmnote.engine import SamplingParams
+
+    rows = []
+    vocab = 200 if quick else 10000
+    for tp in (1, 2):
+        # (no async scheduling: every run the profile holds is one the step log counts)
+        llm = _engine(model, tp, context + 64 * TRACE_CALLS + 64, backend, async_scheduling=False)
+        try:
+            k = llm.runner.decode_steps
+            sp = SamplingParams(temperature=0, max_tokens=(TRACE_CALLS + 4) * k + 2,
+                                ignore_eos=True)
+            prompt = torch.randint(0, vocab, (context,),
+                                   generator=torch.Generator().manual_seed(0))
+            seq = llm.requests[llm.add_request(prompt.tolist(), sp)]
+            while seq.num_output_tokens < 2 * k + 1:  # the prefill, and decode warm
+                llm.step()
+            before = len(llm.step_log)
+            decode = functools.partial(_steps, llm, TRACE_CALLS)
+            traces = llm.runner.profile(decode) if tp > 1 else [profile_trace(decode)]
+            tokens = len(llm.step_log) - before
+            while llm.has_unfinished():
+                llm.step()
+        finally:
+            llm.close()
+            del llm
+            _free()
+        splits = []
+        for r, trace in enumerate(traces):
+            print(f"{BENCH}: TP={tp} rank {r}, {tokens} decode tokens, kernels by time per token:")
+            splits.append(_trace_split(trace, tokens, backend == "nccl"))
+        per_call = {}
+        durs = [d for _, d in splits]
+        if tp > 1 and len({len(d) for d in durs}) == 1 and len(durs[0]):
+            least = np.min(durs, axis=0)  # call by call
+            per_call = {"all_reduce_least": float(least.mean()),
+                        "all_reduce_wait": float(np.mean(durs) - least.mean())}
+        for r, (split, _) in enumerate(splits):
+            metrics = {**split, **per_call}
+            print(f"{BENCH}: TP={tp} rank {r}: "
+                  + ", ".join(f"{m} {v:.2f}" for m, v in metrics.items()))
+            for m, v in metrics.items():
+                unit = "calls" if m.endswith("calls") else "us"
+                rows.append(dict(bench=BENCH, provider=f"llmnote-tp{tp}-rank{r}", x_name="tp",
+                                 x_value=tp, metric=m, unit=unit, p50=v, p20=v, p80=v, **env,
+                                 model=model, workload="batch1-trace",
+                                 context=context, ranks=tp, tokens=tokens, decode_steps=k))
+    return rows
+
+
 def run(quick: bool = False, parts: tuple[str, ...] = PARTS, requests: int = 128,
         layers_70b: int = 32, context: int = 512) -> pd.DataFrame:
     """The parts asked for, as one frame (quick: tiny shapes, for a CPU smoke test)."""
@@ -359,6 +449,9 @@ def run(quick: bool = False, parts: tuple[str, ...] = PARTS, requests: int = 128
     if "70b" in parts:
         rows += seventy_rows(env, 2 if quick else layers_70b, 32 if quick else context, quick,
                              backend)
+    if "trace" in parts:
+        rows += trace_rows(env, "llama-tiny" if quick else "llama-3-8b", 32 if quick else context,
+                           quick, backend)
     if "ring" in parts:
         rows += ring_rows(env, backend, [64, 129] if quick else RING_LENGTHS, 2 if quick else 5)
     return pd.DataFrame(rows)
