@@ -350,20 +350,29 @@ class TPRunner:
         :func:`llmnote.bench.profiling.profile_trace` gives for one process)."""
         if not callable(fn):
             raise TypeError(f"fn must be a callable, got {type(fn).__name__}")
-        self._send(("profile", True))
+        tag = self._tag()
+        self._send(("profile", True, tag))
+        # every profiler running before any work: a rank whose profiler starts late (its
+        # first start takes a while) would otherwise show its peers waiting for it
+        self._from_every_rank("starting their profilers", tag)
         try:
             fn()
         finally:
             tag = self._tag()
             if self._error is None and self.procs:  # (after a rank's failure: nothing to stop)
                 self._send(("profile", False, tag))
-        deadline, traces = time.monotonic() + self.timeout_s, {}
-        while len(traces) < self.world_size:
-            want = set(range(self.world_size)) - set(traces)
-            for r, msg in self._receive(deadline, "their profiles", want):
-                if msg[0] == "profile" and msg[1] == tag:
-                    traces[r] = msg[2]
+        traces = self._from_every_rank("their profiles", tag)
         return [traces[r] for r in range(self.world_size)]
+
+    def _from_every_rank(self, what: str, tag: int) -> dict[int, object]:
+        """Each rank's ``("profile", tag, payload)`` answer: ``rank -> payload``."""
+        deadline, got = time.monotonic() + self.timeout_s, {}
+        while len(got) < self.world_size:
+            want = set(range(self.world_size)) - set(got)
+            for r, msg in self._receive(deadline, what, want):
+                if msg[0] == "profile" and msg[1] == tag:
+                    got[r] = msg[2]
+        return got
 
     def release(self, seq_id: int) -> None:
         if self._sent.pop(seq_id, None) is not None:

@@ -374,11 +374,12 @@ def rank_main(rank: int, world_size: int, port: int, backend: str, conn, source:
             kind = msg[0]
             if kind == "close":
                 break
-            if kind == "profile":  # every rank answers a stop, with its Chrome trace
-                from llmnote.bench.profiling import start_trace, stop_trace
+            if kind == "profile":  # every rank answers: a start once started, a stop with
+                from llmnote.bench.profiling import start_trace, stop_trace  # its trace
 
                 if msg[1]:
                     prof = prof or start_trace(cuda=dev.type == "cuda")
+                    conn.send(("profile", msg[2], None))
                 else:
                     conn.send(("profile", msg[2], None if prof is None else stop_trace(prof)))
                     prof = None

@@ -29,9 +29,9 @@ Parts (``--parts``), each a list of rows with ``bench = "tensor_parallel"``:
   llmnote-tp{N}-rank{r}``, ``x_name tp``): ``span`` (first kernel start to last end),
   ``kernels`` (time some kernel ran), ``all_reduce`` (time in all-reduce kernels, each
   of which also waits for the slower rank to arrive), ``other_kernels`` (the rest),
-  ``idle`` (span less kernels), all in µs; ``all_reduce_calls`` per token; and per
-  call ``all_reduce_least`` (µs, call by call the shorter of the two ranks' kernels:
-  the reduction itself, the rank that arrived last waiting least) and
+  ``idle`` (span less kernels), all in µs; ``all_reduce_calls`` per token; and the
+  medians over calls of ``all_reduce_least`` (µs, the shorter of the two ranks'
+  kernels: the reduction itself, the rank that arrived last waiting least) and
   ``all_reduce_wait`` (µs, the mean over ranks less that: waiting for the other rank).
 
 A ``ceiling`` row records the GPU's copy bandwidth in the same run. Every engine
@@ -410,8 +410,8 @@ def trace_rows(env: dict, model: str, context: int, quick: bool, backend: str) -
         durs = [d for _, d in splits]
         if tp > 1 and len({len(d) for d in durs}) == 1 and len(durs[0]):
             least = np.min(durs, axis=0)  # call by call
-            per_call = {"all_reduce_least": float(least.mean()),
-                        "all_reduce_wait": float(np.mean(durs) - least.mean())}
+            per_call = {"all_reduce_least": float(np.median(least)),
+                        "all_reduce_wait": float(np.median(np.mean(durs, axis=0) - least))}
         for r, (split, _) in enumerate(splits):
             metrics = {**split, **per_call}
             print(f"{BENCH}: TP={tp} rank {r}: "
