@@ -304,7 +304,8 @@ def test_dispatching_ops_travel_as_the_default():
 def _shard_bytes(cfg, world_size: int, element_size: int) -> int:
     """The bytes of one rank's weights, from the config alone: the column-parallel q, k, v,
     gate, up and the row-parallel o, down hold 1/world_size of their features (k and v
-    whole kv heads: split, or one replicated), the rest is whole on every rank."""
+    whole kv heads: split, or one replicated), an output head of its own 1/world_size of
+    its rows when the vocabulary splits evenly, the rest is whole on every rank."""
     h, d, i = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
     q = cfg.num_attention_heads * d // world_size
     kv = max(cfg.num_key_value_heads // world_size, 1) * d
@@ -313,7 +314,9 @@ def _shard_bytes(cfg, world_size: int, element_size: int) -> int:
                  + 2 * h)  # the two norms
     per_layer += (q + 2 * kv) * cfg.qkv_bias + h * cfg.o_bias \
         + (2 * i // world_size + h) * cfg.mlp_bias + 2 * d * cfg.qk_norm
-    whole = cfg.vocab_size * h * (1 if cfg.tie_word_embeddings else 2) + h
+    head = 0 if cfg.tie_word_embeddings else cfg.vocab_size * h // (
+        world_size if cfg.vocab_size % world_size == 0 else 1)
+    whole = cfg.vocab_size * h + head + h  # the embedding, the head, the final norm
     return (cfg.num_hidden_layers * per_layer + whole) * element_size
 
 
@@ -360,9 +363,9 @@ def test_checkpoint_ranks_read_only_their_slices(tiny_llama, tmp_path):
     for rank, s in enumerate(stats):
         assert s["weight_bytes"] == s["bytes_read"] == _shard_bytes(cfg, 2, 4), rank
     # together the ranks read the checkpoint once, plus a second copy of what both keep
-    # whole: the embedding, the output head and the norms
+    # whole: the embedding and the norms (the output head is split over the vocabulary)
     h = cfg.hidden_size
-    replicated = (2 * cfg.vocab_size * h + h + 2 * h * cfg.num_hidden_layers) * 4
+    replicated = (cfg.vocab_size * h + h + 2 * h * cfg.num_hidden_layers) * 4
     assert sum(s["bytes_read"] for s in stats) == whole + replicated
 
 
