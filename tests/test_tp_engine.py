@@ -30,6 +30,7 @@ from llmnote.engine.tp_worker import RandomWeights, build_shard, random_model, s
 from llmnote.models import Llama, get_preset, save_pretrained
 from llmnote.models.llama import reference_ops
 from llmnote.parallel import Comm
+from llmnote.parallel.tensor_parallel import vocab_parallel
 from llmnote.parallel.launcher import RankTraceback
 
 
@@ -606,19 +607,24 @@ def test_profile_records_every_rank_and_the_engine_goes_on(tiny_llama):
 def test_benchmark_trace_splits_each_ranks_decode():
     """The benchmark's trace part (quick: llama-tiny; on gloo the host's operators, on two
     GPUs the kernels, CUDA graphs' included): per rank and token the span, its busy and
-    idle parts and the all-reduces; TP=1 has none, each TP=2 rank two per layer and
-    token, and the split adds up."""
+    idle parts, the all-reduces and the all-gathers; TP=1 has none, each TP=2 rank two
+    all-reduces per layer and token and one all-gather per token (the logits' slices of
+    the head split over the vocabulary), and the split adds up."""
     from llmnote.bench.suites import tensor_parallel as T
 
     df = T.run(quick=True, parts=("trace",))
     df = df[df.provider != "copy"]  # on two GPUs the run also times the copy ceiling
     v = df.set_index(["provider", "metric"]).p50
     layers = get_preset("llama-tiny").num_hidden_layers
+    assert vocab_parallel(get_preset("llama-tiny"), 2)
     assert v["llmnote-tp1-rank0", "all_reduce_calls"] == 0
+    assert v["llmnote-tp1-rank0", "all_gather_calls"] == 0
     for r in (0, 1):
         p = f"llmnote-tp2-rank{r}"
         assert v[p, "all_reduce_calls"] == 2 * layers
-        assert v[p, "kernels"] == pytest.approx(v[p, "all_reduce"] + v[p, "other_kernels"])
+        assert v[p, "all_gather_calls"] == 1
+        assert v[p, "kernels"] == pytest.approx(
+            v[p, "all_reduce"] + v[p, "all_gather"] + v[p, "other_kernels"])
         assert v[p, "span"] == pytest.approx(v[p, "kernels"] + v[p, "idle"])
         assert v[p, "all_reduce_least"] > 0 and v[p, "all_reduce_wait"] >= 0
     # every engine step profiled ran its decode_steps tokens
