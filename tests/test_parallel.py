@@ -116,6 +116,25 @@ def test_tp_generate_equals_reference(seed):
         assert r["calls"] == 2 * cfg.num_hidden_layers * (new + 1)  # prefill + a step per token
         assert r["payload_bytes"] == allreduce_bytes_per_token(cfg, 4) * r["tokens_processed"]
         assert r["wire_bytes_per_rank"] == r["payload_bytes"]  # 2 (p - 1) / p = 1 for p = 2
+        assert r["head_rows"] == cfg.vocab_size // 2  # the head split over the vocabulary
+
+
+def test_output_head_split_over_the_vocabulary_only_when_it_can_be():
+    """``shard_spec`` splits ``lm_head.weight`` by rows on several ranks when the vocabulary
+    divides evenly and the head is its own matrix; a head tied to the embedding, an odd
+    vocabulary or one rank keep it whole. ``Comm.all_gather`` outside a group is ``t``."""
+    from llmnote.parallel import Comm, shard_spec, vocab_parallel
+
+    cfg = PRESETS["llama-tiny"]
+    assert not cfg.tie_word_embeddings and cfg.vocab_size % 2 == 0
+    assert [shard_spec("lm_head.weight", cfg, r, 2) for r in (0, 1)] == [(0, 0, 2), (0, 1, 2)]
+    assert shard_spec("model.embed_tokens.weight", cfg, 1, 2) is None
+    assert shard_spec("lm_head.weight", cfg, 0, 1) is None
+    assert shard_spec("lm_head.weight", cfg.replace(vocab_size=255), 0, 2) is None
+    assert shard_spec("lm_head.weight", PRESETS["qwen2-tiny"], 0, 2) is None  # tied
+    assert not vocab_parallel(PRESETS["qwen2-tiny"], 2) and vocab_parallel(cfg, 4)
+    t = torch.randn(3, 5)
+    assert Comm().all_gather(t) is t
 
 
 def test_error_in_a_rank_is_raised_here():

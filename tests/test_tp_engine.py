@@ -30,6 +30,7 @@ from llmnote.engine.tp_worker import RandomWeights, build_shard, random_model, s
 from llmnote.models import Llama, get_preset, save_pretrained
 from llmnote.models.llama import reference_ops
 from llmnote.parallel import Comm
+from llmnote.parallel.tensor_parallel import vocab_parallel
 from llmnote.parallel.launcher import RankTraceback
 
 
@@ -304,7 +305,8 @@ def test_dispatching_ops_travel_as_the_default():
 def _shard_bytes(cfg, world_size: int, element_size: int) -> int:
     """The bytes of one rank's weights, from the config alone: the column-parallel q, k, v,
     gate, up and the row-parallel o, down hold 1/world_size of their features (k and v
-    whole kv heads: split, or one replicated), the rest is whole on every rank."""
+    whole kv heads: split, or one replicated), an output head of its own 1/world_size of
+    its rows when the vocabulary splits evenly, the rest is whole on every rank."""
     h, d, i = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
     q = cfg.num_attention_heads * d // world_size
     kv = max(cfg.num_key_value_heads // world_size, 1) * d
@@ -313,7 +315,9 @@ def _shard_bytes(cfg, world_size: int, element_size: int) -> int:
                  + 2 * h)  # the two norms
     per_layer += (q + 2 * kv) * cfg.qkv_bias + h * cfg.o_bias \
         + (2 * i // world_size + h) * cfg.mlp_bias + 2 * d * cfg.qk_norm
-    whole = cfg.vocab_size * h * (1 if cfg.tie_word_embeddings else 2) + h
+    head = 0 if cfg.tie_word_embeddings else cfg.vocab_size * h // (
+        world_size if cfg.vocab_size % world_size == 0 else 1)
+    whole = cfg.vocab_size * h + head + h  # the embedding, the head, the final norm
     return (cfg.num_hidden_layers * per_layer + whole) * element_size
 
 
@@ -360,9 +364,9 @@ def test_checkpoint_ranks_read_only_their_slices(tiny_llama, tmp_path):
     for rank, s in enumerate(stats):
         assert s["weight_bytes"] == s["bytes_read"] == _shard_bytes(cfg, 2, 4), rank
     # together the ranks read the checkpoint once, plus a second copy of what both keep
-    # whole: the embedding, the output head and the norms
+    # whole: the embedding and the norms (the output head is split over the vocabulary)
     h = cfg.hidden_size
-    replicated = (2 * cfg.vocab_size * h + h + 2 * h * cfg.num_hidden_layers) * 4
+    replicated = (cfg.vocab_size * h + h + 2 * h * cfg.num_hidden_layers) * 4
     assert sum(s["bytes_read"] for s in stats) == whole + replicated
 
 
@@ -603,19 +607,24 @@ def test_profile_records_every_rank_and_the_engine_goes_on(tiny_llama):
 def test_benchmark_trace_splits_each_ranks_decode():
     """The benchmark's trace part (quick: llama-tiny; on gloo the host's operators, on two
     GPUs the kernels, CUDA graphs' included): per rank and token the span, its busy and
-    idle parts and the all-reduces; TP=1 has none, each TP=2 rank two per layer and
-    token, and the split adds up."""
+    idle parts, the all-reduces and the all-gathers; TP=1 has none, each TP=2 rank two
+    all-reduces per layer and token and one all-gather per token (the logits' slices of
+    the head split over the vocabulary), and the split adds up."""
     from llmnote.bench.suites import tensor_parallel as T
 
     df = T.run(quick=True, parts=("trace",))
     df = df[df.provider != "copy"]  # on two GPUs the run also times the copy ceiling
     v = df.set_index(["provider", "metric"]).p50
     layers = get_preset("llama-tiny").num_hidden_layers
+    assert vocab_parallel(get_preset("llama-tiny"), 2)
     assert v["llmnote-tp1-rank0", "all_reduce_calls"] == 0
+    assert v["llmnote-tp1-rank0", "all_gather_calls"] == 0
     for r in (0, 1):
         p = f"llmnote-tp2-rank{r}"
         assert v[p, "all_reduce_calls"] == 2 * layers
-        assert v[p, "kernels"] == pytest.approx(v[p, "all_reduce"] + v[p, "other_kernels"])
+        assert v[p, "all_gather_calls"] == 1
+        assert v[p, "kernels"] == pytest.approx(
+            v[p, "all_reduce"] + v[p, "all_gather"] + v[p, "other_kernels"])
         assert v[p, "span"] == pytest.approx(v[p, "kernels"] + v[p, "idle"])
         assert v[p, "all_reduce_least"] > 0 and v[p, "all_reduce_wait"] >= 0
     # every engine step profiled ran its decode_steps tokens

@@ -171,12 +171,11 @@ def ranges(events: pd.DataFrame, name: str) -> pd.DataFrame:
 
 def short_name(name: str, width: int = 48) -> str:
     """A kernel's name without template arguments and parameters, cut to ``width``."""
-    s = str(name)
+    s = str(name).strip().removeprefix("void ").replace("(anonymous namespace)::", "")
     for sep in ("<", "("):
         head = s.split(sep, 1)[0].strip()
         if head:
             s = head
-    s = s.removeprefix("void ").strip()
     return s if len(s) <= width else s[: width - 1] + "…"
 
 

@@ -41,7 +41,8 @@ from llmnote.models.config import LlamaConfig
 from llmnote.models.llama import DecoderLayer, Llama, LlamaOps, RMSNorm, reference_ops
 from llmnote.models.loader import CheckpointError
 from llmnote.parallel.tensor_parallel import (
-    Comm, RowParallelLinear, kv_shard, local_config, shard, shard_spec,
+    Comm, RowParallelLinear, VocabParallelLinear, kv_shard, local_config, shard, shard_spec,
+    vocab_parallel,
 )
 
 
@@ -79,7 +80,9 @@ def build_shard(cfg: LlamaConfig, rank: int, world_size: int, comm: Comm | None,
     """Rank ``rank``'s shard of a model of shape ``cfg``, in the form the engine's runner
     fuses: q/k/v and gate/up plain ``nn.Linear`` of the local rows (so each group fuses
     into one GEMM), o and down :class:`~llmnote.parallel.RowParallelLinear` (they
-    all-reduce over ``comm``), and ``config`` the local shapes (heads, kv heads,
+    all-reduce over ``comm``), the output head a
+    :class:`~llmnote.parallel.VocabParallelLinear` where the vocabulary splits evenly
+    (it gathers the logits over ``comm``), and ``config`` the local shapes (heads, kv heads,
     intermediate size divided), which size the rank's KV cache. Built on the meta device,
     then filled tensor by tensor in state-dict order with ``read(name, spec)``, ``spec``
     from :func:`~llmnote.parallel.shard_spec` (the one statement of the sharding rules):
@@ -95,6 +98,9 @@ def build_shard(cfg: LlamaConfig, rank: int, world_size: int, comm: Comm | None,
             for parent, name in ((layer.self_attn, "o_proj"), (layer.mlp, "down_proj")):
                 lin = getattr(parent, name)  # (out, in / world_size): the row-parallel shape
                 setattr(parent, name, RowParallelLinear(lin.weight, lin.bias, comm))
+        if comm is not None and vocab_parallel(cfg, world_size):  # the head's rows split
+            m.lm_head = VocabParallelLinear(
+                torch.empty(cfg.vocab_size // world_size, cfg.hidden_size), comm)
     tied = cfg.tie_word_embeddings
     state = {}
     for name, p in m.state_dict().items():

@@ -8,12 +8,14 @@ from llmnote.parallel.ring_attention import (
     chunk_sizes, merge_partials, ring_attention, ring_attention_ref,
 )
 from llmnote.parallel.tensor_parallel import (
-    ColumnParallelLinear, Comm, RowParallelLinear, allreduce_bytes_per_token, kv_shard,
-    local_config, shard, shard_decoder_layer, shard_llama, shard_spec,
+    ColumnParallelLinear, Comm, RowParallelLinear, VocabParallelLinear,
+    allreduce_bytes_per_token, kv_shard, local_config, shard, shard_decoder_layer, shard_llama,
+    shard_spec, vocab_parallel,
 )
 
 __all__ = [
-    "ColumnParallelLinear", "Comm", "RowParallelLinear", "allreduce_bytes_per_token",
+    "ColumnParallelLinear", "Comm", "RowParallelLinear", "VocabParallelLinear",
+    "allreduce_bytes_per_token", "vocab_parallel",
     "chunk_sizes", "free_port", "kv_shard", "launch", "local_config", "merge_partials",
     "ring_attention", "ring_attention_ref", "shard", "shard_decoder_layer",
     "shard_llama", "shard_spec",

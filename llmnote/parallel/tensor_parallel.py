@@ -21,9 +21,12 @@ second, and anything elementwise in between (SwiGLU) or independent per head
                 the local heads -> o row-parallel -> all-reduce
 
 One all-reduce of the (tokens, hidden) activations per attention block and one
-per MLP block: ``2 * num_layers`` per forward pass. Norms, embeddings and the
-output head stay replicated here (every rank holds them whole). :func:`shard_spec`
-states these rules tensor by tensor.
+per MLP block: ``2 * num_layers`` per forward pass. Norms and the embedding stay
+replicated (every rank holds them whole). The output head, a vocabulary-sized
+matrix read in full every step, is split by its rows (:class:`VocabParallelLinear`:
+each rank computes its slice of the logits, one all-gather puts them side by side)
+when the vocabulary divides evenly and the head is not the embedding itself (tied
+weights stay whole). :func:`shard_spec` states these rules tensor by tensor.
 
 Shards must be even: ``out`` (heads, intermediate size) divisible by ``p``;
 key/value heads divisible by ``p``, or, when ``p`` is a multiple of them, each
@@ -120,6 +123,17 @@ class Comm:
             dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self.group)
         return t
 
+    def all_gather(self, t: torch.Tensor) -> torch.Tensor:
+        """Every rank's ``t`` side by side along the last dimension, in rank order (a new
+        tensor; ``t`` itself outside a process group or with one rank)."""
+        p = self.world_size
+        if p == 1:
+            return t
+        flat = t.new_empty(p * t.numel())  # (gloo takes only a flat output)
+        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+        gather(flat, t.contiguous().view(-1), group=self.group)  # (renamed in torch 2.13)
+        return flat.view(p, *t.shape).movedim(0, -2).reshape(*t.shape[:-1], p * t.shape[-1])
+
     @property
     def wire_bytes_per_rank(self) -> float:
         p = self.world_size
@@ -192,6 +206,20 @@ class RowParallelLinear(nn.Module):
         return y if self.bias is None else y + self.bias
 
 
+class VocabParallelLinear(nn.Module):
+    """The output head split by its rows: this rank's slice of the vocabulary, no bias.
+    ``forward`` returns the whole logits, the ranks' slices gathered in rank order
+    (``Comm.all_gather``), so that every rank samples from the same distribution."""
+
+    def __init__(self, weight: torch.Tensor, comm: Comm) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(weight)
+        self.comm = comm
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (..., hidden) -> (..., vocab)
+        return self.comm.all_gather(F.linear(x, self.weight))
+
+
 # ---------------------------------------------------------------- Llama blocks
 def kv_shard(num_kv_heads: int, rank: int, world_size: int) -> tuple[int, int]:
     """``(index, parts)``: which slice of the key/value heads rank ``rank`` holds.
@@ -241,7 +269,16 @@ def shard_spec(name: str, cfg: LlamaConfig, rank: int,
         return 0, rank, world_size
     if module in ROW_PARALLEL and kind == "weight":
         return 1, rank, world_size
+    if name == "lm_head.weight" and vocab_parallel(cfg, world_size):
+        return 0, rank, world_size
     return None
+
+
+def vocab_parallel(cfg: LlamaConfig, world_size: int) -> bool:
+    """Whether the output head is split over the vocabulary on ``world_size`` ranks: more
+    than one rank, an even split, and a head of its own (a head tied to the embedding
+    stays whole, as the embedding does)."""
+    return world_size > 1 and cfg.vocab_size % world_size == 0 and not cfg.tie_word_embeddings
 
 
 def shard_decoder_layer(layer: DecoderLayer, cfg: LlamaConfig, rank: int, world_size: int,
@@ -276,8 +313,9 @@ def shard_decoder_layer(layer: DecoderLayer, cfg: LlamaConfig, rank: int, world_
 
 
 def shard_llama(model: Llama, rank: int, world_size: int, comm: Comm) -> Llama:
-    """Replace every decoder block of ``model`` by rank ``rank``'s shard, **in place**
-    (embedding, final norm and ``lm_head`` stay whole); returns ``model``."""
+    """Replace every decoder block of ``model`` by rank ``rank``'s shard, and its output
+    head by its slice of the vocabulary where :func:`vocab_parallel` says so, **in place**
+    (embedding and final norm stay whole); returns ``model``."""
     _check_rank(rank, world_size)
     cfg = model.config
     local_config(cfg, world_size)  # refuse uneven shapes before changing anything
@@ -285,6 +323,10 @@ def shard_llama(model: Llama, rank: int, world_size: int, comm: Comm) -> Llama:
     layers = model.model.layers
     for i in range(len(layers)):
         layers[i] = shard_decoder_layer(layers[i], cfg, rank, world_size, comm)
+    if vocab_parallel(cfg, world_size):
+        w = model.lm_head.weight.detach()
+        model.lm_head = VocabParallelLinear(shard(w, 0, rank, world_size, "lm_head.weight"),
+                                            comm)
     return model
 
 

@@ -54,7 +54,7 @@ def generate(rank: int, world_size: int, cfg: LlamaConfig, state: dict, input_id
     tokens = b * out.shape[1]  # run through the model: the prompt, then one step per new token
     return {"tokens": out, "calls": comm.calls, "payload_bytes": comm.payload_bytes,
             "wire_bytes_per_rank": comm.wire_bytes_per_rank, "tokens_processed": tokens,
-            "seconds": seconds}
+            "seconds": seconds, "head_rows": model.lm_head.weight.shape[0]}
 
 
 def all_reduce_times(rank: int, world_size: int, sizes: list[int], repeats: int = 5) -> list[float]:

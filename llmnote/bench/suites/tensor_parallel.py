@@ -28,8 +28,10 @@ Parts (``--parts``), each a list of rows with ``bench = "tensor_parallel"``:
   ``TRACE_CALLS`` engine steps after the prefill; per rank and token (``provider
   llmnote-tp{N}-rank{r}``, ``x_name tp``): ``span`` (first kernel start to last end),
   ``kernels`` (time some kernel ran), ``all_reduce`` (time in all-reduce kernels, each
-  of which also waits for the slower rank to arrive), ``other_kernels`` (the rest),
-  ``idle`` (span less kernels), all in µs; ``all_reduce_calls`` per token; and the
+  of which also waits for the slower rank to arrive), ``all_gather`` (time in
+  all-gather kernels: the logits of a head split over the vocabulary),
+  ``other_kernels`` (the rest), ``idle`` (span less kernels), all in µs;
+  ``all_reduce_calls`` and ``all_gather_calls`` per token; and the
   medians over calls of ``all_reduce_least`` (µs, the shorter of the two ranks'
   kernels: the reduction itself, the rank that arrived last waiting least) and
   ``all_reduce_wait`` (µs, the mean over ranks less that: waiting for the other rank).
@@ -61,8 +63,10 @@ from llmnote.bench.results import environment
 BENCH = "tensor_parallel"
 PARTS = ("allreduce", "engine", "70b", "ring", "trace")
 TRACE_CALLS = 8  # LLM.step() calls profiled in the trace part (each up to decode_steps tokens)
-# the kernels of an all-reduce: PyTorch's one-shot over symmetric memory, or NCCL's
-ALL_REDUCE_KERNEL = re.compile(r"one_shot|all_?reduce|nccl", re.IGNORECASE)
+# the kernels of an all-reduce: PyTorch's one-shot over symmetric memory, or NCCL's (on gloo,
+# the host's operators); and of an all-gather (the logits' slices of a vocabulary-split head)
+ALL_REDUCE_KERNEL = re.compile(r"one_shot|all_?reduce", re.IGNORECASE)
+ALL_GATHER_KERNEL = re.compile(r"all_?gather", re.IGNORECASE)
 AR_SIZES = [2**k for k in range(11, 29, 1)]  # 2 KiB .. 256 MiB
 RING_LENGTHS = [32768, 65536, 131072]
 
@@ -360,13 +364,15 @@ def _trace_split(trace: dict, tokens: int, gpu: bool) -> tuple[dict, np.ndarray]
         what = "GPU kernels" if gpu else "operators"
         raise RuntimeError(f"the profile of a decode holds no {what}")
     is_ar = k.name.str.contains(ALL_REDUCE_KERNEL)
+    is_ag = k.name.str.contains(ALL_GATHER_KERNEL) & ~is_ar
     span, busy = float(k.end.max() - k.ts.min()), busy_time(k)
-    ar = busy_time(k[is_ar])
+    ar, ag = busy_time(k[is_ar]), busy_time(k[is_ag])
     top = k.groupby(k.name.map(short_name)).dur.sum().sort_values(ascending=False).head(8)
     print("  " + "; ".join(f"{n}: {d / tokens:.1f} us" for n, d in top.items()))
     return ({"span": span / tokens, "kernels": busy / tokens, "all_reduce": ar / tokens,
-             "other_kernels": (busy - ar) / tokens, "idle": (span - busy) / tokens,
-             "all_reduce_calls": int(is_ar.sum()) / tokens}, k[is_ar].dur.to_numpy())
+             "all_gather": ag / tokens, "other_kernels": (busy - ar - ag) / tokens,
+             "idle": (span - busy) / tokens, "all_reduce_calls": int(is_ar.sum()) / tokens,
+             "all_gather_calls": int(is_ag.sum()) / tokens}, k[is_ar].dur.to_numpy())
 
 
 def _steps(llm, n: int) -> None:
