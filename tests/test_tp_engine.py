@@ -256,12 +256,14 @@ def _config(n: int):
 @pytest.mark.gpu
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
 def test_tp2_nccl_greedy_equals_single_gpu(tiny_llama):
-    """On two GPUs over NCCL (CUDA graphs per rank), fp32: the single-GPU engine's tokens."""
+    """On two GPUs over NCCL (CUDA graphs per rank, each layer's all-reduce fused with the
+    residual add and norm after it), fp32: the single-GPU engine's tokens."""
     prompts, sp = _prompts(), SamplingParams(temperature=0.0, max_tokens=10)
     with LLM(tiny_llama, device="cuda", dtype=torch.float32) as ref:
         want = [o.token_ids for o in ref.generate(prompts, sp, use_tqdm=False)]
     with LLM(tiny_llama, device="cuda", dtype=torch.float32, tensor_parallel_size=2) as llm:
         assert llm.runner.backend == "nccl" and llm.runner.use_graphs
+        assert llm.runner.fused_all_reduce == "on", llm.runner.fused_all_reduce
         got = [o.token_ids for o in llm.generate(prompts, sp, use_tqdm=False)]
     assert got == want
 

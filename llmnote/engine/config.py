@@ -68,6 +68,7 @@ class EngineConfig:
     distributed_backend: str | None = None  # "nccl" | "gloo"; None: nccl on GPUs, else gloo
     distributed_timeout_s: float = 600.0  # the longest a tensor-parallel step (or start) may take
     one_shot_all_reduce: bool = True  # NCCL ranks: small all-reduces by symmetric memory (Comm)
+    fused_all_reduce: bool = True  # NCCL ranks: all-reduce + residual add + norm, one kernel
 
     def __post_init__(self) -> None:
         for name in ("block_size", "cpu_num_blocks", "max_num_batched_tokens", "max_num_seqs"):
@@ -92,6 +93,9 @@ class EngineConfig:
         if not isinstance(self.one_shot_all_reduce, bool):
             raise ValueError("one_shot_all_reduce must be True or False, got "
                              f"{self.one_shot_all_reduce!r}")
+        if not isinstance(self.fused_all_reduce, bool):
+            raise ValueError("fused_all_reduce must be True or False, got "
+                             f"{self.fused_all_reduce!r}")
         if not isinstance(self.tune_graph, bool):
             raise ValueError(f"tune_graph must be True or False, got {self.tune_graph!r}")
         if not isinstance(self.async_scheduling, bool):

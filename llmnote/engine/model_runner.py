@@ -41,6 +41,7 @@ from llmnote.models.llama import Llama
 from llmnote.ops._compile import compile_only
 from llmnote.ops.fused_gemv import add_rmsnorm_gemv
 from llmnote.ops.rope import rope_ref
+from llmnote.parallel.tensor_parallel import Comm, RowParallelLinear
 
 
 def default_backend(on_gpu: bool, block_size: int, head_dim: int) -> str:
@@ -204,14 +205,40 @@ class ModelRunner(CudaGraphs, GraphTuning, MultiStep, Batch1Paths):
         return fn(qkv, positions, slot_mapping, *self.rope_table, self.k_caches[i],
                   self.v_caches[i], a.n_heads, a.n_kv, *norms, interleaved=a.rope_args[1])
 
-    def _mlp(self, i: int, hs: torch.Tensor) -> torch.Tensor:
+    def _mlp(self, i: int, hs: torch.Tensor) -> tuple[torch.Tensor, Comm | None]:
+        """The MLP's output as :meth:`_row_partial` returns it."""
         mlp = self.model.model.layers[i].mlp
         fused = self.fused_gate_up[i]
         if fused is None:
-            return mlp(hs)
-        gu = _project(hs, fused)  # (T, 2 I)
-        n = gu.shape[-1] // 2
-        return mlp.down_proj(mlp.ops.swiglu(gu[:, :n], gu[:, n:]))
+            if not isinstance(getattr(mlp, "down_proj", None), RowParallelLinear):
+                return mlp(hs), None
+            act = mlp.ops.swiglu(mlp.gate_proj(hs), mlp.up_proj(hs))
+        else:
+            gu = _project(hs, fused)  # (T, 2 I)
+            n = gu.shape[-1] // 2
+            act = mlp.ops.swiglu(gu[:, :n], gu[:, n:])
+        return self._row_partial(mlp.down_proj, act)
+
+    @staticmethod
+    def _row_partial(proj: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, Comm | None]:
+        """``(y, comm)``: a tensor-parallel rank's row-parallel projection left unsummed,
+        with the :class:`~llmnote.parallel.Comm` whose one kernel sums it together with the
+        residual add and norm that follow (:meth:`_add_norm`), where that kernel takes it;
+        else ``(proj(x), None)``, summed."""
+        comm = getattr(proj, "comm", None)
+        if isinstance(proj, RowParallelLinear) and comm.fused_norm is not None:
+            y = proj.partial(x)  # (None with a bias)
+            if y is not None:
+                return (y, comm) if comm.fused_norm.fits(y, y) else (comm.all_reduce(y), None)
+        return proj(x), None
+
+    def _add_norm(self, x: torch.Tensor, residual: torch.Tensor, norm: nn.Module,
+                  comm: Comm | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """``ops.add_rmsnorm``; over the ranks' partial ``x`` when ``comm`` is given."""
+        if comm is not None:
+            return comm.all_reduce_add_rmsnorm(x, residual, norm.weight, norm.eps,
+                                               self.ops.add_rmsnorm)
+        return self.ops.add_rmsnorm(x, residual, norm.weight, norm.eps)
 
     def _layers(self, ids: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
                 attend, rope=None, attend_parts=None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -238,18 +265,20 @@ class ModelRunner(CudaGraphs, GraphTuning, MultiStep, Batch1Paths):
             for i in range(len(decoder.layers)):
                 x, residual = self._w4_layer(i, x, residual, positions, slot_mapping, attend)
             return x, residual
+        comm = None  # set while x is a rank's partial sum (tensor parallel, one kernel)
         for i, layer in enumerate(decoder.layers):
             a, norm = layer.self_attn, layer.input_layernorm
             if residual is None:
                 hs, residual = norm(x), x
             else:
-                hs, residual = ops.add_rmsnorm(x, residual, norm.weight, norm.eps)
+                hs, residual = self._add_norm(x, residual, norm, comm)
             q = self._attention_input(i, hs, positions, slot_mapping, rope)
             o = attend(i, q)  # (T, H, D)
-            x = a.o_proj(o.reshape(t, a.n_heads * a.head_dim))
-            norm = layer.post_attention_layernorm
-            hs, residual = ops.add_rmsnorm(x, residual, norm.weight, norm.eps)
-            x = self._mlp(i, hs)
+            x, comm = self._row_partial(a.o_proj, o.reshape(t, a.n_heads * a.head_dim))
+            hs, residual = self._add_norm(x, residual, layer.post_attention_layernorm, comm)
+            x, comm = self._mlp(i, hs)
+        if comm is not None:  # the final norm: summed here, added and normed by _logits
+            x = comm.all_reduce(x)
         return x, residual
 
     def _logits(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:

@@ -185,6 +185,7 @@ class TPRunner:
                 infos[r] = msg[1]
         self.load_stats = [infos[r]["load"] for r in range(self.world_size)]
         self.one_shot_all_reduce = infos[0].get("one_shot_all_reduce")  # "on", or why off
+        self.fused_all_reduce = infos[0].get("fused_all_reduce")  # "on", or why off
         return infos[0]
 
     def _receive(self, deadline: float, what: str, want: set[int]) -> list[tuple[int, tuple]]:

@@ -358,6 +358,10 @@ def rank_main(rank: int, world_size: int, port: int, backend: str, conn, source:
         if backend == "nccl" and config.one_shot_all_reduce:
             why = comm.use_one_shot(dev, dtype=next(model.parameters()).dtype)
             one_shot = "on" if why is None else f"off: {why}"
+        fused = "off (fused_all_reduce=False)"
+        if backend == "nccl" and config.fused_all_reduce:
+            why = comm.use_fused_norm(dev, dtype=next(model.parameters()).dtype)
+            fused = "on" if why is None else f"off: {why}"
         load = {"weight_bytes": sum(p.numel() * p.element_size() for p in model.parameters()),
                 "bytes_read": nbytes,
                 "peak_gpu_bytes": torch.cuda.max_memory_allocated(dev) if dev.type == "cuda"
@@ -365,7 +369,7 @@ def rank_main(rank: int, world_size: int, port: int, backend: str, conn, source:
         if dev.type == "cuda":
             torch.cuda.empty_cache()  # what loading held beside the shard
         runner = _runner(model, config, dev)
-        info = {"load": load, "one_shot_all_reduce": one_shot}
+        info = {"load": load, "one_shot_all_reduce": one_shot, "fused_all_reduce": fused}
         if rank == 0:
             info.update({"config": full, "tokenizer": tok, "eos": eos,
                          "num_blocks": runner.num_blocks, "decode_steps": runner.decode_steps,

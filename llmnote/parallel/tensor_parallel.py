@@ -65,6 +65,7 @@ class Comm:
         self.payload_bytes = 0
         self.one_shot: torch.Tensor | None = None  # two symmetric buffers (use_one_shot)
         self.one_shot_calls = 0
+        self.fused_norm = None  # the fused all-reduce, add and norm (use_fused_norm)
 
     @property
     def world_size(self) -> int:
@@ -99,6 +100,60 @@ class Comm:
             return f"symmetric memory unavailable: {type(e).__name__}: {e}"
         self.one_shot, self.group_name = buf.view(2, numel), group.group_name
         return None
+
+    def use_fused_norm(self, device: torch.device, max_bytes: int = ONE_SHOT_MAX_BYTES,
+                       dtype: torch.dtype = torch.bfloat16) -> str | None:
+        """Let :meth:`all_reduce_add_rmsnorm` run as one kernel
+        (:mod:`llmnote.parallel.all_reduce_norm`) for up to ``max_bytes`` of ``dtype`` a
+        rank: symmetric buffers every rank maps, set up here (a collective: every rank
+        calls it). Returns None once set up, else why the two kernels stay."""
+        import os
+
+        from llmnote.parallel.all_reduce_norm import MAX_ROWS, AllReduceNorm
+
+        if device.type != "cuda" or not dist.is_initialized() or self.world_size < 2:
+            return "the fused all-reduce needs CUDA ranks in a process group"
+        if dtype not in (torch.float32, torch.bfloat16, torch.float16):
+            return f"the fused all-reduce takes float32, bfloat16 or float16, not {dtype}"
+        os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
+        group = self.group or dist.group.WORLD
+        p, rank = self.world_size, dist.get_rank(group)
+        try:
+            import torch.distributed._symmetric_memory as symm_mem
+
+            slot = max_bytes // torch.empty((), dtype=dtype).element_size()
+            data = symm_mem.empty(2 * p * slot, dtype=dtype, device=device)
+            flags = symm_mem.empty(p * MAX_ROWS, dtype=torch.int32, device=device)
+            flags.zero_()
+            ptrs = []
+            for t in (data, flags):
+                h = symm_mem.rendezvous(t, group.group_name)
+                at = t.data_ptr() - h.buffer_ptrs[rank]  # the tensor within its allocation
+                ptrs.append([h.buffer_ptrs[r] + at for r in range(p)])
+            torch.cuda.synchronize(device)
+            dist.barrier(group)  # every rank's flags zeroed before any rank signals
+        except Exception as e:  # noqa: BLE001 - no peer access, an old driver: two kernels
+            return f"symmetric memory unavailable: {type(e).__name__}: {e}"
+        self.fused_norm = AllReduceNorm(rank, p, data, flags, *ptrs)
+        return None
+
+    def all_reduce_add_rmsnorm(self, x: torch.Tensor, residual: torch.Tensor,
+                               weight: torch.Tensor, eps: float, add_rmsnorm=None
+                               ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(rmsnorm(h) * weight, h)`` with ``h = sum_r x_r + residual``: this rank's
+        partial ``x`` summed over the ranks, then the residual add and the norm of
+        :func:`llmnote.ops.rmsnorm.add_rmsnorm`. One kernel where :meth:`use_fused_norm`
+        set it up and ``x`` fits (counted in ``fused_calls``); else :meth:`all_reduce`
+        (``x`` in place) and ``add_rmsnorm`` (by default
+        :func:`llmnote.ops.rmsnorm.add_rmsnorm`)."""
+        if add_rmsnorm is None:
+            from llmnote.ops.rmsnorm import add_rmsnorm
+        fused = self.fused_norm
+        if fused is not None and self.reduce and fused.fits(x, residual):
+            self.calls += 1
+            self.payload_bytes += x.numel() * x.element_size()
+            return fused(x, residual, weight, eps)
+        return add_rmsnorm(self.all_reduce(x), residual, weight, eps)
 
     def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
         """Sum ``t`` over the ranks, in place; returns ``t``."""
@@ -204,6 +259,12 @@ class RowParallelLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (..., in/p) -> (..., out)
         y = self.comm.all_reduce(F.linear(x, self.weight))
         return y if self.bias is None else y + self.bias
+
+    def partial(self, x: torch.Tensor) -> torch.Tensor | None:
+        """This rank's partial product, to be summed by the caller (with the residual add
+        and norm after it: :meth:`Comm.all_reduce_add_rmsnorm`); None when there is a bias,
+        which must be added once, after the sum."""
+        return F.linear(x, self.weight) if self.bias is None else None
 
 
 class VocabParallelLinear(nn.Module):

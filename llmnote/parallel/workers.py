@@ -174,3 +174,68 @@ def one_shot_against_nccl(rank: int, world_size: int, numels: list[int],
             dist.all_reduce(want)
             graphed = max(graphed, float((x - want).abs().max()))
     return {"why": None, "eager": eager, "graph": graphed, "one_shot_calls": comm.one_shot_calls}
+
+
+@torch.no_grad()
+def fused_norm_against_reference(rank: int, world_size: int, shapes: list[tuple[int, int]],
+                                 dtype: torch.dtype = torch.bfloat16, calls: int = 20) -> dict:
+    """:meth:`Comm.all_reduce_add_rmsnorm` with the fused kernel on (GPU ranks) against
+    :func:`~llmnote.parallel.all_reduce_norm.all_reduce_add_rmsnorm_ref` (NCCL's all-reduce,
+    then the plain add and norm) on the same fresh inputs: ``calls`` back-to-back calls per
+    ``(rows, hidden)`` shape (the buffers' and flags' reuse), then inside a CUDA graph
+    replayed twice. Returns why the kernel could not be set up, or per part the largest
+    difference of ``y`` from the reference over ``eps * max(|got|, |want|)`` elementwise
+    (each is the fp32 norm rounded once to ``dtype``, so within one unit in the last
+    place of each other, which ``eps`` times the larger bounds: at most 1), whether
+    ``h`` came out bit-equal, and this rank's outputs of the last call (for the ranks
+    to be compared)."""
+    from llmnote.parallel.all_reduce_norm import all_reduce_add_rmsnorm_ref
+
+    dev = torch.device("cuda", rank)
+    comm = Comm()
+    why = comm.use_fused_norm(dev, dtype=dtype)
+    if why is not None:
+        return {"why": why}
+    ref = Comm()
+    g = torch.Generator(device=dev).manual_seed(rank)
+    shared = torch.Generator(device=dev).manual_seed(1234)  # the same on every rank
+    tiny = torch.finfo(dtype).eps
+
+    def ulps(got, want):
+        g, w = got.float(), want.float()
+        unit = (tiny * torch.maximum(g.abs(), w.abs())).clamp(min=torch.finfo(dtype).tiny)
+        return float(((g - w).abs() / unit).max())
+
+    def inputs(t, n):
+        x = torch.randn(t, n, device=dev, generator=g).to(dtype)  # this rank's partial
+        res = torch.randn(t, n, device=dev, generator=shared).to(dtype)
+        w = (1 + 0.1 * torch.randn(n, device=dev, generator=shared)).to(dtype)
+        return x, res, w
+
+    out = {"why": None, "eager": 0.0, "graph": 0.0, "h_equal": True}
+    last = None
+    for t, n in shapes:
+        for _ in range(calls):
+            x, res, w = inputs(t, n)
+            want_y, want_h = all_reduce_add_rmsnorm_ref(x.clone(), res, w, 1e-5, ref)
+            y, h = comm.all_reduce_add_rmsnorm(x, res, w, 1e-5)
+            out["eager"] = max(out["eager"], ulps(y, want_y))
+            out["h_equal"] &= bool(torch.equal(h, want_h))
+            last = (y.float().cpu(), h.float().cpu())
+    cases = [inputs(t, n) for t, n in shapes]
+    for x, res, w in cases:  # warm-up outside the capture
+        comm.all_reduce_add_rmsnorm(x, res, w, 1e-5)
+    torch.cuda.synchronize(dev)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs = [comm.all_reduce_add_rmsnorm(x, res, w, 1e-5) for x, res, w in cases]
+    for _ in range(2):
+        graph.replay()
+        torch.cuda.synchronize(dev)
+        for (x, res, w), (y, h) in zip(cases, outs):
+            want_y, want_h = all_reduce_add_rmsnorm_ref(x.clone(), res, w, 1e-5, ref)
+            out["graph"] = max(out["graph"], ulps(y, want_y))
+            out["h_equal"] &= bool(torch.equal(h, want_h))
+    out["fused_calls"] = comm.fused_norm.calls
+    out["last"] = last
+    return out

@@ -13,8 +13,11 @@ Parts (``--parts``), each a list of rows with ``bench = "tensor_parallel"``:
   prompt; the engine's decode steps timed as in ``decode_latency``) and the
   throughput of nano-vllm's workload (``requests`` of 100-1024 prompt and output
   tokens). Both with the engine's defaults: CUDA graphs (per rank), multi-step
-  decoding, async scheduling and the one-shot all-reduce (column ``all_reduce``);
-  ``llmnote-tp2-nccl`` is TP=2 with every all-reduce through NCCL.
+  decoding, async scheduling, the one-shot all-reduce (column ``all_reduce``) and
+  the all-reduce fused with the residual add and norm after it (column
+  ``fused_all_reduce``, :mod:`llmnote.parallel.all_reduce_norm`);
+  ``llmnote-tp2-unfused`` is TP=2 with the one-shot all-reduce and the add and norm
+  as two kernels, ``llmnote-tp2-nccl`` with every all-reduce through NCCL.
 * ``70b``: a Llama-3-70B shape cut to ``layers_70b`` layers (the whole model, 141
   GB in bf16, fits no single H100 and leaves almost nothing for a KV cache on two):
   batch-1 time per token at TP=1 and TP=2, and per layer.
@@ -225,8 +228,11 @@ def engine_rows(env: dict, model: str, requests: int, context: int, quick: bool,
     reqs = nano_vllm_requests(requests, min(100, hi // 2), hi, vocab=10000 if not quick else 200)
     vocab = 200 if quick else 10000
     cases = [("llmnote-tp1", 1, {}), ("llmnote-tp2", 2, {})]
-    if backend == "nccl":  # the same engine with every all-reduce through NCCL
-        cases.append(("llmnote-tp2-nccl", 2, {"one_shot_all_reduce": False}))
+    if backend == "nccl":  # the same engine with the all-reduce apart from the add and norm,
+        # by PyTorch's one-shot kernel; and with every all-reduce through NCCL
+        cases.append(("llmnote-tp2-unfused", 2, {"fused_all_reduce": False}))
+        cases.append(("llmnote-tp2-nccl", 2, {"one_shot_all_reduce": False,
+                                               "fused_all_reduce": False}))
     for label, tp, kw in cases:
         try:
             rows += _engine_case(env, model, label, tp, kw, reqs, context, vocab, hi, quick, backend)
@@ -252,6 +258,7 @@ def _engine_case(env: dict, model: str, label: str, tp: int, kw: dict, reqs, con
                  "kv_blocks": llm.runner.num_blocks,
                  "cuda_graphs": bool(llm.runner.use_graphs),
                  "all_reduce": getattr(llm.runner, "one_shot_all_reduce", None) or "",
+                 "fused_all_reduce": getattr(llm.runner, "fused_all_reduce", None) or "",
                  **_load_extra(llm)}
         rows = _batch1_rows(llm, label, tp, model, context, vocab, env, extra)[0]
         run_engine(llm, nano_vllm_requests(4, 8, 32, seed=1, vocab=vocab))  # warm-up

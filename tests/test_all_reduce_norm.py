@@ -1,0 +1,131 @@
+"""The all-reduce fused with the residual add and RMSNorm (llmnote.parallel.all_reduce_norm).
+
+Two ranks simulated in one process (on one GPU, or the CPU in Triton's interpreter):
+each rank's buffers are plain tensors, and the ranks run one after the other, the second
+finding the first's push and signal in its memory. That checks the protocol (slots,
+parity, call numbers) and the arithmetic against the plain reference. In the interpreter
+only fp32: its conversion to bf16 truncates where a GPU rounds to nearest, so a bf16 sum
+would not be the reference's bits. The cross-GPU version (NCCL ranks, symmetric memory,
+CUDA graphs) runs on two GPUs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from llmnote import device
+from llmnote.ops.rmsnorm import add_rmsnorm_ref
+from llmnote.parallel.all_reduce_norm import MAX_ROWS, AllReduceNorm
+
+
+DEV = device.default_device() if not device.interpreting() else torch.device("cpu")
+DTYPES = [torch.float32] if device.interpreting() else [torch.float32, torch.bfloat16,
+                                                         torch.float16]
+
+
+def _two_ranks(slot: int, dtype: torch.dtype) -> list[AllReduceNorm]:
+    data = [torch.zeros(2 * 2 * slot, dtype=dtype, device=DEV) for _ in range(2)]
+    flags = [torch.zeros(2 * MAX_ROWS, dtype=torch.int32, device=DEV) for _ in range(2)]
+    dp, fp = [d.data_ptr() for d in data], [f.data_ptr() for f in flags]
+    return [AllReduceNorm(r, 2, data[r], flags[r], dp, fp) for r in range(2)]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("rows,hidden", [(1, 64), (3, 48), (5, 100)])
+def test_two_simulated_ranks_equal_the_reference(dtype, rows, hidden):
+    """Rank 1 runs first: it pushes its partial into rank 0's buffer and signals, then
+    spins on its own flag, which is already set because rank 0's push and signal of the
+    same call were staged beforehand. Each call: both ranks' outputs equal, ``h`` equals
+    the reference's bit for bit and ``y`` is within one rounding of it; three calls in a
+    row, so both buffers (parities) and the call numbers advance."""
+    g = torch.Generator().manual_seed(rows * 1000 + hidden)
+    ranks = _two_ranks(512, dtype)
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=g).to(device=DEV, dtype=dtype)
+
+    for call in range(1, 4):
+        x = [randn(rows, hidden) for _ in range(2)]
+        res = randn(rows, hidden)
+        w = 1 + 0.1 * randn(hidden)
+        # stage rank 0's push and signal of this call into rank 1's memory
+        par = call % 2
+        r1 = ranks[1]
+        for row in range(rows):
+            at = (par * 2 + 0) * r1.slot + row * hidden
+            r1.data[at: at + hidden] = x[0][row]
+            r1.flags[0 * MAX_ROWS + row] = call
+        y1, h1 = r1(x[1].clone(), res, w, 1e-5)
+        # rank 1 pushed into rank 0's slot for it and set rank 0's flag
+        r0 = ranks[0]
+        for row in range(rows):
+            at = (par * 2 + 1) * r0.slot + row * hidden
+            assert torch.equal(r0.data[at: at + hidden], x[1][row])
+            assert int(r0.flags[1 * MAX_ROWS + row]) == call
+        y0, h0 = r0(x[0].clone(), res, w, 1e-5)
+        assert torch.equal(y0, y1) and torch.equal(h0, h1)  # the same bits on every rank
+        assert ranks[0].count[:rows].tolist() == [call] * rows
+        want_y, want_h = add_rmsnorm_ref(x[0] + x[1], res, w, 1e-5)
+        assert torch.equal(h0, want_h)
+        # y: each side an fp32 norm rounded once to the dtype. The fp32 values differ by
+        # the order of the sum of the N squares (at most N u relative, u = 2^-24, halved
+        # by the square root) and a few roundings after it (4 u: the reciprocal square
+        # root and two products, one more for slack); rounding adds at most one unit in
+        # the last place of the larger, which eps times its magnitude bounds
+        u, big = 2.0**-24, torch.maximum(y0.float().abs(), want_y.float().abs())
+        bound = torch.finfo(dtype).eps * big + (hidden / 2 + 5) * u * big
+        assert ((y0.float() - want_y.float()).abs() <= bound).all()
+
+
+def test_fits_refuses_what_the_kernel_does_not_take():
+    rank = _two_ranks(256, torch.float32)[0]
+
+    def zeros(*shape, dtype=torch.float32):
+        return torch.zeros(*shape, dtype=dtype, device=DEV)
+
+    x = zeros(2, 64)
+    assert rank.fits(x, x)
+    assert not rank.fits(x.double(), x.double())  # another dtype
+    assert not rank.fits(zeros(MAX_ROWS + 1, 4), zeros(MAX_ROWS + 1, 4))
+    assert not rank.fits(zeros(2, 200), zeros(2, 200))  # past the slot
+    assert not rank.fits(x, zeros(3, 64))  # residual of another shape
+    assert not rank.fits(x.t(), x.t())  # columns not contiguous
+
+
+def test_comm_off_cuda_keeps_two_steps_and_says_why():
+    """Outside CUDA ranks the fused path is not set up (the reason is returned), and
+    all_reduce_add_rmsnorm is the all-reduce (the identity in one process) then the add
+    and norm."""
+    from llmnote.parallel import Comm
+
+    comm = Comm()
+    assert "CUDA" in comm.use_fused_norm(torch.device("cpu"))
+    assert comm.fused_norm is None
+    g = torch.Generator().manual_seed(0)
+    x, res, w = torch.randn(3, 16, generator=g), torch.randn(3, 16, generator=g), torch.ones(16)
+    y, h = comm.all_reduce_add_rmsnorm(x.clone(), res, w, 1e-6)
+    want_y, want_h = add_rmsnorm_ref(x, res, w, 1e-6)
+    torch.testing.assert_close(h, want_h, rtol=0, atol=0)
+    torch.testing.assert_close(y, want_y, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_fused_kernel_equals_the_reference_on_two_gpus(dtype):
+    """Two NCCL ranks: 20 back-to-back calls per shape and a CUDA graph replayed twice;
+    ``h`` bit-equal to NCCL's all-reduce plus the add, ``y`` within one rounding of the
+    plain norm, both ranks' outputs the same bits, every call through the kernel."""
+    from llmnote.parallel import launch
+    from llmnote.parallel.workers import fused_norm_against_reference
+
+    shapes = [(1, 4096), (3, 4096), (7, 1000), (MAX_ROWS, 2048)]
+    res = launch(fused_norm_against_reference, 2, shapes, dtype, backend="nccl",
+                 timeout_s=300)
+    for r in res:
+        assert r["why"] is None, r["why"]
+        assert r["h_equal"], r
+        assert r["eager"] <= 1 and r["graph"] <= 1, r
+        assert r["fused_calls"] == 20 * len(shapes) + 2 * len(shapes), r  # + warm-up, capture
+    (y0, h0), (y1, h1) = res[0]["last"], res[1]["last"]
+    assert torch.equal(y0, y1) and torch.equal(h0, h1)
