@@ -102,7 +102,8 @@ def test_comm_off_cuda_keeps_two_steps_and_says_why():
     assert "CUDA" in comm.use_fused_norm(torch.device("cpu"))
     assert comm.fused_norm is None
     g = torch.Generator().manual_seed(0)
-    x, res, w = torch.randn(3, 16, generator=g), torch.randn(3, 16, generator=g), torch.ones(16)
+    x, res = (torch.randn(3, 16, generator=g).to(DEV) for _ in range(2))
+    w = torch.ones(16, device=DEV)
     y, h = comm.all_reduce_add_rmsnorm(x.clone(), res, w, 1e-6)
     want_y, want_h = add_rmsnorm_ref(x, res, w, 1e-6)
     torch.testing.assert_close(h, want_h, rtol=0, atol=0)
