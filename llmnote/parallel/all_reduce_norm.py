@@ -50,7 +50,7 @@ def _trap():
 
 
 @triton.jit
-def _ar_add_rmsnorm_kernel(
+def _all_reduce_add_rmsnorm_kernel(
     X, RES, W, Y, H, DATA, FLAGS, COUNT, N, SLOT, inv_n, eps,
     stride_x, stride_r, stride_y, stride_h,
     RANK: tl.constexpr, WORLD: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -137,7 +137,7 @@ class AllReduceNorm:
         t, n = x.shape
         y, h = torch.empty_like(x), torch.empty_like(x)
         self.calls += 1
-        _ar_add_rmsnorm_kernel[(t,)](
+        _all_reduce_add_rmsnorm_kernel[(t,)](
             x, residual, weight, y, h, self.data_ptrs, self.flag_ptrs, self.count, n,
             self.slot, 1.0 / n, eps, x.stride(0), residual.stride(0), y.stride(0),
             h.stride(0), RANK=self.rank, WORLD=self.world, ROWS=MAX_ROWS,
