@@ -130,3 +130,31 @@ def test_fused_kernel_equals_the_reference_on_two_gpus(dtype):
         assert r["fused_calls"] == 20 * len(shapes) + 2 * len(shapes), r  # + warm-up, capture
     (y0, h0), (y1, h1) = res[0]["last"], res[1]["last"]
     assert torch.equal(y0, y1) and torch.equal(h0, h1)
+
+
+def test_a_peer_one_call_ahead_does_not_stall_the_wait():
+    """The race the wait must survive: rank 0 finishes call 1 once rank 1 has signalled,
+    pushes call 2's row (into the other buffer) and signals 2 before rank 1's wait has read
+    the flag, so rank 1 finds 2 where it waits for 1. It must go on (waiting for exactly 1
+    would spin forever) and sum call 1's row, which the other buffer kept."""
+    dtype, rows, hidden = torch.float32, 2, 32
+    g = torch.Generator().manual_seed(7)
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=g).to(device=DEV, dtype=dtype)
+
+    ranks = _two_ranks(128, dtype)  # (both kept: rank 1 pushes into rank 0's buffer)
+    r1 = ranks[1]
+    x0 = {call: randn(rows, hidden) for call in (1, 2)}  # rank 0's partials, calls 1, 2
+    for call in (1, 2):  # rank 0's pushes and signals of both calls, in order
+        for row in range(rows):
+            at = ((call % 2) * 2 + 0) * r1.slot + row * hidden
+            r1.data[at: at + hidden] = x0[call][row]
+            r1.flags[0 * MAX_ROWS + row] = call
+    x1, res, w = randn(rows, hidden), randn(rows, hidden), 1 + 0.1 * randn(hidden)
+    y, h = r1(x1.clone(), res, w, 1e-5)  # rank 1's call 1
+    want_y, want_h = add_rmsnorm_ref(x0[1] + x1, res, w, 1e-5)
+    assert torch.equal(h, want_h)
+    torch.testing.assert_close(y, want_y, rtol=(hidden / 2 + 5) * 2.0**-24 + 2.0**-23,
+                               atol=0)
+    assert r1.count[:rows].tolist() == [1] * rows

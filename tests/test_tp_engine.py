@@ -562,15 +562,21 @@ def test_tp2_nccl_loading_peak_is_the_shard(tmp_path):
 
 def test_benchmark_smoke_records_what_the_ranks_loaded():
     """The tensor-parallel benchmark's engine part (quick: llama-tiny): TP=1 and TP=2 rows
-    (on two GPUs also TP=2 with every all-reduce through NCCL), and the TP=2 rows carry
+    (on two GPUs also TP=2 with the all-reduce apart from the add and norm, and with every
+    all-reduce through NCCL; each row says which path it took), and the TP=2 rows carry
     each rank's loaded weight bytes (half the split weights plus the replicated ones: less
     than the whole model)."""
     from llmnote.bench.suites import tensor_parallel as T
 
     df = T.run(quick=True, parts=("engine",))
     df = df[df.provider != "copy"]  # on two GPUs the run also times the copy ceiling
-    nccl = {"llmnote-tp2-nccl"} if torch.cuda.device_count() >= 2 and device.on_gpu() else set()
+    gpus = torch.cuda.device_count() >= 2 and device.on_gpu()
+    nccl = {"llmnote-tp2-unfused", "llmnote-tp2-nccl"} if gpus else set()
     assert set(df.provider) == {"llmnote-tp1", "llmnote-tp2"} | nccl
+    if gpus:
+        fused = df.groupby("provider").fused_all_reduce.first()
+        assert fused["llmnote-tp2"] == "on", fused
+        assert fused["llmnote-tp2-unfused"].startswith("off"), fused
     tp2, tp1 = df[df.provider == "llmnote-tp2"], df[df.provider == "llmnote-tp1"]
     size = 2 if nccl else 4  # the engine's default dtype: bf16 on GPUs, fp32 on the CPU
     whole = sum(p.numel() * size for p in Llama(get_preset("llama-tiny")).parameters())

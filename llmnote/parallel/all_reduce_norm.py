@@ -13,7 +13,10 @@ over the row for each, twice a layer. Here one program per row does it all:
    system scope per peer into the peer's flag for (rank ``r``, row): the call's
    number, so the peer knows the row it reads is this call's;
 3. **wait**: spin on this rank's own flags (acquire, system scope) until every
-   peer's number is this call's;
+   peer's number is at least this call's (a peer may be a call ahead: it can
+   finish this call as soon as this rank has signalled, and signal the next
+   before this rank's wait has read the flag; waiting for exactly this call's
+   number would then wait forever);
 4. **sum** the partials in rank order (the same order, so every rank gets the same
    bits), round to the dtype (what an all-reduce returns), then ``h = sum +
    residual`` rounded, and ``y = rmsnorm(h) * w`` as :func:`llmnote.ops.rmsnorm.add_rmsnorm`.
@@ -23,8 +26,8 @@ is needed. The call numbers live in device memory (a counter per row, advanced b
 the kernel), so the kernel is captured into CUDA graphs like any other. Why two
 buffers are enough: a rank writes a buffer again two calls later, by which time it
 has passed the next call's wait, which its peer signals only after finishing this
-call's read. All ranks must make the same calls with the same rows (the layers run
-in lockstep anyway). A peer that never arrives stops the wait after
+call's read; so a peer is at most one call ahead. All ranks must make the same
+calls with the same rows (the layers run in lockstep anyway). A peer that never arrives stops the wait after
 :data:`SPIN_LIMIT` polls with a trap, which takes the rank's process down rather
 than hanging it. vLLM's custom all-reduce and FlashInfer's all-reduce fusion are
 production versions of this idea.
@@ -42,6 +45,7 @@ from llmnote.ops._rowwise import _SS_SCALE_ABOVE, row_scale
 MAX_ROWS = 64  # rows (tokens) one call takes: one program each, all resident at once
 SPIN_LIMIT = 1 << 26  # polls of a flag before the wait gives up (seconds on a GPU)
 _SPIN_LIMIT = tl.constexpr(SPIN_LIMIT)
+_SPIN_LIMIT_INTERPRETED = tl.constexpr(10_000)
 
 
 @triton.jit
@@ -73,14 +77,21 @@ def _all_reduce_add_rmsnorm_kernel(
             flags = tl.load(FLAGS + p).to(tl.pointer_type(tl.int32))
             tl.atomic_xchg(flags + RANK * ROWS + row, call, sem="release", scope="sys")
     own = tl.load(FLAGS + RANK).to(tl.pointer_type(tl.int32))
+    # (the interpreter simulates the ranks in one process: there a wait that would never
+    # end gives up and leaves the counter at -1, for the tests to see, instead of hanging)
+    limit = _SPIN_LIMIT if GPU else _SPIN_LIMIT_INTERPRETED
+    done = call
     for p in tl.static_range(WORLD):  # 3. wait for every peer's signal
         if p != RANK:
             spins = 0
-            while tl.atomic_add(own + p * ROWS + row, 0, sem="acquire", scope="sys") != call:
+            # "at least this call": a peer may already have signalled the next one
+            while (tl.atomic_add(own + p * ROWS + row, 0, sem="acquire", scope="sys")
+                   - call < 0) & (spins < limit):
                 spins += 1
-                if GPU:
-                    if spins > _SPIN_LIMIT:
-                        _trap()
+            if GPU:
+                if spins >= limit:
+                    _trap()
+            done = tl.where(spins >= limit, -1, done)
     tl.debug_barrier()
     buf = tl.load(DATA + RANK).to(tl.pointer_type(dt))
     s = tl.zeros((BLOCK_N,), tl.float32)
@@ -104,7 +115,7 @@ def _all_reduce_add_rmsnorm_kernel(
     w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
     tl.store(Y + row * stride_y + cols, ((hf * inv_a) * rstd * w).to(Y.dtype.element_ty),
              mask=mask)
-    tl.store(COUNT + row, call)  # last: the call is done
+    tl.store(COUNT + row, done)  # last: the call is done
 
 
 class AllReduceNorm:
