@@ -158,3 +158,21 @@ def test_a_peer_one_call_ahead_does_not_stall_the_wait():
     torch.testing.assert_close(y, want_y, rtol=(hidden / 2 + 5) * 2.0**-24 + 2.0**-23,
                                atol=0)
     assert r1.count[:rows].tolist() == [1] * rows
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
+def test_a_peer_that_never_comes_ends_the_wait_with_an_error():
+    """Rank 0 calls the fused kernel and rank 1 never does: after the timeout (2 s) the
+    kernel traps and rank 0 raises a CUDA error, which launch passes on; no hang."""
+    import time
+
+    from llmnote.parallel import launch
+    from llmnote.parallel.workers import fused_norm_peer_missing
+
+    t0 = time.perf_counter()
+    with pytest.raises(Exception, match="CUDA error") as info:
+        launch(fused_norm_peer_missing, 2, 2.0, backend="nccl", timeout_s=120)
+    assert "rank 0 of 2" in str(info.value.__notes__ if hasattr(info.value, "__notes__")
+                                else info.value)
+    assert time.perf_counter() - t0 < 100

@@ -360,7 +360,8 @@ def rank_main(rank: int, world_size: int, port: int, backend: str, conn, source:
             one_shot = "on" if why is None else f"off: {why}"
         fused = "off (fused_all_reduce=False)"
         if backend == "nccl" and config.fused_all_reduce:
-            why = comm.use_fused_norm(dev, dtype=next(model.parameters()).dtype)
+            why = comm.use_fused_norm(dev, dtype=next(model.parameters()).dtype,
+                                      timeout_s=config.distributed_timeout_s)
             fused = "on" if why is None else f"off: {why}"
         load = {"weight_bytes": sum(p.numel() * p.element_size() for p in model.parameters()),
                 "bytes_read": nbytes,

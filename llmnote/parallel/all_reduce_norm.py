@@ -27,10 +27,11 @@ the kernel), so the kernel is captured into CUDA graphs like any other. Why two
 buffers are enough: a rank writes a buffer again two calls later, by which time it
 has passed the next call's wait, which its peer signals only after finishing this
 call's read; so a peer is at most one call ahead. All ranks must make the same
-calls with the same rows (the layers run in lockstep anyway). A peer that never arrives stops the wait after
-:data:`SPIN_LIMIT` polls with a trap, which takes the rank's process down rather
-than hanging it. vLLM's custom all-reduce and FlashInfer's all-reduce fusion are
-production versions of this idea.
+calls with the same rows (the layers run in lockstep anyway). A peer that never
+arrives stops the wait after ``timeout_s`` (the engine's ``distributed_timeout_s``,
+as for NCCL) with a trap, which takes the rank's process down rather than hanging
+it. vLLM's custom all-reduce and FlashInfer's all-reduce fusion are production
+versions of this idea.
 """
 
 from __future__ import annotations
@@ -43,8 +44,8 @@ from llmnote import device
 from llmnote.ops._rowwise import _SS_SCALE_ABOVE, row_scale
 
 MAX_ROWS = 64  # rows (tokens) one call takes: one program each, all resident at once
-SPIN_LIMIT = 1 << 26  # polls of a flag before the wait gives up (seconds on a GPU)
-_SPIN_LIMIT = tl.constexpr(SPIN_LIMIT)
+# polls of a flag before a wait gives up in the interpreter, where the ranks are simulated
+# one after the other in one process (on a GPU the limit is a time: AllReduceNorm.timeout_s)
 _SPIN_LIMIT_INTERPRETED = tl.constexpr(10_000)
 
 
@@ -54,8 +55,22 @@ def _trap():
 
 
 @triton.jit
+def _nanoseconds():
+    """The GPU's global timer (ns)."""
+    return tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64,
+                                     is_pure=False, pack=1)
+
+
+@triton.jit
+def _arrived(flag, call):
+    """How far a peer's call number is past ``call`` (< 0: not yet), read with acquire
+    semantics at system scope (the peer's row, pushed before it, is then visible)."""
+    return tl.atomic_add(flag, 0, sem="acquire", scope="sys") - call
+
+
+@triton.jit
 def _all_reduce_add_rmsnorm_kernel(
-    X, RES, W, Y, H, DATA, FLAGS, COUNT, N, SLOT, inv_n, eps,
+    X, RES, W, Y, H, DATA, FLAGS, COUNT, N, SLOT, inv_n, eps, timeout_ns,
     stride_x, stride_r, stride_y, stride_h,
     RANK: tl.constexpr, WORLD: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
     GPU: tl.constexpr,
@@ -77,21 +92,22 @@ def _all_reduce_add_rmsnorm_kernel(
             flags = tl.load(FLAGS + p).to(tl.pointer_type(tl.int32))
             tl.atomic_xchg(flags + RANK * ROWS + row, call, sem="release", scope="sys")
     own = tl.load(FLAGS + RANK).to(tl.pointer_type(tl.int32))
-    # (the interpreter simulates the ranks in one process: there a wait that would never
-    # end gives up and leaves the counter at -1, for the tests to see, instead of hanging)
-    limit = _SPIN_LIMIT if GPU else _SPIN_LIMIT_INTERPRETED
     done = call
     for p in tl.static_range(WORLD):  # 3. wait for every peer's signal
         if p != RANK:
-            spins = 0
             # "at least this call": a peer may already have signalled the next one
-            while (tl.atomic_add(own + p * ROWS + row, 0, sem="acquire", scope="sys")
-                   - call < 0) & (spins < limit):
-                spins += 1
-            if GPU:
-                if spins >= limit:
+            flag = own + p * ROWS + row
+            spins = 0
+            if GPU:  # a peer that never comes: a trap after timeout_ns, not a hang
+                start = _nanoseconds()
+                while (_arrived(flag, call) < 0) & (_nanoseconds() - start < timeout_ns):
+                    spins += 1
+                if _arrived(flag, call) < 0:
                     _trap()
-            done = tl.where(spins >= limit, -1, done)
+            else:  # (the interpreter: a wait that would never end leaves the counter at -1)
+                while (_arrived(flag, call) < 0) & (spins < _SPIN_LIMIT_INTERPRETED):
+                    spins += 1
+                done = tl.where(spins >= _SPIN_LIMIT_INTERPRETED, -1, done)
     tl.debug_barrier()
     buf = tl.load(DATA + RANK).to(tl.pointer_type(dt))
     s = tl.zeros((BLOCK_N,), tl.float32)
@@ -124,9 +140,10 @@ class AllReduceNorm:
     every rank maps, their addresses on every rank, and this rank's call counters."""
 
     def __init__(self, rank: int, world: int, data: torch.Tensor, flags: torch.Tensor,
-                 data_ptrs: list[int], flag_ptrs: list[int]) -> None:
+                 data_ptrs: list[int], flag_ptrs: list[int], timeout_s: float = 600.0) -> None:
         dev = data.device
         self.rank, self.world = rank, world
+        self.timeout_s = timeout_s  # the longest a wait for a peer lasts before a trap
         self.data, self.flags = data, flags  # (kept alive: the peers write into them)
         self.slot = data.numel() // (2 * world)
         self.dtype = data.dtype
@@ -150,10 +167,10 @@ class AllReduceNorm:
         self.calls += 1
         _all_reduce_add_rmsnorm_kernel[(t,)](
             x, residual, weight, y, h, self.data_ptrs, self.flag_ptrs, self.count, n,
-            self.slot, 1.0 / n, eps, x.stride(0), residual.stride(0), y.stride(0),
-            h.stride(0), RANK=self.rank, WORLD=self.world, ROWS=MAX_ROWS,
-            BLOCK_N=triton.next_power_of_2(n), GPU=not device.interpreting(),
-            num_warps=4 if n <= 4096 else 8)
+            self.slot, 1.0 / n, eps, int(self.timeout_s * 1e9), x.stride(0),
+            residual.stride(0), y.stride(0), h.stride(0), RANK=self.rank,
+            WORLD=self.world, ROWS=MAX_ROWS, BLOCK_N=triton.next_power_of_2(n),
+            GPU=not device.interpreting(), num_warps=4 if n <= 4096 else 8)
         return y, h
 
 

@@ -102,11 +102,13 @@ class Comm:
         return None
 
     def use_fused_norm(self, device: torch.device, max_bytes: int = ONE_SHOT_MAX_BYTES,
-                       dtype: torch.dtype = torch.bfloat16) -> str | None:
+                       dtype: torch.dtype = torch.bfloat16,
+                       timeout_s: float = 600.0) -> str | None:
         """Let :meth:`all_reduce_add_rmsnorm` run as one kernel
         (:mod:`llmnote.parallel.all_reduce_norm`) for up to ``max_bytes`` of ``dtype`` a
         rank: symmetric buffers every rank maps, set up here (a collective: every rank
-        calls it). Returns None once set up, else why the two kernels stay."""
+        calls it). A kernel that waits ``timeout_s`` for a peer traps. Returns None once
+        set up, else why the two kernels stay."""
         import os
 
         from llmnote.parallel.all_reduce_norm import MAX_ROWS, AllReduceNorm
@@ -134,7 +136,7 @@ class Comm:
             dist.barrier(group)  # every rank's flags zeroed before any rank signals
         except Exception as e:  # noqa: BLE001 - no peer access, an old driver: two kernels
             return f"symmetric memory unavailable: {type(e).__name__}: {e}"
-        self.fused_norm = AllReduceNorm(rank, p, data, flags, *ptrs)
+        self.fused_norm = AllReduceNorm(rank, p, data, flags, *ptrs, timeout_s=timeout_s)
         return None
 
     def all_reduce_add_rmsnorm(self, x: torch.Tensor, residual: torch.Tensor,

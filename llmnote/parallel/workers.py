@@ -239,3 +239,19 @@ def fused_norm_against_reference(rank: int, world_size: int, shapes: list[tuple[
     out["fused_calls"] = comm.fused_norm.calls
     out["last"] = last
     return out
+
+
+def fused_norm_peer_missing(rank: int, world_size: int, timeout_s: float) -> dict:
+    """Rank 0 calls :meth:`Comm.all_reduce_add_rmsnorm` (fused kernel, which waits at most
+    ``timeout_s`` for its peers) and the other ranks never do: rank 0's kernel must trap,
+    which raises a CUDA error here, instead of spinning for ever. Returns why the kernel
+    could not be set up, or, where no error came, that none did."""
+    dev = torch.device("cuda", rank)
+    comm = Comm()
+    why = comm.use_fused_norm(dev, dtype=torch.bfloat16, timeout_s=timeout_s)
+    if why is not None or rank != 0:
+        return {"why": why, "error": None}
+    x = torch.ones(1, 256, device=dev, dtype=torch.bfloat16)
+    comm.all_reduce_add_rmsnorm(x, x.clone(), torch.ones_like(x[0]), 1e-6)
+    torch.cuda.synchronize(dev)  # the trap surfaces here
+    return {"why": None, "error": None}
