@@ -176,3 +176,33 @@ def test_a_peer_that_never_comes_ends_the_wait_with_an_error():
     assert "rank 0 of 2" in str(info.value.__notes__ if hasattr(info.value, "__notes__")
                                 else info.value)
     assert time.perf_counter() - t0 < 100
+
+
+@pytest.mark.skipif(not device.interpreting(), reason="CPU processes: the interpreter")
+def test_two_processes_at_once():
+    """Two CPU processes run the kernel at the same time in the interpreter, over buffers
+    in shared memory: 60 calls of varying shapes with random pauses, so that either rank
+    may run ahead. Every call completes with ``h`` bit-equal to the reference and ``y``
+    within the fp32 bound of the tests above."""
+    import torch.multiprocessing as mp
+
+    from llmnote.parallel.workers import fused_norm_interpreted_rank
+
+    ctx = mp.get_context("spawn")
+    data = [torch.zeros(2 * 2 * 256).share_memory_() for _ in range(2)]
+    flags = [torch.zeros(2 * MAX_ROWS, dtype=torch.int32).share_memory_() for _ in range(2)]
+    barrier, queue = ctx.Barrier(2), ctx.Queue()
+    procs = [ctx.Process(target=fused_norm_interpreted_rank,
+                         args=(r, data, flags, barrier, queue, 60)) for r in range(2)]
+    for p in procs:
+        p.start()
+    try:
+        got = sorted(queue.get(timeout=240) for _ in procs)
+    finally:
+        for p in procs:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.kill()
+    for rank, ok, worst in got:
+        assert ok, rank
+        assert worst <= 1, (rank, worst)

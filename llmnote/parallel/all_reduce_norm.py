@@ -46,7 +46,7 @@ from llmnote.ops._rowwise import _SS_SCALE_ABOVE, row_scale
 MAX_ROWS = 64  # rows (tokens) one call takes: one program each, all resident at once
 # polls of a flag before a wait gives up in the interpreter, where the ranks are simulated
 # one after the other in one process (on a GPU the limit is a time: AllReduceNorm.timeout_s)
-_SPIN_LIMIT_INTERPRETED = tl.constexpr(10_000)
+_SPIN_LIMIT_INTERPRETED = tl.constexpr(1_000_000)
 
 
 @triton.jit

@@ -255,3 +255,39 @@ def fused_norm_peer_missing(rank: int, world_size: int, timeout_s: float) -> dic
     comm.all_reduce_add_rmsnorm(x, x.clone(), torch.ones_like(x[0]), 1e-6)
     torch.cuda.synchronize(dev)  # the trap surfaces here
     return {"why": None, "error": None}
+
+
+def fused_norm_interpreted_rank(rank: int, data: list, flags: list, barrier, queue,
+                                calls: int) -> None:
+    """One of two CPU processes running the fused all-reduce kernel in Triton's
+    interpreter at the same time, over buffers in shared memory (``data``, ``flags``: both
+    ranks' tensors, shared; each process maps them at its own addresses): ``calls`` calls
+    of varying rows and widths, the same inputs on both ranks, a random pause before
+    half of them so that the ranks drift apart. Puts ``(rank, all h bit-equal to the
+    reference and every call completed, largest |y - reference| over its bound)`` on
+    ``queue``; the bound per element, as in the kernel's single-process tests: ``(eps +
+    (hidden / 2 + 5) u) max(|y|, |reference|)``, fp32's eps and u = 2^-24."""
+    import random
+
+    from llmnote.ops.rmsnorm import add_rmsnorm_ref
+    from llmnote.parallel.all_reduce_norm import AllReduceNorm
+
+    fused = AllReduceNorm(rank, 2, data[rank], flags[rank], [d.data_ptr() for d in data],
+                          [f.data_ptr() for f in flags])
+    pause = random.Random(rank)
+    barrier.wait()
+    ok, worst = True, 0.0
+    for i in range(calls):
+        g = torch.Generator().manual_seed(i)
+        rows, hidden = 1 + i % 3, 32 + 8 * (i % 4)
+        x = [torch.randn(rows, hidden, generator=g) for _ in range(2)]
+        res, w = torch.randn(rows, hidden, generator=g), 1 + 0.1 * torch.randn(hidden, generator=g)
+        if pause.random() < 0.5:
+            time.sleep(pause.random() * 0.003)
+        y, h = fused(x[rank].clone(), res, w, 1e-5)
+        want_y, want_h = add_rmsnorm_ref(x[0] + x[1], res, w, 1e-5)
+        ok &= bool(torch.equal(h, want_h)) and int(fused.count[:rows].min()) > 0
+        big = torch.maximum(y.abs(), want_y.abs()).clamp(min=torch.finfo(y.dtype).tiny)
+        bound = (2.0**-23 + (hidden / 2 + 5) * 2.0**-24) * big
+        worst = max(worst, float(((y - want_y).abs() / bound).max()))
+    queue.put((rank, ok, worst))
