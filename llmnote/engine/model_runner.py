@@ -246,11 +246,11 @@ class ModelRunner(CudaGraphs, GraphTuning, MultiStep, Batch1Paths):
         the last layer's MLP output and the residual stream before it, whose sum the final
         norm takes; ``attend(layer, q (T, H, D)) -> (T, H, D)`` reads the cache after this
         step's keys and values are written; ``rope`` replaces the model's. Each residual add
-        is fused with the norm after it (``ops.add_rmsnorm``). On the batch-1 GEMV path
+        is fused with the norm after it (``ops.add_rmsnorm``; on tensor-parallel GPU ranks
+        with the all-reduce before it too: :meth:`_add_norm`). On the batch-1 GEMV path
         ``attend_parts(layer, q) -> (part, lpart)``, if given, leaves attention in split-KV
         partials that the output projection merges (see :meth:`_gemv_layer`)."""
         decoder = self.model.model
-        ops = self.ops
         x = decoder.embed_tokens(ids)  # (T, h)
         t = ids.shape[0]
         residual = None
