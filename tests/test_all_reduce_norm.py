@@ -23,8 +23,8 @@ DTYPES = [torch.float32] if device.interpreting() else [torch.float32, torch.bfl
                                                          torch.float16]
 
 
-def _two_ranks(slot: int, dtype: torch.dtype) -> list[AllReduceNorm]:
-    data = [torch.zeros(2 * 2 * slot, dtype=dtype, device=DEV) for _ in range(2)]
+def _two_ranks(width: int, dtype: torch.dtype) -> list[AllReduceNorm]:
+    data = [torch.zeros(2 * 2 * MAX_ROWS * width, dtype=dtype, device=DEV) for _ in range(2)]
     flags = [torch.zeros(2 * MAX_ROWS, dtype=torch.int32, device=DEV) for _ in range(2)]
     dp, fp = [d.data_ptr() for d in data], [f.data_ptr() for f in flags]
     return [AllReduceNorm(r, 2, data[r], flags[r], dp, fp) for r in range(2)]
@@ -39,7 +39,7 @@ def test_two_simulated_ranks_equal_the_reference(dtype, rows, hidden):
     the reference's bit for bit and ``y`` is within one rounding of it; three calls in a
     row, so both buffers (parities) and the call numbers advance."""
     g = torch.Generator().manual_seed(rows * 1000 + hidden)
-    ranks = _two_ranks(512, dtype)
+    ranks = _two_ranks(128, dtype)
 
     def randn(*shape):
         return torch.randn(*shape, generator=g).to(device=DEV, dtype=dtype)
@@ -52,14 +52,14 @@ def test_two_simulated_ranks_equal_the_reference(dtype, rows, hidden):
         par = call % 2
         r1 = ranks[1]
         for row in range(rows):
-            at = (par * 2 + 0) * r1.slot + row * hidden
+            at = ((par * 2 + 0) * MAX_ROWS + row) * r1.width
             r1.data[at: at + hidden] = x[0][row]
             r1.flags[0 * MAX_ROWS + row] = call
         y1, h1 = r1(x[1].clone(), res, w, 1e-5)
         # rank 1 pushed into rank 0's slot for it and set rank 0's flag
         r0 = ranks[0]
         for row in range(rows):
-            at = (par * 2 + 1) * r0.slot + row * hidden
+            at = ((par * 2 + 1) * MAX_ROWS + row) * r0.width
             assert torch.equal(r0.data[at: at + hidden], x[1][row])
             assert int(r0.flags[1 * MAX_ROWS + row]) == call
         y0, h0 = r0(x[0].clone(), res, w, 1e-5)
@@ -78,7 +78,7 @@ def test_two_simulated_ranks_equal_the_reference(dtype, rows, hidden):
 
 
 def test_fits_refuses_what_the_kernel_does_not_take():
-    rank = _two_ranks(256, torch.float32)[0]
+    rank = _two_ranks(128, torch.float32)[0]
 
     def zeros(*shape, dtype=torch.float32):
         return torch.zeros(*shape, dtype=dtype, device=DEV)
@@ -87,7 +87,7 @@ def test_fits_refuses_what_the_kernel_does_not_take():
     assert rank.fits(x, x)
     assert not rank.fits(x.double(), x.double())  # another dtype
     assert not rank.fits(zeros(MAX_ROWS + 1, 4), zeros(MAX_ROWS + 1, 4))
-    assert not rank.fits(zeros(2, 200), zeros(2, 200))  # past the slot
+    assert not rank.fits(zeros(2, 129), zeros(2, 129))  # wider than the slots
     assert not rank.fits(x, zeros(3, 64))  # residual of another shape
     assert not rank.fits(x.t(), x.t())  # columns not contiguous
 
@@ -143,12 +143,12 @@ def test_a_peer_one_call_ahead_does_not_stall_the_wait():
     def randn(*shape):
         return torch.randn(*shape, generator=g).to(device=DEV, dtype=dtype)
 
-    ranks = _two_ranks(128, dtype)  # (both kept: rank 1 pushes into rank 0's buffer)
+    ranks = _two_ranks(32, dtype)  # (both kept: rank 1 pushes into rank 0's buffer)
     r1 = ranks[1]
     x0 = {call: randn(rows, hidden) for call in (1, 2)}  # rank 0's partials, calls 1, 2
     for call in (1, 2):  # rank 0's pushes and signals of both calls, in order
         for row in range(rows):
-            at = ((call % 2) * 2 + 0) * r1.slot + row * hidden
+            at = (((call % 2) * 2 + 0) * MAX_ROWS + row) * r1.width
             r1.data[at: at + hidden] = x0[call][row]
             r1.flags[0 * MAX_ROWS + row] = call
     x1, res, w = randn(rows, hidden), randn(rows, hidden), 1 + 0.1 * randn(hidden)
@@ -189,7 +189,7 @@ def test_two_processes_at_once():
     from llmnote.parallel.workers import fused_norm_interpreted_rank
 
     ctx = mp.get_context("spawn")
-    data = [torch.zeros(2 * 2 * 256).share_memory_() for _ in range(2)]
+    data = [torch.zeros(2 * 2 * MAX_ROWS * 64).share_memory_() for _ in range(2)]
     flags = [torch.zeros(2 * MAX_ROWS, dtype=torch.int32).share_memory_() for _ in range(2)]
     barrier, queue = ctx.Barrier(2), ctx.Queue()
     procs = [ctx.Process(target=fused_norm_interpreted_rank,

@@ -7,8 +7,8 @@ norm reads the result. Run as two kernels (PyTorch's one-shot all-reduce, then
 ``add_rmsnorm``) a decode step pays a cross-GPU barrier *and* a launch and a pass
 over the row for each, twice a layer. Here one program per row does it all:
 
-1. **push**: write ``x_r``'s row into every peer's buffer over NVLink (slot of
-   rank ``r``; two buffers in turn, chosen by the call's parity);
+1. **push**: write ``x_r``'s row into every peer's buffer over NVLink (the slot of
+   rank ``r`` and this row; two buffers in turn, chosen by the row's call parity);
 2. **signal**: after a barrier of the program's threads, one release store at
    system scope per peer into the peer's flag for (rank ``r``, row): the call's
    number, so the peer knows the row it reads is this call's;
@@ -70,7 +70,7 @@ def _arrived(flag, call):
 
 @triton.jit
 def _all_reduce_add_rmsnorm_kernel(
-    X, RES, W, Y, H, DATA, FLAGS, COUNT, N, SLOT, inv_n, eps, timeout_ns,
+    X, RES, W, Y, H, DATA, FLAGS, COUNT, N, WIDTH, inv_n, eps, timeout_ns,
     stride_x, stride_r, stride_y, stride_h,
     RANK: tl.constexpr, WORLD: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
     GPU: tl.constexpr,
@@ -81,7 +81,9 @@ def _all_reduce_add_rmsnorm_kernel(
     dt = X.dtype.element_ty
     x = tl.load(X + row * stride_x + cols, mask=mask, other=0.0)  # this rank's partial
     call = tl.load(COUNT + row) + 1  # this row's call number, the same on every rank
-    at = ((call % 2) * WORLD + RANK) * SLOT + row * N + cols  # this rank's slot, this row
+    # this rank's slot for this row, in the buffer of this call's parity: (2, WORLD, ROWS,
+    # WIDTH), so no call's row, whatever its width, overlaps another row's slot
+    at = (((call % 2) * WORLD + RANK) * ROWS + row) * WIDTH + cols
     for p in tl.static_range(WORLD):  # 1. push the partial into every peer's buffer
         if p != RANK:
             peer = tl.load(DATA + p).to(tl.pointer_type(dt))
@@ -115,7 +117,7 @@ def _all_reduce_add_rmsnorm_kernel(
         if p == RANK:
             s += x.to(tl.float32)
         else:
-            base = ((call % 2) * WORLD + p) * SLOT + row * N
+            base = (((call % 2) * WORLD + p) * ROWS + row) * WIDTH
             s += tl.load(buf + base + cols, mask=mask, other=0.0,
                          volatile=True).to(tl.float32)
     r = tl.load(RES + row * stride_r + cols, mask=mask, other=0.0).to(tl.float32)
@@ -136,7 +138,7 @@ def _all_reduce_add_rmsnorm_kernel(
 
 class AllReduceNorm:
     """The buffers of :func:`all_reduce_add_rmsnorm` on one rank: a symmetric data buffer
-    ``(2, world, slot)`` and a symmetric flag buffer ``(world, MAX_ROWS)`` int32 that
+    ``(2, world, MAX_ROWS, width)`` and a symmetric flag buffer ``(world, MAX_ROWS)`` int32 that
     every rank maps, their addresses on every rank, and this rank's call counters."""
 
     def __init__(self, rank: int, world: int, data: torch.Tensor, flags: torch.Tensor,
@@ -145,7 +147,7 @@ class AllReduceNorm:
         self.rank, self.world = rank, world
         self.timeout_s = timeout_s  # the longest a wait for a peer lasts before a trap
         self.data, self.flags = data, flags  # (kept alive: the peers write into them)
-        self.slot = data.numel() // (2 * world)
+        self.width = data.numel() // (2 * world * MAX_ROWS)  # the widest row it takes
         self.dtype = data.dtype
         self.data_ptrs = torch.tensor(data_ptrs, dtype=torch.int64, device=dev)
         self.flag_ptrs = torch.tensor(flag_ptrs, dtype=torch.int64, device=dev)
@@ -154,10 +156,10 @@ class AllReduceNorm:
 
     def fits(self, x: torch.Tensor, residual: torch.Tensor) -> bool:
         """Whether the kernel takes ``x``: rows of the buffer's dtype, at most
-        :data:`MAX_ROWS` of them and ``slot`` elements in all, on its device."""
+        :data:`MAX_ROWS` of them and ``width`` elements each, on its device."""
         return (x.dim() == 2 and x.dtype == self.dtype and residual.dtype == self.dtype
                 and x.device == self.data.device and 0 < x.shape[0] <= MAX_ROWS
-                and x.numel() <= self.slot and x.stride(-1) == 1
+                and x.shape[1] <= self.width and x.stride(-1) == 1
                 and residual.shape == x.shape and residual.stride(-1) == 1)
 
     def __call__(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
@@ -167,7 +169,7 @@ class AllReduceNorm:
         self.calls += 1
         _all_reduce_add_rmsnorm_kernel[(t,)](
             x, residual, weight, y, h, self.data_ptrs, self.flag_ptrs, self.count, n,
-            self.slot, 1.0 / n, eps, int(self.timeout_s * 1e9), x.stride(0),
+            self.width, 1.0 / n, eps, int(self.timeout_s * 1e9), x.stride(0),
             residual.stride(0), y.stride(0), h.stride(0), RANK=self.rank,
             WORLD=self.world, ROWS=MAX_ROWS, BLOCK_N=triton.next_power_of_2(n),
             GPU=not device.interpreting(), num_warps=4 if n <= 4096 else 8)

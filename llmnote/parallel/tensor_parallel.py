@@ -101,14 +101,15 @@ class Comm:
         self.one_shot, self.group_name = buf.view(2, numel), group.group_name
         return None
 
-    def use_fused_norm(self, device: torch.device, max_bytes: int = ONE_SHOT_MAX_BYTES,
+    def use_fused_norm(self, device: torch.device, width: int = 8192,
                        dtype: torch.dtype = torch.bfloat16,
                        timeout_s: float = 600.0) -> str | None:
         """Let :meth:`all_reduce_add_rmsnorm` run as one kernel
-        (:mod:`llmnote.parallel.all_reduce_norm`) for up to ``max_bytes`` of ``dtype`` a
-        rank: symmetric buffers every rank maps, set up here (a collective: every rank
-        calls it). A kernel that waits ``timeout_s`` for a peer traps. Returns None once
-        set up, else why the two kernels stay."""
+        (:mod:`llmnote.parallel.all_reduce_norm`) on up to ``MAX_ROWS`` rows of up to
+        ``width`` elements of ``dtype``: symmetric buffers every rank maps, set up here (a
+        collective: every rank calls it; 2 x ranks x MAX_ROWS x width elements each). A
+        kernel that waits ``timeout_s`` for a peer traps. Returns None once set up, else
+        why the two kernels stay."""
         import os
 
         from llmnote.parallel.all_reduce_norm import MAX_ROWS, AllReduceNorm
@@ -123,8 +124,7 @@ class Comm:
         try:
             import torch.distributed._symmetric_memory as symm_mem
 
-            slot = max_bytes // torch.empty((), dtype=dtype).element_size()
-            data = symm_mem.empty(2 * p * slot, dtype=dtype, device=device)
+            data = symm_mem.empty(2 * p * MAX_ROWS * width, dtype=dtype, device=device)
             flags = symm_mem.empty(p * MAX_ROWS, dtype=torch.int32, device=device)
             flags.zero_()
             ptrs = []
