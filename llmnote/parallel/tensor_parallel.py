@@ -145,7 +145,7 @@ class Comm:
         """``(rmsnorm(h) * weight, h)`` with ``h = sum_r x_r + residual``: this rank's
         partial ``x`` summed over the ranks, then the residual add and the norm of
         :func:`llmnote.ops.rmsnorm.add_rmsnorm`. One kernel where :meth:`use_fused_norm`
-        set it up and ``x`` fits (counted in ``fused_calls``); else :meth:`all_reduce`
+        set it up and ``x`` fits (counted in ``fused_norm.calls``); else :meth:`all_reduce`
         (``x`` in place) and ``add_rmsnorm`` (by default
         :func:`llmnote.ops.rmsnorm.add_rmsnorm`)."""
         if add_rmsnorm is None:
