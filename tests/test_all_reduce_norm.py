@@ -1,9 +1,9 @@
 """The all-reduce fused with the residual add and RMSNorm (llmnote.parallel.all_reduce_norm).
 
 Two ranks simulated in one process (on one GPU, or the CPU in Triton's interpreter):
-each rank's buffers are plain tensors, and the ranks run one after the other, the second
-finding the first's push and signal in its memory. That checks the protocol (slots,
-parity, call numbers) and the arithmetic against the plain reference. In the interpreter
+each rank's buffer is a plain tensor, and the ranks run one after the other, the second
+finding the first's push in its memory. That checks the protocol (slots, parity, call
+numbers, the empty mark) and the arithmetic against the plain reference. In the interpreter
 only fp32: its conversion to bf16 truncates where a GPU rounds to nearest, so a bf16 sum
 would not be the reference's bits. The cross-GPU version (NCCL ranks, symmetric memory,
 CUDA graphs) runs on two GPUs."""
@@ -15,7 +15,7 @@ import torch
 
 from llmnote import device
 from llmnote.ops.rmsnorm import add_rmsnorm_ref
-from llmnote.parallel.all_reduce_norm import MAX_ROWS, AllReduceNorm
+from llmnote.parallel.all_reduce_norm import EMPTY, MAX_ROWS, AllReduceNorm, buffer_numel
 
 
 DEV = device.default_device() if not device.interpreting() else torch.device("cpu")
@@ -24,20 +24,32 @@ DTYPES = [torch.float32] if device.interpreting() else [torch.float32, torch.bfl
 
 
 def _two_ranks(width: int, dtype: torch.dtype) -> list[AllReduceNorm]:
-    data = [torch.zeros(2 * 2 * MAX_ROWS * width, dtype=dtype, device=DEV) for _ in range(2)]
-    flags = [torch.zeros(2 * MAX_ROWS, dtype=torch.int32, device=DEV) for _ in range(2)]
-    dp, fp = [d.data_ptr() for d in data], [f.data_ptr() for f in flags]
-    return [AllReduceNorm(r, 2, data[r], flags[r], dp, fp) for r in range(2)]
+    data = [torch.full((buffer_numel(2, width),), EMPTY, dtype=dtype, device=DEV)
+            for _ in range(2)]
+    dp = [d.data_ptr() for d in data]
+    return [AllReduceNorm(r, 2, data[r], dp) for r in range(2)]
+
+
+def _slot(rank: AllReduceNorm, call: int, peer: int, row: int, hidden: int) -> torch.Tensor:
+    """``rank``'s slot for ``peer``'s row ``row`` in call ``call``'s buffer."""
+    at = (((call % 2) * rank.world + peer) * MAX_ROWS + row) * rank.width
+    return rank.data[at: at + hidden]
+
+
+def _is_empty(t: torch.Tensor) -> bool:
+    """Every element -0.0 (``==`` alone cannot tell it from +0.0)."""
+    return bool(((t == 0) & torch.signbit(t)).all())
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("rows,hidden", [(1, 64), (3, 48), (5, 100)])
 def test_two_simulated_ranks_equal_the_reference(dtype, rows, hidden):
-    """Rank 1 runs first: it pushes its partial into rank 0's buffer and signals, then
-    spins on its own flag, which is already set because rank 0's push and signal of the
-    same call were staged beforehand. Each call: both ranks' outputs equal, ``h`` equals
+    """Rank 1 runs first: it pushes its partial into rank 0's buffer, then waits on its
+    own slot, which already holds rank 0's row of the same call, staged beforehand; it
+    empties the slot after reading it. Each call: both ranks' outputs equal, ``h`` equals
     the reference's bit for bit and ``y`` is within one rounding of it; three calls in a
-    row, so both buffers (parities) and the call numbers advance."""
+    row, so both buffers (parities) and the call numbers advance. Rank 1's partial has
+    zeros of either sign, which travel as +0.0."""
     g = torch.Generator().manual_seed(rows * 1000 + hidden)
     ranks = _two_ranks(128, dtype)
 
@@ -46,25 +58,25 @@ def test_two_simulated_ranks_equal_the_reference(dtype, rows, hidden):
 
     for call in range(1, 4):
         x = [randn(rows, hidden) for _ in range(2)]
+        x[1][:, ::7] = -0.0  # sent as +0.0: -0.0 marks an empty slot
         res = randn(rows, hidden)
         w = 1 + 0.1 * randn(hidden)
-        # stage rank 0's push and signal of this call into rank 1's memory
-        par = call % 2
-        r1 = ranks[1]
-        for row in range(rows):
-            at = ((par * 2 + 0) * MAX_ROWS + row) * r1.width
-            r1.data[at: at + hidden] = x[0][row]
-            r1.flags[0 * MAX_ROWS + row] = call
+        r0, r1 = ranks
+        for row in range(rows):  # stage rank 0's push of this call into rank 1's memory
+            _slot(r1, call, 0, row, hidden).copy_(x[0][row])
         y1, h1 = r1(x[1].clone(), res, w, 1e-5)
-        # rank 1 pushed into rank 0's slot for it and set rank 0's flag
-        r0 = ranks[0]
         for row in range(rows):
-            at = ((par * 2 + 1) * MAX_ROWS + row) * r0.width
-            assert torch.equal(r0.data[at: at + hidden], x[1][row])
-            assert int(r0.flags[1 * MAX_ROWS + row]) == call
+            # rank 1 read its slot and emptied it, and pushed into rank 0's slot for it
+            assert _is_empty(_slot(r1, call, 0, row, hidden))
+            pushed = _slot(r0, call, 1, row, hidden)
+            assert torch.equal(pushed, x[1][row]) and not ((pushed == 0) & pushed.signbit()).any()
+            assert _is_empty(_slot(r0, call + 1, 1, row, hidden))  # the other buffer
         y0, h0 = r0(x[0].clone(), res, w, 1e-5)
         assert torch.equal(y0, y1) and torch.equal(h0, h1)  # the same bits on every rank
-        assert ranks[0].count[:rows].tolist() == [call] * rows
+        assert r0.count[:rows].tolist() == r1.count[:rows].tolist() == [call] * rows
+        assert _is_empty(r0.data)  # read and emptied; rank 0 pushed again what was staged
+        for row in range(rows):
+            assert torch.equal(_slot(r1, call, 0, row, hidden), x[0][row])
         want_y, want_h = add_rmsnorm_ref(x[0] + x[1], res, w, 1e-5)
         assert torch.equal(h0, want_h)
         # y: each side an fp32 norm rounded once to the dtype. The fp32 values differ by
@@ -90,6 +102,8 @@ def test_fits_refuses_what_the_kernel_does_not_take():
     assert not rank.fits(zeros(2, 129), zeros(2, 129))  # wider than the slots
     assert not rank.fits(x, zeros(3, 64))  # residual of another shape
     assert not rank.fits(x.t(), x.t())  # columns not contiguous
+    with pytest.raises(ValueError, match="data: expected buffer_numel"):
+        AllReduceNorm(0, 2, torch.full((buffer_numel(2, 16) + 1,), EMPTY), [0, 0])
 
 
 def test_comm_off_cuda_keeps_two_steps_and_says_why():
@@ -133,10 +147,10 @@ def test_fused_kernel_equals_the_reference_on_two_gpus(dtype):
 
 
 def test_a_peer_one_call_ahead_does_not_stall_the_wait():
-    """The race the wait must survive: rank 0 finishes call 1 once rank 1 has signalled,
-    pushes call 2's row (into the other buffer) and signals 2 before rank 1's wait has read
-    the flag, so rank 1 finds 2 where it waits for 1. It must go on (waiting for exactly 1
-    would spin forever) and sum call 1's row, which the other buffer kept."""
+    """The race the buffers must survive: rank 0 finishes call 1 once rank 1's row has
+    arrived and pushes call 2's row before rank 1 has read call 1's. It lands in the other
+    buffer: rank 1 sums call 1's row, empties only that slot, and call 2's row waits
+    where rank 1's next call reads it."""
     dtype, rows, hidden = torch.float32, 2, 32
     g = torch.Generator().manual_seed(7)
 
@@ -146,11 +160,9 @@ def test_a_peer_one_call_ahead_does_not_stall_the_wait():
     ranks = _two_ranks(32, dtype)  # (both kept: rank 1 pushes into rank 0's buffer)
     r1 = ranks[1]
     x0 = {call: randn(rows, hidden) for call in (1, 2)}  # rank 0's partials, calls 1, 2
-    for call in (1, 2):  # rank 0's pushes and signals of both calls, in order
+    for call in (1, 2):  # rank 0's pushes of both calls, in order
         for row in range(rows):
-            at = (((call % 2) * 2 + 0) * MAX_ROWS + row) * r1.width
-            r1.data[at: at + hidden] = x0[call][row]
-            r1.flags[0 * MAX_ROWS + row] = call
+            _slot(r1, call, 0, row, hidden).copy_(x0[call][row])
     x1, res, w = randn(rows, hidden), randn(rows, hidden), 1 + 0.1 * randn(hidden)
     y, h = r1(x1.clone(), res, w, 1e-5)  # rank 1's call 1
     want_y, want_h = add_rmsnorm_ref(x0[1] + x1, res, w, 1e-5)
@@ -158,6 +170,9 @@ def test_a_peer_one_call_ahead_does_not_stall_the_wait():
     torch.testing.assert_close(y, want_y, rtol=(hidden / 2 + 5) * 2.0**-24 + 2.0**-23,
                                atol=0)
     assert r1.count[:rows].tolist() == [1] * rows
+    for row in range(rows):
+        assert _is_empty(_slot(r1, 1, 0, row, hidden))
+        assert torch.equal(_slot(r1, 2, 0, row, hidden), x0[2][row])  # kept for call 2
 
 
 @pytest.mark.gpu
@@ -189,11 +204,10 @@ def test_two_processes_at_once():
     from llmnote.parallel.workers import fused_norm_interpreted_rank
 
     ctx = mp.get_context("spawn")
-    data = [torch.zeros(2 * 2 * MAX_ROWS * 64).share_memory_() for _ in range(2)]
-    flags = [torch.zeros(2 * MAX_ROWS, dtype=torch.int32).share_memory_() for _ in range(2)]
+    data = [torch.full((buffer_numel(2, 64),), EMPTY).share_memory_() for _ in range(2)]
     barrier, queue = ctx.Barrier(2), ctx.Queue()
     procs = [ctx.Process(target=fused_norm_interpreted_rank,
-                         args=(r, data, flags, barrier, queue, 60)) for r in range(2)]
+                         args=(r, data, barrier, queue, 60)) for r in range(2)]
     for p in procs:
         p.start()
     try:

@@ -9,29 +9,32 @@ over the row for each, twice a layer. Here one program per row does it all:
 
 1. **push**: write ``x_r``'s row into every peer's buffer over NVLink (the slot of
    rank ``r`` and this row; two buffers in turn, chosen by the row's call parity);
-2. **signal**: after a barrier of the program's threads, one release store at
-   system scope per peer into the peer's flag for (rank ``r``, row): the call's
-   number, so the peer knows the row it reads is this call's;
-3. **wait**: spin on this rank's own flags (acquire, system scope) until every
-   peer's number is at least this call's (a peer may be a call ahead: it can
-   finish this call as soon as this rank has signalled, and signal the next
-   before this rank's wait has read the flag; waiting for exactly this call's
-   number would then wait forever);
+2. **wait**: the slots start *empty*, every element ``-0.0`` (only its sign bit
+   set), and a pushed row never holds ``-0.0`` (the push sends a ``-0.0`` as
+   ``+0.0``, the same number); so the row a peer pushed has arrived when none of
+   its elements reads ``-0.0``. The program reloads its slots (volatile loads)
+   until then: no flag, and no fence between the data and a flag, which would
+   cost a round trip over NVLink before the peer could start reading;
+3. **empty** the slots just read (store ``-0.0`` back) for the call two later;
 4. **sum** the partials in rank order (the same order, so every rank gets the same
    bits), round to the dtype (what an all-reduce returns), then ``h = sum +
    residual`` rounded, and ``y = rmsnorm(h) * w`` as :func:`llmnote.ops.rmsnorm.add_rmsnorm`.
 
+Each element is written and read whole, so a row that is still arriving shows some
+elements new and others still empty, never a torn value; this is the idea of
+Lamport's clocks that TensorRT-LLM's and FlashInfer's one-shot all-reduces use.
 Each row's programs on the ranks only wait for each other, so no grid-wide barrier
-is needed. The call numbers live in device memory (a counter per row, advanced by
-the kernel), so the kernel is captured into CUDA graphs like any other. Why two
-buffers are enough: a rank writes a buffer again two calls later, by which time it
-has passed the next call's wait, which its peer signals only after finishing this
-call's read; so a peer is at most one call ahead. All ranks must make the same
-calls with the same rows (the layers run in lockstep anyway). A peer that never
-arrives stops the wait after ``timeout_s`` (the engine's ``distributed_timeout_s``,
-as for NCCL) with a trap, which takes the rank's process down rather than hanging
-it. vLLM's custom all-reduce and FlashInfer's all-reduce fusion are production
-versions of this idea.
+is needed. The call numbers that choose the buffer live in device memory (a counter
+per row, advanced by the kernel), so the kernel is captured into CUDA graphs like
+any other. Why two buffers are enough: a peer pushes into a buffer again two calls
+later, which it can only start after this rank's push of the next call, which comes
+after this call's kernel, and so after its emptying, has finished; so a peer is at
+most one call ahead, writing the other buffer. All ranks must make the same calls
+with the same rows (the layers run in lockstep anyway). A peer that never arrives
+stops the wait after ``timeout_s`` (the engine's ``distributed_timeout_s``, as for
+NCCL) with a trap, which takes the rank's process down rather than hanging it.
+vLLM's custom all-reduce and FlashInfer's all-reduce fusion are production versions
+of this idea.
 """
 
 from __future__ import annotations
@@ -44,8 +47,10 @@ from llmnote import device
 from llmnote.ops._rowwise import _SS_SCALE_ABOVE, row_scale
 
 MAX_ROWS = 64  # rows (tokens) one call takes: one program each, all resident at once
-# polls of a flag before a wait gives up in the interpreter, where the ranks are simulated
-# one after the other in one process (on a GPU the limit is a time: AllReduceNorm.timeout_s)
+EMPTY = -0.0  # what an empty slot holds, every element (a pushed row never holds it)
+# reloads of a slot before a wait gives up in the interpreter, where the ranks may be
+# simulated one after the other in one process (on a GPU the limit is a time:
+# AllReduceNorm.timeout_s)
 _SPIN_LIMIT_INTERPRETED = tl.constexpr(1_000_000)
 
 
@@ -62,65 +67,72 @@ def _nanoseconds():
 
 
 @triton.jit
-def _arrived(flag, call):
-    """How far a peer's call number is past ``call`` (< 0: not yet), read with acquire
-    semantics at system scope (the peer's row, pushed before it, is then visible)."""
-    return tl.atomic_add(flag, 0, sem="acquire", scope="sys") - call
+def _sign_bit(BITS: tl.constexpr):
+    """The sign bit of a ``BITS``-bit float, as the signed integer of its width."""
+    if BITS == 16:
+        return tl.full((), -32768, tl.int16)
+    else:
+        return tl.full((), -2147483648, tl.int32)
+
+
+@triton.jit
+def _still_empty(v, BITS: tl.constexpr):
+    """How many elements of ``v`` (a float dtype of ``BITS`` bits) are ``-0.0`` (the sign
+    bit alone): empty, their peer's value not yet arrived."""
+    bits = _sign_bit(BITS)
+    return tl.sum((v.to(bits.dtype, bitcast=True) == bits).to(tl.int32), axis=0)
 
 
 @triton.jit
 def _all_reduce_add_rmsnorm_kernel(
-    X, RES, W, Y, H, DATA, FLAGS, COUNT, N, WIDTH, inv_n, eps, timeout_ns,
+    X, RES, W, Y, H, DATA, COUNT, N, WIDTH, inv_n, eps, timeout_ns,
     stride_x, stride_r, stride_y, stride_h,
     RANK: tl.constexpr, WORLD: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
-    GPU: tl.constexpr,
+    BITS: tl.constexpr, GPU: tl.constexpr,
 ):
     row = tl.program_id(0)
     cols = tl.arange(0, BLOCK_N)
     mask = cols < N
     dt = X.dtype.element_ty
     x = tl.load(X + row * stride_x + cols, mask=mask, other=0.0)  # this rank's partial
+    x = tl.where(x == 0, 0.0, x).to(dt)  # -0.0 (empty) sent as +0.0, on every rank
     call = tl.load(COUNT + row) + 1  # this row's call number, the same on every rank
-    # this rank's slot for this row, in the buffer of this call's parity: (2, WORLD, ROWS,
-    # WIDTH), so no call's row, whatever its width, overlaps another row's slot
-    at = (((call % 2) * WORLD + RANK) * ROWS + row) * WIDTH + cols
+    # this call's buffer (its parity), then the slot of rank p and this row:
+    # (2, WORLD, ROWS, WIDTH), so no call's row, whatever its width, overlaps another's
+    part = (call % 2) * WORLD
     for p in tl.static_range(WORLD):  # 1. push the partial into every peer's buffer
         if p != RANK:
-            peer = tl.load(DATA + p).to(tl.pointer_type(dt))
-            tl.store(peer + at, x, mask=mask)
-    tl.debug_barrier()  # every thread's stores before the signal
-    for p in tl.static_range(WORLD):  # 2. signal: "my row of call `call` is in your buffer"
-        if p != RANK:
-            flags = tl.load(FLAGS + p).to(tl.pointer_type(tl.int32))
-            tl.atomic_xchg(flags + RANK * ROWS + row, call, sem="release", scope="sys")
-    own = tl.load(FLAGS + RANK).to(tl.pointer_type(tl.int32))
+            peer = tl.multiple_of(tl.load(DATA + p).to(tl.pointer_type(dt)), 16)
+            tl.store(peer + ((part + RANK) * ROWS + row) * WIDTH + cols, x, mask=mask)
+    tl.debug_barrier()  # (nothing below is moved before the push)
+    # loaded while the peers' rows travel
+    r = tl.load(RES + row * stride_r + cols, mask=mask, other=0.0).to(tl.float32)
+    w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
+    own = tl.multiple_of(tl.load(DATA + RANK).to(tl.pointer_type(dt)), 16)
+    empty = (tl.zeros((BLOCK_N,), _sign_bit(BITS).dtype) + _sign_bit(BITS)).to(
+        dt, bitcast=True)  # -0.0: EMPTY
     done = call
-    for p in tl.static_range(WORLD):  # 3. wait for every peer's signal
-        if p != RANK:
-            # "at least this call": a peer may already have signalled the next one
-            flag = own + p * ROWS + row
-            spins = 0
-            if GPU:  # a peer that never comes: a trap after timeout_ns, not a hang
-                start = _nanoseconds()
-                while (_arrived(flag, call) < 0) & (_nanoseconds() - start < timeout_ns):
-                    spins += 1
-                if _arrived(flag, call) < 0:
-                    _trap()
-            else:  # (the interpreter: a wait that would never end leaves the counter at -1)
-                while (_arrived(flag, call) < 0) & (spins < _SPIN_LIMIT_INTERPRETED):
-                    spins += 1
-                done = tl.where(spins >= _SPIN_LIMIT_INTERPRETED, -1, done)
-    tl.debug_barrier()
-    buf = tl.load(DATA + RANK).to(tl.pointer_type(dt))
     s = tl.zeros((BLOCK_N,), tl.float32)
-    for p in tl.static_range(WORLD):  # 4. the sum, in rank order on every rank
+    for p in tl.static_range(WORLD):  # 2. wait for each peer's row, in rank order
         if p == RANK:
             s += x.to(tl.float32)
         else:
-            base = (((call % 2) * WORLD + p) * ROWS + row) * WIDTH
-            s += tl.load(buf + base + cols, mask=mask, other=0.0,
-                         volatile=True).to(tl.float32)
-    r = tl.load(RES + row * stride_r + cols, mask=mask, other=0.0).to(tl.float32)
+            slot = own + ((part + p) * ROWS + row) * WIDTH + cols
+            v = tl.load(slot, mask=mask, other=0.0, volatile=True)
+            spins = 0
+            if GPU:  # a peer that never comes: a trap after timeout_ns, not a hang
+                start = _nanoseconds()
+                while (_still_empty(v, BITS) > 0) & (_nanoseconds() - start < timeout_ns):
+                    v = tl.load(slot, mask=mask, other=0.0, volatile=True)
+                if _still_empty(v, BITS) > 0:
+                    _trap()
+            else:  # (the interpreter: a wait that would never end leaves the counter at -1)
+                while (_still_empty(v, BITS) > 0) & (spins < _SPIN_LIMIT_INTERPRETED):
+                    v = tl.load(slot, mask=mask, other=0.0, volatile=True)
+                    spins += 1
+                done = tl.where(spins >= _SPIN_LIMIT_INTERPRETED, -1, done)
+            tl.store(slot, empty, mask=mask)  # 3. empty for the call two later
+            s += v.to(tl.float32)  # 4. the sum, in rank order on every rank
     h = (s.to(dt).to(tl.float32) + r).to(dt)  # the all-reduce's output, then the residual
     tl.store(H + row * stride_h + cols, h, mask=mask)
     hf = h.to(tl.float32)
@@ -130,27 +142,42 @@ def _all_reduce_add_rmsnorm_kernel(
         _, inv_a = row_scale(tl.max(tl.abs(hf), axis=0))
         ss = tl.sum((hf * inv_a) * (hf * inv_a), axis=0)
     rstd = 1.0 / tl.sqrt(ss * inv_n + eps * inv_a * inv_a)
-    w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
     tl.store(Y + row * stride_y + cols, ((hf * inv_a) * rstd * w).to(Y.dtype.element_ty),
              mask=mask)
     tl.store(COUNT + row, done)  # last: the call is done
 
 
-class AllReduceNorm:
-    """The buffers of :func:`all_reduce_add_rmsnorm` on one rank: a symmetric data buffer
-    ``(2, world, MAX_ROWS, width)`` and a symmetric flag buffer ``(world, MAX_ROWS)`` int32 that
-    every rank maps, their addresses on every rank, and this rank's call counters."""
+ALIGN = 16  # elements: a slot's start, in every dtype a multiple of 16 bytes (the kernel's
+# pushes and loads are 16-byte vectors)
 
-    def __init__(self, rank: int, world: int, data: torch.Tensor, flags: torch.Tensor,
-                 data_ptrs: list[int], flag_ptrs: list[int], timeout_s: float = 600.0) -> None:
+
+def buffer_numel(world: int, width: int) -> int:
+    """Elements of one rank's data buffer: ``(2, world, MAX_ROWS, width)``, two buffers
+    of a slot per rank and row, ``width`` rounded up to a multiple of :data:`ALIGN`. It
+    must start filled with :data:`EMPTY` on every rank before any rank calls the kernel."""
+    return 2 * world * MAX_ROWS * (-(-width // ALIGN) * ALIGN)
+
+
+class AllReduceNorm:
+    """The buffer of :func:`all_reduce_add_rmsnorm` on one rank: a symmetric data buffer
+    of :func:`buffer_numel` elements that every rank maps (filled with :data:`EMPTY`),
+    its address on every rank, and this rank's call counters."""
+
+    def __init__(self, rank: int, world: int, data: torch.Tensor, data_ptrs: list[int],
+                 timeout_s: float = 600.0) -> None:
         dev = data.device
         self.rank, self.world = rank, world
         self.timeout_s = timeout_s  # the longest a wait for a peer lasts before a trap
-        self.data, self.flags = data, flags  # (kept alive: the peers write into them)
-        self.width = data.numel() // (2 * world * MAX_ROWS)  # the widest row it takes
+        self.data = data  # (kept alive: the peers write into it)
+        self.width = data.numel() // buffer_numel(world, ALIGN) * ALIGN  # the widest row
+        if data.numel() != buffer_numel(world, self.width):
+            raise ValueError(f"data: expected buffer_numel({world}, width) elements (a "
+                             f"multiple of {buffer_numel(world, ALIGN)}), got {data.numel()}")
+        if any(p % 16 for p in data_ptrs):
+            raise ValueError(f"data_ptrs: expected addresses aligned to 16 bytes, got "
+                             f"{[hex(p) for p in data_ptrs]}")
         self.dtype = data.dtype
         self.data_ptrs = torch.tensor(data_ptrs, dtype=torch.int64, device=dev)
-        self.flag_ptrs = torch.tensor(flag_ptrs, dtype=torch.int64, device=dev)
         self.count = torch.zeros(MAX_ROWS, dtype=torch.int32, device=dev)
         self.calls = 0
 
@@ -168,10 +195,10 @@ class AllReduceNorm:
         y, h = torch.empty_like(x), torch.empty_like(x)
         self.calls += 1
         _all_reduce_add_rmsnorm_kernel[(t,)](
-            x, residual, weight, y, h, self.data_ptrs, self.flag_ptrs, self.count, n,
-            self.width, 1.0 / n, eps, int(self.timeout_s * 1e9), x.stride(0),
-            residual.stride(0), y.stride(0), h.stride(0), RANK=self.rank,
-            WORLD=self.world, ROWS=MAX_ROWS, BLOCK_N=triton.next_power_of_2(n),
+            x, residual, weight, y, h, self.data_ptrs, self.count, n, self.width, 1.0 / n,
+            eps, int(self.timeout_s * 1e9), x.stride(0), residual.stride(0), y.stride(0),
+            h.stride(0), RANK=self.rank, WORLD=self.world, ROWS=MAX_ROWS,
+            BLOCK_N=triton.next_power_of_2(n), BITS=x.element_size() * 8,
             GPU=not device.interpreting(), num_warps=4 if n <= 4096 else 8)
         return y, h
 
@@ -193,4 +220,5 @@ def all_reduce_add_rmsnorm(x: torch.Tensor, residual: torch.Tensor, weight: torc
     return comm.all_reduce_add_rmsnorm(x, residual, weight, eps)
 
 
-__all__ = ["AllReduceNorm", "MAX_ROWS", "all_reduce_add_rmsnorm", "all_reduce_add_rmsnorm_ref"]
+__all__ = ["AllReduceNorm", "EMPTY", "MAX_ROWS", "all_reduce_add_rmsnorm",
+           "all_reduce_add_rmsnorm_ref", "buffer_numel"]

@@ -106,13 +106,13 @@ class Comm:
                        timeout_s: float = 600.0) -> str | None:
         """Let :meth:`all_reduce_add_rmsnorm` run as one kernel
         (:mod:`llmnote.parallel.all_reduce_norm`) on up to ``MAX_ROWS`` rows of up to
-        ``width`` elements of ``dtype``: symmetric buffers every rank maps, set up here (a
+        ``width`` elements of ``dtype``: a symmetric buffer every rank maps, set up here (a
         collective: every rank calls it; 2 x ranks x MAX_ROWS x width elements each). A
         kernel that waits ``timeout_s`` for a peer traps. Returns None once set up, else
         why the two kernels stay."""
         import os
 
-        from llmnote.parallel.all_reduce_norm import MAX_ROWS, AllReduceNorm
+        from llmnote.parallel.all_reduce_norm import EMPTY, AllReduceNorm, buffer_numel
 
         if device.type != "cuda" or not dist.is_initialized() or self.world_size < 2:
             return "the fused all-reduce needs CUDA ranks in a process group"
@@ -124,19 +124,16 @@ class Comm:
         try:
             import torch.distributed._symmetric_memory as symm_mem
 
-            data = symm_mem.empty(2 * p * MAX_ROWS * width, dtype=dtype, device=device)
-            flags = symm_mem.empty(p * MAX_ROWS, dtype=torch.int32, device=device)
-            flags.zero_()
-            ptrs = []
-            for t in (data, flags):
-                h = symm_mem.rendezvous(t, group.group_name)
-                at = t.data_ptr() - h.buffer_ptrs[rank]  # the tensor within its allocation
-                ptrs.append([h.buffer_ptrs[r] + at for r in range(p)])
+            data = symm_mem.empty(buffer_numel(p, width), dtype=dtype, device=device)
+            data.fill_(EMPTY)
+            h = symm_mem.rendezvous(data, group.group_name)
+            at = data.data_ptr() - h.buffer_ptrs[rank]  # the tensor within its allocation
+            ptrs = [h.buffer_ptrs[r] + at for r in range(p)]
             torch.cuda.synchronize(device)
-            dist.barrier(group)  # every rank's flags zeroed before any rank signals
+            dist.barrier(group)  # every rank's slots empty before any rank pushes
         except Exception as e:  # noqa: BLE001 - no peer access, an old driver: two kernels
             return f"symmetric memory unavailable: {type(e).__name__}: {e}"
-        self.fused_norm = AllReduceNorm(rank, p, data, flags, *ptrs, timeout_s=timeout_s)
+        self.fused_norm = AllReduceNorm(rank, p, data, ptrs, timeout_s=timeout_s)
         return None
 
     def all_reduce_add_rmsnorm(self, x: torch.Tensor, residual: torch.Tensor,

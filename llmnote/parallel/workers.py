@@ -257,13 +257,12 @@ def fused_norm_peer_missing(rank: int, world_size: int, timeout_s: float) -> dic
     return {"why": None, "error": None}
 
 
-def fused_norm_interpreted_rank(rank: int, data: list, flags: list, barrier, queue,
-                                calls: int) -> None:
+def fused_norm_interpreted_rank(rank: int, data: list, barrier, queue, calls: int) -> None:
     """One of two CPU processes running the fused all-reduce kernel in Triton's
-    interpreter at the same time, over buffers in shared memory (``data``, ``flags``: both
-    ranks' tensors, shared; each process maps them at its own addresses): ``calls`` calls
-    of varying rows and widths, the same inputs on both ranks, a random pause before
-    half of them so that the ranks drift apart. Puts ``(rank, all h bit-equal to the
+    interpreter at the same time, over buffers in shared memory (``data``: both ranks'
+    tensors, shared, filled with ``EMPTY``; each process maps them at its own addresses):
+    ``calls`` calls of varying rows and widths, the same inputs on both ranks, a random
+    pause before half of them so that the ranks drift apart. Puts ``(rank, all h bit-equal to the
     reference and every call completed, largest |y - reference| over its bound)`` on
     ``queue``; the bound per element, as in the kernel's single-process tests: ``(eps +
     (hidden / 2 + 5) u) max(|y|, |reference|)``, fp32's eps and u = 2^-24."""
@@ -272,8 +271,7 @@ def fused_norm_interpreted_rank(rank: int, data: list, flags: list, barrier, que
     from llmnote.ops.rmsnorm import add_rmsnorm_ref
     from llmnote.parallel.all_reduce_norm import AllReduceNorm
 
-    fused = AllReduceNorm(rank, 2, data[rank], flags[rank], [d.data_ptr() for d in data],
-                          [f.data_ptr() for f in flags])
+    fused = AllReduceNorm(rank, 2, data[rank], [d.data_ptr() for d in data])
     pause = random.Random(rank)
     barrier.wait()
     ok, worst = True, 0.0
