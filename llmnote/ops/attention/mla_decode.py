@@ -85,9 +85,14 @@ def _config(bh: int, bn: int, warps: int, stages: int) -> triton.Config:
 # Registers decide the head tile: at r = 512 the (BLOCK_H, r) fp32 accumulator and the
 # (BLOCK_H, r) query take 96 registers a thread at BLOCK_H = 16 with 4 warps, 192 at 64
 # heads with 8 warps (of 255); a smaller tile reads each row more often, mostly from L2.
-# A (BLOCK_N, 512) bf16 latent tile is 16-64 KB of shared memory per stage.
+# A (BLOCK_N, 512) bf16 latent tile is 16-64 KB of shared memory per stage. 64 heads
+# and 8 warps make the dots Hopper's warpgroup MMAs (wgmma; fewer heads, mma.sync); 64
+# positions with three stages took 0.69x the time of (64, 32, 8, 2) at batch 64 and 0.71x
+# at batch 16, context 8192, on an H200 (session 29's sweep; 255 registers, 217 KB of
+# shared memory: GPUs with less skip it, as the autotuner skips any config that does not fit)
 GPU_CONFIGS = [_config(16, 32, 4, 2), _config(16, 64, 4, 2), _config(32, 32, 4, 2),
-               _config(32, 32, 8, 2), _config(32, 64, 8, 2), _config(64, 32, 8, 2)]
+               _config(32, 32, 8, 2), _config(32, 64, 8, 2), _config(64, 32, 8, 2),
+               _config(64, 64, 8, 2), _config(64, 64, 8, 3)]
 # the interpreter: one program takes all heads of a token (up to 64), 16-position tiles
 CONFIGS = [_config(bh, 16, 4, 1) for bh in (16, 32, 64)] if device.interpreting() \
     else GPU_CONFIGS
