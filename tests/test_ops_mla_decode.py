@@ -36,8 +36,8 @@ def paged(lens, h, r, dr, page, dtype, dev, extra_blocks=3, seed=0):
             torch.tensor(lens, dtype=torch.int32, device=dev))
 
 
-def check(args, scale, num_splits=None):
-    out, lse = mla_decode(*args, scale, num_splits=num_splits, return_lse=True)
+def check(args, scale, num_splits=None, tma=None):
+    out, lse = mla_decode(*args, scale, num_splits=num_splits, return_lse=True, tma=tma)
     ql, qr, cache, tables, lens = args
     ref32, ref_lse = mla_decode_ref(ql.float(), qr.float(), cache.float(), tables, lens, scale,
                                     return_lse=True)
@@ -65,6 +65,33 @@ def test_page_sizes_and_split_counts(page, dev):
     outs = [check(args, 0.11, num_splits=s) for s in (1, None, 5)]
     for o in outs[1:]:
         assert_close(o, outs[0], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("r,dr,page", [(64, 16, 16), (32, 32, 64), (512, 64, 64)])
+def test_tiles_by_tma_and_by_pointers(dtype, r, dr, page, dev):
+    """Both ways of reading the cache: the tiles the copy engine brings whole (the latent
+    in two halves) and the last part-filled tile by pointers, against the reference and
+    against the pointer tiles; a part-filled tile whose rows past the end hold NaN."""
+    from llmnote.ops.attention.mla_decode import tma_ok
+
+    args = paged([2 * page + 5, page, 1, 0], h=7, r=r, dr=dr, page=page, dtype=dtype, dev=dev)
+    if not tma_ok(args[0], args[1], args[2]):
+        pytest.skip("no TMA here (a GPU before Hopper)")
+    cache, tables = args[2], args[3]
+    cache[int(tables[0, 2]), 5:] = float("nan")  # sequence 0's last page, past its end
+    assert torch.isnan(cache).any()
+    by_tma, by_pointers = (check(args, 0.13, num_splits=2, tma=t) for t in (True, False))
+    if dtype == torch.float32:  # the same sums, in another order (as across split counts)
+        assert_close(by_tma, by_pointers, atol=1e-5, rtol=1e-5)
+
+
+def test_tma_refused_where_it_cannot_be(dev):
+    args = paged([9], h=4, r=16, dr=16, page=16, dtype=torch.float32, dev=dev)
+    with pytest.raises(ValueError, match="tma=True.*got latent_dim 16"):
+        mla_decode(*args, 0.1, tma=True)
+    with pytest.raises(TypeError, match="tma must be"):
+        mla_decode(*args, 0.1, tma=1)
 
 
 def test_head_tiles_past_one_program(dev):

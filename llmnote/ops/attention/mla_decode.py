@@ -45,6 +45,11 @@ from llmnote.ops.attention.decode import (
 )
 from llmnote.ops.attention.reference import _scores
 
+try:  # host-side TMA descriptors: triton >= 3.4
+    from triton.tools.tensor_descriptor import TensorDescriptor
+except ImportError:  # pragma: no cover - older triton
+    TensorDescriptor = None
+
 MAX_HEADS = 128  # DeepSeek-V2/V3's head count; larger tiles are not tuned
 MAX_HEAD_TILE = 64  # query heads one program takes (an (64, 512) fp32 accumulator)
 WIDTHS = (16, 32, 64, 128, 256, 512)  # latent and rope widths: powers of two (tl.arange, tl.dot)
@@ -78,8 +83,16 @@ def mla_decode_ref(q_latent: torch.Tensor, q_rope: torch.Tensor, kv_cache: torch
     return (out, lse) if return_lse else out
 
 
-def _config(bh: int, bn: int, warps: int, stages: int) -> triton.Config:
-    return triton.Config({"BLOCK_H": bh, "BLOCK_N": bn}, num_warps=warps, num_stages=stages)
+def _set_boxes(nargs) -> None:
+    """A TMA tile's pre-hook: the descriptors' boxes follow the tile's ``BLOCK_N``."""
+    if nargs["C_DESC"] is not None:
+        nargs["C_DESC"].block_shape = [nargs["BLOCK_N"], nargs["LATENT"] // 2]
+        nargs["R_DESC"].block_shape = [nargs["BLOCK_N"], nargs["ROPE"]]
+
+
+def _config(bh: int, bn: int, warps: int, stages: int, tma: bool = False) -> triton.Config:
+    return triton.Config({"BLOCK_H": bh, "BLOCK_N": bn, "TMA": tma}, num_warps=warps,
+                         num_stages=stages, pre_hook=_set_boxes if tma else None)
 
 
 # Registers decide the head tile: at r = 512 the (BLOCK_H, r) fp32 accumulator and the
@@ -90,35 +103,78 @@ def _config(bh: int, bn: int, warps: int, stages: int) -> triton.Config:
 # positions with three stages took 0.69x the time of (64, 32, 8, 2) at batch 64 and 0.71x
 # at batch 16, context 8192, on an H200 (session 29's sweep; 255 registers, 217 KB of
 # shared memory: GPUs with less skip it, as the autotuner skips any config that does not fit)
-GPU_CONFIGS = [_config(16, 32, 4, 2), _config(16, 64, 4, 2), _config(32, 32, 4, 2),
-               _config(32, 32, 8, 2), _config(32, 64, 8, 2), _config(64, 32, 8, 2),
-               _config(64, 64, 8, 2), _config(64, 64, 8, 3)]
+# The TMA tiles (Hopper): the copy engine brings each tile's rows, as a block, since a tile
+# of positions lies within one page (BLOCK_N divides the page size).
+POINTER_TILES = [(16, 32, 4, 2), (16, 64, 4, 2), (32, 32, 4, 2), (32, 32, 8, 2),
+                 (32, 64, 8, 2), (64, 32, 8, 2), (64, 64, 8, 2), (64, 64, 8, 3)]
+# (statically compiled for sm_90 with Triton 3.6: all wgmma, none spills; (64, 64, 8, 3)
+# and 32-head tiles spill)
+TMA_TILES = [(64, 16, 8, 4), (64, 32, 8, 2), (64, 32, 8, 3), (64, 64, 8, 2)]
+GPU_CONFIGS = [_config(*t) for t in POINTER_TILES] + [_config(*t, tma=True) for t in TMA_TILES]
 # the interpreter: one program takes all heads of a token (up to 64), 16-position tiles
-CONFIGS = [_config(bh, 16, 4, 1) for bh in (16, 32, 64)] if device.interpreting() \
-    else GPU_CONFIGS
+CONFIGS = [_config(bh, 16, 4, 1, tma) for bh in (16, 32, 64) for tma in (False, True)] \
+    if device.interpreting() else GPU_CONFIGS
+# a page must hold whole TMA tiles of the narrowest of them
+TMA_PAGE = min(c.kwargs["BLOCK_N"] for c in CONFIGS if c.kwargs["TMA"])
 
 
 def _prune(configs, named_args, **kwargs):
     """No head tile wider than the heads (padded to 16); under the interpreter exactly the
-    tile that holds them all (at most MAX_HEAD_TILE)."""
+    tile that holds them all (at most MAX_HEAD_TILE). TMA tiles only where the
+    descriptors exist and ``BLOCK_N`` divides the page; ``TMA_CHOICE`` 0 or 1 keeps only
+    the pointer or the TMA tiles (-1: both, the autotuner's pick; the interpreter then
+    takes TMA where it can)."""
     cover = max(16, triton.next_power_of_2(named_args["H"]))
+    page, choice = kwargs["PAGE"], named_args["TMA_CHOICE"]
+    can = named_args["C_DESC"] is not None
+
+    def usable(c):
+        tma = c.kwargs["TMA"]
+        return (not tma or (can and page % c.kwargs["BLOCK_N"] == 0)) and \
+            (choice < 0 or tma == bool(choice))
+
+    kept = [c for c in configs if usable(c)]
     if device.interpreting():
-        return [c for c in configs if c.kwargs["BLOCK_H"] == min(cover, MAX_HEAD_TILE)]
-    return [c for c in configs if c.kwargs["BLOCK_H"] <= cover] or configs[:1]
+        kept = [c for c in kept if c.kwargs["BLOCK_H"] == min(cover, MAX_HEAD_TILE)]
+        return [c for c in kept if c.kwargs["TMA"]] or kept
+    return [c for c in kept if c.kwargs["BLOCK_H"] <= cover] or kept[:1]
 
 
-@triton.autotune(configs=CONFIGS, key=["H", "CAP_BUCKET", "NUM_SPLITS", "LATENT", "ROPE"],
+@triton.jit
+def _attend_tile(q_lo, q_hi, q_rope, c_lo, c_hi, kr, pos, hi, m_i, l_i, acc_lo, acc_hi,
+                 qk_scale, MASK: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
+    """One tile of positions, the latent in two halves: ``c_lo``, ``c_hi`` (BN, r/2) and
+    ``kr`` (BN, dr); the scores from three dots, the values from the two halves."""
+    if UPCAST:
+        c_lo, c_hi, kr = c_lo.to(tl.float32), c_hi.to(tl.float32), kr.to(tl.float32)
+    qk = tl.dot(q_lo, tl.trans(c_lo), input_precision=PRECISION)
+    qk = tl.dot(q_hi, tl.trans(c_hi), qk, input_precision=PRECISION)
+    qk = tl.dot(q_rope, tl.trans(kr), qk, input_precision=PRECISION)  # (BH, BN)
+    m_old = m_i
+    p, m_i, l_i, acc_lo = online_softmax_update(qk, m_i, l_i, acc_lo, pos, pos, hi, 0,
+                                                qk_scale, MASK, False)
+    alpha = tl.math.exp2(m_old - tl.where(m_i == -float("inf"), 0.0, m_i))  # as acc_lo's
+    p = p.to(c_lo.dtype)
+    acc_lo += tl.dot(p, c_lo, input_precision=PRECISION)
+    acc_hi = tl.dot(p, c_hi, acc_hi * alpha[:, None], input_precision=PRECISION)
+    return m_i, l_i, acc_lo, acc_hi
+
+
+@triton.autotune(configs=CONFIGS, key=["H", "CAP_BUCKET", "NUM_SPLITS", "LATENT", "ROPE", "PAGE",
+                                       "TMA_CHOICE"],
                  prune_configs_by={"early_config_prune": _prune})
 @triton.jit
 def _mla_split_kernel(
-    QL, QR, KV, TABLES, SEQ_LENS, O_PART, L_PART, OUT, LSE, qk_scale,
+    QL, QR, KV, C_DESC, R_DESC, TABLES, SEQ_LENS, O_PART, L_PART, OUT, LSE, qk_scale,
     stride_qlb, stride_qlh, stride_qrb, stride_qrh, stride_kvb, stride_kvs, stride_tb,
     stride_pb, stride_ph, stride_ps, stride_lb, stride_lh, stride_ob, stride_oh,
-    H, NUM_SPLITS, CAPACITY, CAP_BUCKET,
+    H, NUM_SPLITS, CAPACITY, CAP_BUCKET, TMA_CHOICE,
     LATENT: tl.constexpr, ROPE: tl.constexpr, PAGE: tl.constexpr, FINAL: tl.constexpr,
     UPCAST: tl.constexpr, PRECISION: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
+    TMA: tl.constexpr,
 ):
-    """One program: one split of one sequence, for BLOCK_H of its query heads."""
+    """One program: one split of one sequence, for BLOCK_H of its query heads. ``TMA``:
+    the whole tiles of positions by tensor descriptors, the latent in two halves."""
     split = tl.program_id(0)
     off_b = tl.program_id(1).to(tl.int64)
     heads = tl.program_id(2) * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -128,44 +184,91 @@ def _mla_split_kernel(
     lo = split * chunk
     hi = tl.minimum(lo + chunk, seq_len)
 
-    offs_l = tl.arange(0, LATENT)
     offs_r = tl.arange(0, ROPE)
-    q_lat = tl.load(QL + off_b * stride_qlb + heads[:, None] * stride_qlh + offs_l[None, :],
-                    mask=h_ok[:, None], other=0.0)  # (BH, r)
     q_rope = tl.load(QR + off_b * stride_qrb + heads[:, None] * stride_qrh + offs_r[None, :],
                      mask=h_ok[:, None], other=0.0)  # (BH, dr)
     if UPCAST:
-        q_lat = q_lat.to(tl.float32)
         q_rope = q_rope.to(tl.float32)
     m_i = tl.full((BLOCK_H,), -float("inf"), tl.float32)
     l_i = tl.zeros((BLOCK_H,), tl.float32)
-    acc = tl.zeros((BLOCK_H, LATENT), tl.float32)
     offs_n = tl.arange(0, BLOCK_N)
-    for start in tl.range(lo, hi, BLOCK_N):
-        pos = start + offs_n
-        valid = pos < hi
-        blk = tl.load(TABLES + off_b * stride_tb + pos // PAGE, mask=valid, other=0).to(tl.int64)
-        row = KV + blk * stride_kvb + (pos % PAGE) * stride_kvs  # (BN,) row starts
-        c = tl.load(row[:, None] + offs_l[None, :], mask=valid[:, None], other=0.0)  # read BN x r
-        kr = tl.load(row[:, None] + LATENT + offs_r[None, :], mask=valid[:, None],
-                     other=0.0)  # read BN x dr
+    if TMA:
+        HALF: tl.constexpr = LATENT // 2
+        offs_l = tl.arange(0, HALF)
+        q_ptr = QL + off_b * stride_qlb + heads[:, None] * stride_qlh + offs_l[None, :]
+        q_lo = tl.load(q_ptr, mask=h_ok[:, None], other=0.0)  # (BH, r/2)
+        q_hi = tl.load(q_ptr + HALF, mask=h_ok[:, None], other=0.0)
         if UPCAST:
-            c = c.to(tl.float32)
-            kr = kr.to(tl.float32)
-        qk = tl.dot(q_lat, tl.trans(c), input_precision=PRECISION)
-        qk = tl.dot(q_rope, tl.trans(kr), qk, input_precision=PRECISION)  # (BH, BN)
-        p, m_i, l_i, acc = online_softmax_update(qk, m_i, l_i, acc, pos, pos, hi, 0, qk_scale,
-                                                 True, False)
-        acc += tl.dot(p.to(c.dtype), c, input_precision=PRECISION)  # the latent is the value
-
-    acc, lse2 = finish_split(acc, m_i, l_i)
-    if FINAL:
-        tl.store(OUT + off_b * stride_ob + heads[:, None] * stride_oh + offs_l[None, :],
-                 acc.to(OUT.dtype.element_ty), mask=h_ok[:, None])
-        tl.store(LSE + off_b * H + heads, lse2 * LN2, mask=h_ok)
+            q_lo, q_hi = q_lo.to(tl.float32), q_hi.to(tl.float32)
+        acc_lo = tl.zeros((BLOCK_H, HALF), tl.float32)
+        acc_hi = tl.zeros((BLOCK_H, HALF), tl.float32)
+        whole = lo + tl.maximum(hi - lo, 0) // BLOCK_N * BLOCK_N  # the tiles with no gap
+        for start in tl.range(lo, whole, BLOCK_N):  # each in one page: read as a block
+            blk = tl.load(TABLES + off_b * stride_tb + start // PAGE)
+            first = blk * PAGE + start % PAGE  # the tile's first row in the pages' rows
+            m_i, l_i, acc_lo, acc_hi = _attend_tile(
+                q_lo, q_hi, q_rope, C_DESC.load([first, 0]), C_DESC.load([first, HALF]),
+                R_DESC.load([first, LATENT]), start + offs_n, hi, m_i, l_i, acc_lo, acc_hi,
+                qk_scale, False, UPCAST, PRECISION)
+        if whole < hi:  # the last, part-filled tile by pointers: the rows past the end
+            pos = whole + offs_n  # may hold anything, NaN too, and are not read
+            valid = pos < hi
+            blk = tl.load(TABLES + off_b * stride_tb + pos // PAGE, mask=valid,
+                          other=0).to(tl.int64)
+            row = KV + blk * stride_kvb + (pos % PAGE) * stride_kvs  # (BN,) row starts
+            c_ptr = row[:, None] + offs_l[None, :]
+            m_i, l_i, acc_lo, acc_hi = _attend_tile(
+                q_lo, q_hi, q_rope, tl.load(c_ptr, mask=valid[:, None], other=0.0),
+                tl.load(c_ptr + HALF, mask=valid[:, None], other=0.0),
+                tl.load(row[:, None] + LATENT + offs_r[None, :], mask=valid[:, None],
+                        other=0.0), pos, hi, m_i, l_i, acc_lo, acc_hi, qk_scale, True,
+                UPCAST, PRECISION)
+        acc_lo, lse2 = finish_split(acc_lo, m_i, l_i)
+        acc_hi, _ = finish_split(acc_hi, m_i, l_i)
+        if FINAL:
+            o_ptr = OUT + off_b * stride_ob + heads[:, None] * stride_oh + offs_l[None, :]
+            tl.store(o_ptr, acc_lo.to(OUT.dtype.element_ty), mask=h_ok[:, None])
+            tl.store(o_ptr + HALF, acc_hi.to(OUT.dtype.element_ty), mask=h_ok[:, None])
+            tl.store(LSE + off_b * H + heads, lse2 * LN2, mask=h_ok)
+        else:
+            store_split(O_PART, L_PART, acc_lo, lse2, off_b, heads, split, h_ok, offs_l,
+                        stride_pb, stride_ph, stride_ps, stride_lb, stride_lh)
+            store_split(O_PART, L_PART, acc_hi, lse2, off_b, heads, split, h_ok, offs_l + HALF,
+                        stride_pb, stride_ph, stride_ps, stride_lb, stride_lh)
     else:
-        store_split(O_PART, L_PART, acc, lse2, off_b, heads, split, h_ok, offs_l,
-                    stride_pb, stride_ph, stride_ps, stride_lb, stride_lh)
+        offs_l = tl.arange(0, LATENT)
+        q_lat = tl.load(QL + off_b * stride_qlb + heads[:, None] * stride_qlh + offs_l[None, :],
+                        mask=h_ok[:, None], other=0.0)  # (BH, r)
+        if UPCAST:
+            q_lat = q_lat.to(tl.float32)
+        acc = tl.zeros((BLOCK_H, LATENT), tl.float32)
+        for start in tl.range(lo, hi, BLOCK_N):
+            pos = start + offs_n
+            valid = pos < hi
+            blk = tl.load(TABLES + off_b * stride_tb + pos // PAGE, mask=valid,
+                          other=0).to(tl.int64)
+            row = KV + blk * stride_kvb + (pos % PAGE) * stride_kvs  # (BN,) row starts
+            c = tl.load(row[:, None] + offs_l[None, :], mask=valid[:, None],
+                        other=0.0)  # read BN x r
+            kr = tl.load(row[:, None] + LATENT + offs_r[None, :], mask=valid[:, None],
+                         other=0.0)  # read BN x dr
+            if UPCAST:
+                c = c.to(tl.float32)
+                kr = kr.to(tl.float32)
+            qk = tl.dot(q_lat, tl.trans(c), input_precision=PRECISION)
+            qk = tl.dot(q_rope, tl.trans(kr), qk, input_precision=PRECISION)  # (BH, BN)
+            p, m_i, l_i, acc = online_softmax_update(qk, m_i, l_i, acc, pos, pos, hi, 0,
+                                                     qk_scale, True, False)
+            acc += tl.dot(p.to(c.dtype), c, input_precision=PRECISION)  # the latent: values
+
+        acc, lse2 = finish_split(acc, m_i, l_i)
+        if FINAL:
+            tl.store(OUT + off_b * stride_ob + heads[:, None] * stride_oh + offs_l[None, :],
+                     acc.to(OUT.dtype.element_ty), mask=h_ok[:, None])
+            tl.store(LSE + off_b * H + heads, lse2 * LN2, mask=h_ok)
+        else:
+            store_split(O_PART, L_PART, acc, lse2, off_b, heads, split, h_ok, offs_l,
+                        stride_pb, stride_ph, stride_ps, stride_lb, stride_lh)
 
 
 def _check(q_latent, q_rope, kv_cache, block_tables, seq_lens, sm_scale, num_splits, validate):
@@ -222,17 +325,47 @@ def _check(q_latent, q_rope, kv_cache, block_tables, seq_lens, sm_scale, num_spl
                              f"{int(ids.min())} to {int(ids.max())}")
 
 
+def tma_ok(q_latent: torch.Tensor, q_rope: torch.Tensor, kv_cache: torch.Tensor) -> bool:
+    """Whether the cache's tiles can come by TMA: Triton's tensor descriptors, a Hopper GPU
+    (or the interpreter), a latent of 32 to 512 (two halves, each at most a box's 256
+    columns and at least a dot's 16), a rope part of 16 to 256, pages of a multiple of
+    :data:`TMA_PAGE` positions, one after the other, with rows a multiple of 16 bytes."""
+    r, dr = q_latent.shape[2], q_rope.shape[2]
+    page, width = kv_cache.shape[1], kv_cache.shape[2]
+    if TensorDescriptor is None or not (32 <= r <= 512 and 16 <= dr <= 256) or page % TMA_PAGE:
+        return False
+    if kv_cache.stride(2) != 1 or kv_cache.stride(1) != width or \
+            kv_cache.stride(0) != page * width or (width * kv_cache.element_size()) % 16:
+        return False
+    cap = device.capability()
+    return device.interpreting() or (device.on_gpu() and cap is not None and cap >= (9, 0))
+
+
 def mla_decode(q_latent: torch.Tensor, q_rope: torch.Tensor, kv_cache: torch.Tensor,
                block_tables: torch.Tensor, seq_lens: torch.Tensor, sm_scale: float,
-               num_splits: int | None = None, return_lse: bool = False, validate: bool = True
-               ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+               num_splits: int | None = None, return_lse: bool = False, validate: bool = True,
+               tma: bool | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Absorbed MLA decode over a paged latent cache (split-KV); arguments as
     :func:`mla_decode_ref`. ``validate`` checks lengths and the block-table entries in
     use (a GPU synchronisation; False under CUDA graphs: lengths are then clamped to
     the table's capacity, and the entries are trusted). Range: every score must be
     finite in fp32 (``|q_i| |kv_j| < 3.4e38`` over the latent and rope parts together;
-    past it NaN), as "Range of the inputs" in :mod:`llmnote.ops.attention.reference`."""
+    past it NaN), as "Range of the inputs" in :mod:`llmnote.ops.attention.reference`.
+    ``tma``: None lets the autotuner choose between the tiles read through pointers and,
+    where :func:`tma_ok`, the tiles the copy engine brings (the interpreter takes those);
+    True or False keeps one kind (True where it cannot be: ValueError)."""
     _check(q_latent, q_rope, kv_cache, block_tables, seq_lens, sm_scale, num_splits, validate)
+    if tma is not None and not isinstance(tma, bool):
+        raise TypeError(f"tma must be None, True or False, got {tma!r}")
+    can_tma = tma_ok(q_latent, q_rope, kv_cache)
+    if tma and not can_tma:
+        raise ValueError("tma=True: the tiles cannot come by TMA here (it needs Triton's "
+                         "tensor descriptors, a Hopper GPU or the interpreter, latent_dim "
+                         f"of 32 to 512, rope_dim of 16 to 256, pages of a multiple of "
+                         f"{TMA_PAGE} positions one after the other, rows of a multiple of "
+                         f"16 bytes); got latent_dim {q_latent.shape[2]}, rope_dim "
+                         f"{q_rope.shape[2]}, page_size {kv_cache.shape[1]} on "
+                         f"{kv_cache.device}")
     if device.use_reference("mla_decode"):
         return mla_decode_ref(q_latent, q_rope, kv_cache, block_tables, seq_lens, sm_scale,
                               num_splits, return_lse)
@@ -250,14 +383,19 @@ def mla_decode(q_latent: torch.Tensor, q_rope: torch.Tensor, kv_cache: torch.Ten
     part = poisoned(torch.empty((b, h, splits, r) if not final else (1, 1, 1, r),
                                 dtype=torch.float32, device=q_latent.device))
     lpart = poisoned(torch.empty(part.shape[:3], dtype=torch.float32, device=q_latent.device))
+    c_desc = r_desc = None
+    if can_tma and tma is not False:  # the pages' rows, one after the other: (pages x page, r + dr)
+        rows = kv_cache.view(-1, r + dr)  # (boxes set per tile by _set_boxes)
+        c_desc = TensorDescriptor(rows, list(rows.shape), list(rows.stride()), [16, r // 2])
+        r_desc = TensorDescriptor(rows, list(rows.shape), list(rows.stride()), [16, dr])
     _mla_split_kernel[lambda meta: (splits, b, triton.cdiv(h, meta["BLOCK_H"]))](
-        q_latent, q_rope, kv_cache, block_tables, seq_lens, part, lpart, out, lse,
-        sm_scale * LOG2E,
+        q_latent, q_rope, kv_cache, c_desc, r_desc, block_tables, seq_lens, part, lpart, out,
+        lse, sm_scale * LOG2E,
         q_latent.stride(0), q_latent.stride(1), q_rope.stride(0), q_rope.stride(1),
         kv_cache.stride(0), kv_cache.stride(1), block_tables.stride(0),
         part.stride(0), part.stride(1), part.stride(2), lpart.stride(0), lpart.stride(1),
         out.stride(0), out.stride(1), h, splits, cap, triton.next_power_of_2(max(cap, 1)),
-        LATENT=r, ROPE=dr, PAGE=page, FINAL=final,
+        -1 if tma is None else int(tma), LATENT=r, ROPE=dr, PAGE=page, FINAL=final,
         UPCAST=upcast(q_latent.dtype), PRECISION=dot_precision(q_latent.dtype),
     )
     if not final:
@@ -265,4 +403,4 @@ def mla_decode(q_latent: torch.Tensor, q_rope: torch.Tensor, kv_cache: torch.Ten
     return (out, lse) if return_lse else out
 
 
-__all__ = ["mla_decode", "mla_decode_ref"]
+__all__ = ["mla_decode", "mla_decode_ref", "tma_ok"]
