@@ -4,6 +4,7 @@ recorded figures come from a GPU run of benchmarks/mla.py)."""
 import pytest
 
 from llmnote.bench.suites import SUITES
+from llmnote.bench.results import ceiling
 from llmnote.bench.suites.mla import run, summary
 
 
@@ -19,4 +20,5 @@ def test_suite_runs_and_counts_latent_bytes():
     assert frac["p50"].to_numpy() == pytest.approx(
         rows[rows["metric"] == "bandwidth"]["p50"].to_numpy() / copy)
     assert summary(df).shape == (2, 3)
+    assert ceiling(df, "matmul-bf16", "throughput") > 0  # the compute ceiling, same run
     assert SUITES["mla"] is run

@@ -5,7 +5,8 @@ Bench ``mla-decode`` (``x_name = "context"``): one query token per sequence,
 bf16, batch 1 to 64, every sequence ``context`` long. Bandwidth = the latent
 rows read (``B * context * (r + dr) * 2`` bytes) / time; ``copy_fraction`` =
 that over the copy bandwidth measured at the start of the same run (row
-``bench = ceiling``). Providers:
+``bench = ceiling``, provider ``copy``); the same run records a dense matmul in
+the dtype (provider ``matmul-bf16``), the tensor cores' ceiling. Providers:
 
 * ``llmnote``: :func:`llmnote.ops.attention.mla_decode.mla_decode` on a paged
   cache (64-token pages, shuffled), the absorbed query given; checked against
@@ -26,7 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from llmnote import device
-from llmnote.bench.ceilings import copy_bandwidth
+from llmnote.bench.ceilings import copy_bandwidth, matmul_rate
 from llmnote.bench.harness import Skip, sweep
 from llmnote.bench.results import ceiling
 from llmnote.bench.suites.common import dtype_name
@@ -122,7 +123,8 @@ def run(quick: bool = False, shapes: dict | None = None, batches: list[int] | No
     contexts = contexts or ([4096, 16384] if quick else CONTEXTS)
     copy = copy_bandwidth()
     copy_gbs = ceiling(copy)
-    frames = [copy]
+    # the tensor cores' side: a large dense product in the same dtype, in the same run
+    frames = [copy, matmul_rate(dtype)]
     rep = 50 if device.on_gpu() else 5
     for b in batches:
         def nbytes(ctx, b=b):
