@@ -340,7 +340,7 @@ def rank_main(rank: int, world_size: int, port: int, backend: str, conn, source:
             # NVLink multicast (NVLS) off unless asked for: on a shared host it can take
             # GPUs out of service, and a tensor-parallel pair gains little from it
             os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
-            os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")  # (Comm.use_one_shot)
+            os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")  # Comm._symmetric_empty
             dev = torch.device("cuda", rank)
             torch.cuda.set_device(dev)
         else:

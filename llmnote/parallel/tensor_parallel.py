@@ -71,6 +71,30 @@ class Comm:
     def world_size(self) -> int:
         return dist.get_world_size(self.group) if dist.is_initialized() else 1
 
+    def _symmetric_empty(self, device: torch.device, numel: int, dtype: torch.dtype,
+                         fill: float | None = None):
+        """``numel`` elements of ``dtype`` that every rank of the group maps (PyTorch's
+        symmetric memory; NVLink multicast off, ``TORCH_SYMM_MEM_DISABLE_MULTICAST``),
+        filled with ``fill`` before the ranks exchange handles (a collective: every rank
+        calls it). Returns ``(buffer, handle, group)``, or a string saying why there is
+        none (no CUDA ranks, no peer access, an old driver)."""
+        import os
+
+        if device.type != "cuda" or not dist.is_initialized() or self.world_size < 2:
+            return "it needs CUDA ranks in a process group"
+        os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
+        group = self.group or dist.group.WORLD
+        try:
+            import torch.distributed._symmetric_memory as symm_mem
+
+            buf = symm_mem.empty(numel, dtype=dtype, device=device)
+            if fill is not None:
+                buf.fill_(fill)
+            handle = symm_mem.rendezvous(buf, group.group_name)
+        except Exception as e:  # noqa: BLE001 - no peer access, an old driver
+            return f"symmetric memory unavailable: {type(e).__name__}: {e}"
+        return buf, handle, group
+
     def use_one_shot(self, device: torch.device, max_bytes: int = ONE_SHOT_MAX_BYTES,
                      dtype: torch.dtype = torch.bfloat16) -> str | None:
         """Reduce tensors of ``dtype`` up to ``max_bytes`` with PyTorch's one-shot kernel over
@@ -78,26 +102,16 @@ class Comm:
         and sums, one kernel and one cross-GPU barrier (NCCL's ring pays several steps of
         latency, which dominate the few kilobytes of a decode step). Two buffers in turn, so
         that a rank writing the next input never overwrites one a peer still reads. Returns
-        None once set up, else why NCCL stays (no CUDA, the op or peer access missing).
-        NVLink multicast is not used (``TORCH_SYMM_MEM_DISABLE_MULTICAST``)."""
-        import os
-
-        if device.type != "cuda" or not dist.is_initialized() or self.world_size < 2:
-            return "one-shot all-reduce needs CUDA ranks in a process group"
+        None once set up, else why NCCL stays (no CUDA, the op or peer access missing)."""
         if dtype not in (torch.float32, torch.bfloat16):  # the kernel's types
             return f"one-shot all-reduce takes float32 or bfloat16, not {dtype}"
         if not hasattr(torch.ops.symm_mem, "one_shot_all_reduce_out"):
             return f"torch {torch.__version__} has no symm_mem.one_shot_all_reduce_out"
-        os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
-        try:
-            import torch.distributed._symmetric_memory as symm_mem
-
-            numel = max_bytes // torch.empty((), dtype=dtype).element_size()
-            buf = symm_mem.empty(2 * numel, dtype=dtype, device=device)
-            group = self.group or dist.group.WORLD
-            symm_mem.rendezvous(buf, group.group_name)
-        except Exception as e:  # noqa: BLE001 - no peer access, an old driver: NCCL stays
-            return f"symmetric memory unavailable: {type(e).__name__}: {e}"
+        numel = max_bytes // torch.empty((), dtype=dtype).element_size()
+        got = self._symmetric_empty(device, 2 * numel, dtype)
+        if isinstance(got, str):
+            return f"one-shot all-reduce: {got}"
+        buf, _, group = got
         self.one_shot, self.group_name = buf.view(2, numel), group.group_name
         return None
 
@@ -110,29 +124,20 @@ class Comm:
         collective: every rank calls it; 2 x ranks x MAX_ROWS x width elements each). A
         kernel that waits ``timeout_s`` for a peer traps. Returns None once set up, else
         why the two kernels stay."""
-        import os
-
         from llmnote.parallel.all_reduce_norm import EMPTY, AllReduceNorm, buffer_numel
 
-        if device.type != "cuda" or not dist.is_initialized() or self.world_size < 2:
-            return "the fused all-reduce needs CUDA ranks in a process group"
         if dtype not in (torch.float32, torch.bfloat16, torch.float16):
             return f"the fused all-reduce takes float32, bfloat16 or float16, not {dtype}"
-        os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
-        group = self.group or dist.group.WORLD
+        got = self._symmetric_empty(device, buffer_numel(self.world_size, width), dtype,
+                                    fill=EMPTY)  # every slot empty
+        if isinstance(got, str):
+            return f"the fused all-reduce: {got}"
+        data, h, group = got
         p, rank = self.world_size, dist.get_rank(group)
-        try:
-            import torch.distributed._symmetric_memory as symm_mem
-
-            data = symm_mem.empty(buffer_numel(p, width), dtype=dtype, device=device)
-            data.fill_(EMPTY)
-            h = symm_mem.rendezvous(data, group.group_name)
-            at = data.data_ptr() - h.buffer_ptrs[rank]  # the tensor within its allocation
-            ptrs = [h.buffer_ptrs[r] + at for r in range(p)]
-            torch.cuda.synchronize(device)
-            dist.barrier(group)  # every rank's slots empty before any rank pushes
-        except Exception as e:  # noqa: BLE001 - no peer access, an old driver: two kernels
-            return f"symmetric memory unavailable: {type(e).__name__}: {e}"
+        at = data.data_ptr() - h.buffer_ptrs[rank]  # the tensor within its allocation
+        ptrs = [h.buffer_ptrs[r] + at for r in range(p)]
+        torch.cuda.synchronize(device)
+        dist.barrier(group)  # every rank's slots empty before any rank pushes
         self.fused_norm = AllReduceNorm(rank, p, data, ptrs, timeout_s=timeout_s)
         return None
 
