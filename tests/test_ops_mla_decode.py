@@ -7,7 +7,8 @@ import torch
 from llmnote import device
 from llmnote.models.deepseek import absorb_weights, mla_decode_naive
 from llmnote.ops.attention import _common
-from llmnote.ops.attention.mla_decode import mla_decode, mla_decode_ref
+from llmnote.ops.attention.decode import MIN_CHUNK
+from llmnote.ops.attention.mla_decode import choose_mla_splits, mla_decode, mla_decode_ref
 from llmnote.testing import assert_close, assert_close_lowp
 
 
@@ -157,3 +158,20 @@ def test_deepseek_v3_shapes_compiled(dtype):
                  dev=torch.device("cuda"))
     for splits in (None, 1, 7):
         check(args, (128 + 64) ** -0.5, num_splits=splits)
+
+
+def test_splits_fill_whole_waves():
+    """A 64-head program holds an SM, so programs run in waves of the SM count: the
+    split count fills them (132 SMs: an H100 or H200) and never beats one split on
+    (waves) x (positions per program); each split is at least MIN_CHUNK long."""
+    assert choose_mla_splits(16, 128, 8192, 132) == 4  # 128 programs: one wave
+    assert choose_mla_splits(64, 128, 8192, 132) == 1  # 128 programs already
+    assert choose_mla_splits(1, 128, 32768, 132) == 66  # 132 programs
+    assert choose_mla_splits(1, 128, 1024, 132) == 1024 // MIN_CHUNK
+    for b in (1, 2, 3, 5, 16, 40, 70):
+        for ctx, sms in ((300, 8), (4096, 40), (8192, 132), (32768, 132)):
+            s = choose_mla_splits(b, 128, ctx, sms)
+            assert 1 <= s <= max(1, ctx // MIN_CHUNK)
+            tiles = b * 2
+            waves = -(-tiles * s // sms)
+            assert waves * -(-ctx // s) <= -(-tiles // sms) * ctx, (b, ctx, sms, s)

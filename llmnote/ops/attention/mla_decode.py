@@ -41,7 +41,7 @@ from llmnote.ops.attention._common import (
     LN2, LOG2E, dot_precision, num_sms, online_softmax_update, poisoned, upcast,
 )
 from llmnote.ops.attention.decode import (
-    MAX_SPLITS, choose_num_splits, combine_splits, finish_split, store_split,
+    MAX_SPLITS, MIN_CHUNK, combine_splits, finish_split, store_split,
 )
 from llmnote.ops.attention.reference import _scores
 
@@ -325,6 +325,31 @@ def _check(q_latent, q_rope, kv_cache, block_tables, seq_lens, sm_scale, num_spl
                              f"{int(ids.min())} to {int(ids.max())}")
 
 
+def choose_mla_splits(batch: int, heads: int, capacity: int, sms: int) -> int:
+    """Splits of each sequence for :func:`mla_decode`. A program of the widest head tile
+    (``MAX_HEAD_TILE`` heads, the one the autotuner takes on Hopper) holds a whole SM:
+    its accumulator and query fill the register file, its tiles most of the shared
+    memory. So the programs run in waves of ``sms``, each wave as long as one program,
+    and the time goes as (waves) x (positions per program). One split when the
+    (sequence, head tile) programs alone fill 3/4 of the SMs; else, for one, two or
+    three waves, the most splits whose programs fit in them (each over at least
+    ``MIN_CHUNK`` positions), and of those the count with the shortest time, the fewer
+    splits on a tie (each split adds partial outputs to write and merge). (Batch 16,
+    128 heads, 132 SMs: 4 splits, 128 programs in one wave; sizing the splits for
+    32-head programs gave 5, 160 programs, a second wave of 28.)"""
+    tiles = max(batch * triton.cdiv(heads, MAX_HEAD_TILE), 1)
+    if 4 * tiles >= 3 * sms:
+        return 1
+    most = max(1, min(MAX_SPLITS, capacity // MIN_CHUNK))
+    best, best_time = 1, triton.cdiv(tiles, sms) * capacity
+    for waves in (1, 2, 3):
+        s = min(most, max(1, waves * sms // tiles))
+        time = triton.cdiv(tiles * s, sms) * triton.cdiv(capacity, s)
+        if time < best_time:
+            best, best_time = s, time
+    return best
+
+
 def tma_ok(q_latent: torch.Tensor, q_rope: torch.Tensor, kv_cache: torch.Tensor) -> bool:
     """Whether the cache's tiles can come by TMA: Triton's tensor descriptors, a Hopper GPU
     (or the interpreter), a latent of 32 to 512 (two halves, each at most a box's 256
@@ -376,9 +401,7 @@ def mla_decode(q_latent: torch.Tensor, q_rope: torch.Tensor, kv_cache: torch.Ten
     lse = poisoned(torch.empty((b, h), dtype=torch.float32, device=q_latent.device))
     if b == 0:
         return (out, lse) if return_lse else out
-    # splits sized as if 32 heads made a program (the autotuned tile is 16 to 64)
-    splits = num_splits or choose_num_splits(b, triton.cdiv(h, 32), cap,
-                                             num_sms(q_latent.device))
+    splits = num_splits or choose_mla_splits(b, h, cap, num_sms(q_latent.device))
     final = splits == 1
     part = poisoned(torch.empty((b, h, splits, r) if not final else (1, 1, 1, r),
                                 dtype=torch.float32, device=q_latent.device))
@@ -403,4 +426,4 @@ def mla_decode(q_latent: torch.Tensor, q_rope: torch.Tensor, kv_cache: torch.Ten
     return (out, lse) if return_lse else out
 
 
-__all__ = ["mla_decode", "mla_decode_ref", "tma_ok"]
+__all__ = ["choose_mla_splits", "mla_decode", "mla_decode_ref", "tma_ok"]
