@@ -20,7 +20,8 @@ read by several programs, the later reads mostly from L2. Per tile of
 with the online-softmax step of :func:`~llmnote.ops.attention._common.online_softmax_update`.
 Splits and their merge are those of the split-KV decode kernel
 (:mod:`llmnote.ops.attention.decode`): ``finish_split``/``store_split`` and
-``combine_splits``, with the number of splits from ``choose_num_splits``.
+``combine_splits``; the number of splits fills whole waves of programs
+(:func:`choose_mla_splits`), since one 64-head program holds an SM.
 
 Traffic per step: ``sum(seq_lens) * (r + dr) * elem`` bytes of cache (576 * 2 =
 1152 bytes per token for DeepSeek-V3 in bf16), against ``~4 H r`` FLOPs per
