@@ -4,8 +4,11 @@ recorded figures come from a GPU run of benchmarks/mla.py)."""
 import pytest
 
 from llmnote.bench.suites import SUITES
+from llmnote import device
 from llmnote.bench.results import ceiling
-from llmnote.bench.suites.mla import run, summary
+from llmnote.bench.suites.mla import PAGE, run, summary
+from llmnote.ops.attention._common import num_sms
+from llmnote.ops.attention.mla_decode import choose_mla_splits
 
 
 def test_suite_runs_and_counts_latent_bytes():
@@ -21,4 +24,10 @@ def test_suite_runs_and_counts_latent_bytes():
         rows[rows["metric"] == "bandwidth"]["p50"].to_numpy() / copy)
     assert summary(df).shape == (2, 3)
     assert ceiling(df, "matmul-bf16", "throughput") > 0  # the compute ceiling, same run
+    ours = rows[rows["provider"] == "llmnote"]
+    assert ours["tile"].str.fullmatch(r"\d+x\d+ w\d+ s\d+( tma)?").all(), ours["tile"]
+    sms = num_sms(device.default_device())
+    assert list(ours.drop_duplicates("x_value")["splits"]) == [
+        choose_mla_splits(2, 16, -(-n // PAGE) * PAGE, sms) for n in (40, 70)]
+    assert rows[rows["provider"] != "llmnote"]["tile"].isna().all()
     assert SUITES["mla"] is run

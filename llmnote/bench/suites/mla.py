@@ -10,7 +10,8 @@ the dtype (provider ``matmul-bf16``), the tensor cores' ceiling. Providers:
 
 * ``llmnote``: :func:`llmnote.ops.attention.mla_decode.mla_decode` on a paged
   cache (64-token pages, shuffled), the absorbed query given; checked against
-  the fp32 reference first;
+  the fp32 reference first; its rows name the tile the autotuner chose
+  (``tile``) and the count of splits (``splits``);
 * ``sdpa-absorbed``: SDPA on the absorbed form over a contiguous latent cache,
   the heads laid out as the query rows of one kv head (``q (B, 1, H, r + dr)``,
   ``k = [c, k_rope] (B, 1, L, r + dr)``, ``v = c``), SDPA's own backend;
@@ -31,7 +32,10 @@ from llmnote.bench.ceilings import copy_bandwidth, matmul_rate
 from llmnote.bench.harness import Skip, sweep
 from llmnote.bench.results import ceiling
 from llmnote.bench.suites.common import dtype_name
-from llmnote.ops.attention.mla_decode import mla_decode, mla_decode_ref
+from llmnote.ops.attention._common import num_sms
+from llmnote.ops.attention.mla_decode import (
+    _mla_split_kernel, choose_mla_splits, mla_decode, mla_decode_ref,
+)
 from llmnote.testing import assert_close_lowp
 
 BENCH = "mla"
@@ -63,11 +67,22 @@ def _inputs(b: int, ctx: int, s: dict, dtype, page: int = PAGE, seed: int = 0) -
     )
 
 
-def _providers(b: int, s: dict, dtype) -> dict:
+def _tile_name(config) -> str:
+    """``"64x64 w8 s2 tma"``: heads x positions, warps, stages, and whether by TMA."""
+    kw = config.kwargs
+    return (f"{kw['BLOCK_H']}x{kw['BLOCK_N']} w{config.num_warps} s{config.num_stages}"
+            + (" tma" if kw.get("TMA") else ""))
+
+
+def _providers(b: int, s: dict, dtype, chosen: dict | None = None) -> dict:
+    """The three providers at batch ``b``; ``chosen[ctx]`` gets the tile the autotuner
+    picked for llmnote's kernel (its first call at a size tunes it)."""
     def ours(ctx):
         x = _inputs(b, ctx, s, dtype)
         args = (x["q_lat"], x["q_rope"], x["cache"], x["tables"], x["lens"], x["scale"])
         got = mla_decode(*args)
+        if chosen is not None:
+            chosen[ctx] = _tile_name(_mla_split_kernel.best_config)
         sl = slice(0, min(b, 2))
         ref = mla_decode_ref(*(t[sl].float() if t.is_floating_point() else t[sl]
                                for t in args[:2]), x["cache"].float(), x["tables"][sl],
@@ -126,6 +141,7 @@ def run(quick: bool = False, shapes: dict | None = None, batches: list[int] | No
     # the tensor cores' side: a large dense product in the same dtype, in the same run
     frames = [copy, matmul_rate(dtype)]
     rep = 50 if device.on_gpu() else 5
+    sms = num_sms(device.default_device())
     for b in batches:
         def nbytes(ctx, b=b):
             return b * ctx * (s["latent"] + s["rope"]) * torch.empty((), dtype=dtype).element_size()
@@ -135,12 +151,20 @@ def run(quick: bool = False, shapes: dict | None = None, batches: list[int] | No
 
         metrics = {"bandwidth": ("GB/s", gbs),
                    "copy_fraction": ("", lambda ctx, ms, gbs=gbs: gbs(ctx, ms) / copy_gbs)}
-        frames.append(sweep(
-            "mla-decode", "context", contexts, _providers(b, s, dtype), metrics, rep_ms=rep,
-            extra=lambda ctx, b=b, nbytes=nbytes: {
+        chosen: dict = {}
+        rows = sweep(
+            "mla-decode", "context", contexts, _providers(b, s, dtype, chosen), metrics,
+            rep_ms=rep, extra=lambda ctx, b=b, nbytes=nbytes: {
                 "B": b, "H": s["heads"], "latent": s["latent"], "rope": s["rope"],
                 "page": PAGE, "dtype": dtype_name(dtype), "latent_bytes": nbytes(ctx)},
-        ))
+        )
+        # llmnote's rows name its launch: the autotuned tile and the count of splits
+        ours = rows["provider"] == "llmnote"
+        rows.loc[ours, "tile"] = rows.loc[ours, "x_value"].map(chosen)
+        rows.loc[ours, "splits"] = [
+            choose_mla_splits(b, s["heads"], -(-ctx // PAGE) * PAGE, sms)
+            for ctx in rows.loc[ours, "x_value"]]
+        frames.append(rows)
     return pd.concat(frames, ignore_index=True)
 
 
