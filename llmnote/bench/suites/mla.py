@@ -138,8 +138,9 @@ def run(quick: bool = False, shapes: dict | None = None, batches: list[int] | No
     contexts = contexts or ([4096, 16384] if quick else CONTEXTS)
     copy = copy_bandwidth()
     copy_gbs = ceiling(copy)
-    # the tensor cores' side: a large dense product in the same dtype, in the same run
-    frames = [copy, matmul_rate(dtype)]
+    # the tensor cores' side: a large dense product in the same dtype, in the same run (a
+    # recording; a quick run, such as the chapter's on the reader's GPU, skips it)
+    frames = [copy] + ([] if quick else [matmul_rate(dtype)])
     rep = 50 if device.on_gpu() else 5
     sms = num_sms(device.default_device())
     for b in batches:
