@@ -5,8 +5,9 @@ Bench ``mla-decode`` (``x_name = "context"``): one query token per sequence,
 bf16, batch 1 to 64, every sequence ``context`` long. Bandwidth = the latent
 rows read (``B * context * (r + dr) * 2`` bytes) / time; ``copy_fraction`` =
 that over the copy bandwidth measured at the start of the same run (row
-``bench = ceiling``, provider ``copy``); the same run records a dense matmul in
-the dtype (provider ``matmul-bf16``), the tensor cores' ceiling. Providers:
+``bench = ceiling``, provider ``copy``); a recording (not a quick run) also
+records a dense matmul in the dtype (provider ``matmul-bf16``), the tensor cores'
+ceiling. Providers:
 
 * ``llmnote``: :func:`llmnote.ops.attention.mla_decode.mla_decode` on a paged
   cache (64-token pages, shuffled), the absorbed query given; checked against
