@@ -257,17 +257,20 @@ def test_every_gpu_tile_fits_shared_memory():
     for size in (2, 4):
         for tile in M.DECODE_TILES + M.MIDDLE_TILES + M.PREFILL_TILES:
             if size == 4:
-                m, n, k, w, st, g, a = tile
-                tile = (m, n, min(k, 128), w, min(st, 2), g, a)
+                m, n, k, w, st, *rest = tile
+                tile = (m, n, min(k, 128), w, min(st, 2), *rest)
             assert M.smem_bytes(tile, tile[1] or 32, size) <= M.SMEM_BUDGET, (tile, size)
+            down_n = tile[7] or tile[1] or 32  # the down kernel's one weight tile
+            assert M.smem_bytes(tile, down_n, size, b_tiles=1) <= M.SMEM_BUDGET, (tile, size)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
 def test_tma_weight_tiles_in_the_interpreter(dtype, dev, seed):
     """The prefill tiles whose weight tiles come by TMA (tensor descriptors over the
-    weights as rows), run in the interpreter (or compiled on Hopper) on sizes whose rows
-    are 16-byte aligned but not multiples of the tiles: the column tiles past I and H read
-    the next rows (masked on the store), the K steps past H and I read zeros."""
+    weights as rows), and those whose rows come by TMA too (TMA 2: x gathered into sorted
+    order, padding slots included), run in the interpreter (or compiled on Hopper) on sizes
+    whose rows are 16-byte aligned but not multiples of the tiles: the column tiles past I
+    and H read the next rows (masked on the store), the K steps past H and I read zeros."""
     from llmnote.ops import moe as M
 
     if dev.type == "cuda" and not M.tma_ok(torch.empty(1, dtype=dtype, device=dev), 160, 96):
@@ -280,7 +283,7 @@ def test_tma_weight_tiles_in_the_interpreter(dtype, dev, seed):
     lowp = fused_moe_ref(x, w13, w2, w, ids)
     atol = moe_atol(ref_hi, dtype, h, i)
     tma_tiles = [tile for tile in M.PREFILL_TILES if tile[6]]
-    assert tma_tiles
+    assert {tile[6] for tile in tma_tiles} == {1, 2}
     for tile in tma_tiles:
         if torch.finfo(dtype).bits == 32:
             tile = tile[:2] + (min(tile[2], 128), tile[3], min(tile[4], 2)) + tile[5:]

@@ -151,12 +151,13 @@ def _moe_tile(num_row_blocks, n, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
 
 @triton.jit
 def _moe_gate_up_kernel(
-    x_ptr, w_ptr, w_desc, out_ptr, sorted_ptr, expert_ptr, npad_ptr, num_rows, num_row_blocks,
+    x_ptr, w_ptr, w_desc, x_desc, out_ptr, sorted_ptr, expert_ptr, npad_ptr, num_rows, num_row_blocks,
     top_k, H, I, stride_xm, stride_we, stride_wn, stride_om,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr, TMA: tl.constexpr,
 ):
-    # one (BLOCK_M rows of one expert) x (BLOCK_N columns of I) tile of silu(gate) * up
+    # one (BLOCK_M rows of one expert) x (BLOCK_N columns of I) tile of silu(gate) * up;
+    # TMA 2: x's rows come already sorted (x_desc), and the tile is written at its sorted rows
     pid_m, pid_n = _moe_tile(num_row_blocks, I, BLOCK_N, GROUP_M)
     if pid_m * BLOCK_M >= tl.load(npad_ptr):
         return  # a block past the padded list: nothing routed here
@@ -175,7 +176,10 @@ def _moe_gate_up_kernel(
     acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, H, BLOCK_K):
         k_ok = offs_k < H - k0
-        a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)  # read BM x BK
+        if TMA == 2:  # (BM, BK) rows of the sorted copy of x by the copy engine
+            a = x_desc.load([pid_m * BLOCK_M, k0])
+        else:
+            a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)  # BM x BK
         if TMA:  # (BN, BK) tiles by the copy engine; columns past I are masked on the store
             g = tl.trans(w_desc.load([g_row, k0]))
             u = tl.trans(w_desc.load([g_row + I, k0]))
@@ -194,18 +198,21 @@ def _moe_gate_up_kernel(
         g_ptrs += BLOCK_K
         u_ptrs += BLOCK_K
     y = acc_g * tl.sigmoid(acc_g) * acc_u  # SwiGLU in fp32
+    if TMA == 2:
+        rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # the output rows in sorted order too
     o_ptrs = out_ptr + rows[:, None].to(tl.int64) * stride_om + offs_n[None, :]
     tl.store(o_ptrs, y.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & n_ok)  # write BM x BN
 
 
 @triton.jit
 def _moe_down_kernel(
-    a_ptr, w_ptr, w_desc, out_ptr, weights_ptr, ids_ptr, sorted_ptr, expert_ptr, npad_ptr,
+    a_ptr, w_ptr, w_desc, a_desc, out_ptr, weights_ptr, ids_ptr, sorted_ptr, expert_ptr, npad_ptr,
     num_rows, num_row_blocks, num_experts, H, I, stride_am, stride_we, stride_wn, stride_om,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr, TMA: tl.constexpr,
 ):
-    # one (BLOCK_M rows of one expert) x (BLOCK_N columns of H) tile of weight * (a @ w2[e]^T)
+    # one (BLOCK_M rows of one expert) x (BLOCK_N columns of H) tile of weight * (a @ w2[e]^T);
+    # TMA 2: a's rows are in sorted order (a_desc), the output's by pair as always
     pid_m, pid_n = _moe_tile(num_row_blocks, H, BLOCK_N, GROUP_M)
     if pid_m * BLOCK_M >= tl.load(npad_ptr):
         return
@@ -222,7 +229,10 @@ def _moe_down_kernel(
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, I, BLOCK_K):
         k_ok = offs_k < I - k0
-        a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        if TMA == 2:
+            a = a_desc.load([pid_m * BLOCK_M, k0])
+        else:
+            a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
         if TMA:
             b = tl.trans(w_desc.load([b_row, k0]))
         else:
@@ -243,26 +253,34 @@ def _moe_down_kernel(
     tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & n_ok)
 
 
-# Tiles as (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages, GROUP_M, TMA); BLOCK_N None:
-# _block_n; GROUP_M: the order of the programs (_moe_tile); TMA 1: the weight tiles come
-# by tensor-descriptor copies (Hopper; the gathered rows of x stay pointer loads). Few
-# pairs an expert (decode): BLOCK_M = 16, the smallest tl.dot tile, so padding wastes
-# little; many (prefill): the usual GEMM tiles, two in grouped order for the largest
+# Tiles as (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages, GROUP_M, TMA, DOWN_N).
+# - BLOCK_N None: _block_n. GROUP_M: the order of the programs (_moe_tile).
+# - TMA 1: the weight tiles come by tensor-descriptor copies (Hopper; the gathered rows of x
+#   stay pointer loads). TMA 2: the rows too: x is gathered into sorted order before the
+#   GEMMs, and the gate/up output stays in that order.
+# - DOWN_N: the down kernel's column tile when not BLOCK_N. 2 BLOCK_N gives it the gate/up
+#   kernel's accumulator and shared memory (whose gate and up tiles have BLOCK_N columns each).
+# Few pairs an expert (decode): BLOCK_M = 16, the smallest tl.dot tile, so padding wastes
+# little. Many (prefill): the usual GEMM tiles; two in grouped order for the largest
 # prefills, where the gathered rows of every row block (for Mixtral's down GEMM at 4096
 # tokens, 8192 rows of 28 KB) no longer fit in L2 and the default order reads them again
-# for each column tile, and TMA ones. The first of each list is the choice off the GPU and
-# inside a graph capture; on a GPU the first call of each size bucket times them all
-# (TUNING) and keeps the fastest.
-DECODE_TILES = [(16, None, 128, 4, 4, 0, 0), (16, None, 64, 4, 5, 0, 0),
-                (16, None, 256, 4, 3, 0, 0)]
-MIDDLE_TILES = [(32, 64, 64, 4, 4, 0, 0), (16, 64, 128, 4, 4, 0, 0), (64, 64, 64, 4, 4, 0, 0),
-                (32, 128, 64, 4, 4, 0, 0)]
-PREFILL_TILES = [(64, 128, 64, 8, 3, 0, 0), (128, 128, 64, 8, 3, 0, 0), (64, 128, 64, 4, 4, 0, 0),
-                 (128, 64, 64, 4, 4, 0, 0), (64, 256, 32, 8, 4, 0, 0), (128, 128, 64, 8, 3, 8, 0),
-                 (64, 128, 64, 8, 3, 8, 0), (128, 128, 64, 8, 3, 0, 1), (128, 128, 64, 8, 4, 8, 1),
-                 (64, 128, 64, 4, 4, 0, 1)]
+# for each column tile; TMA ones. The last two were the fastest at Mixtral's 1024 to 4096
+# tokens on an H200 (benchmarks/logs/moe-prefill.md). The first of each list is the choice
+# off the GPU and inside a graph capture; on a GPU the first call of each size bucket times
+# them all (TUNING) and keeps the fastest.
+DECODE_TILES = [(16, None, 128, 4, 4, 0, 0, None), (16, None, 64, 4, 5, 0, 0, None),
+                (16, None, 256, 4, 3, 0, 0, None)]
+MIDDLE_TILES = [(32, 64, 64, 4, 4, 0, 0, None), (16, 64, 128, 4, 4, 0, 0, None),
+                (64, 64, 64, 4, 4, 0, 0, None), (32, 128, 64, 4, 4, 0, 0, None)]
+PREFILL_TILES = [(64, 128, 64, 8, 3, 0, 0, None), (128, 128, 64, 8, 3, 0, 0, None),
+                 (64, 128, 64, 4, 4, 0, 0, None), (128, 64, 64, 4, 4, 0, 0, None),
+                 (64, 256, 32, 8, 4, 0, 0, None), (128, 128, 64, 8, 3, 8, 0, None),
+                 (64, 128, 64, 8, 3, 8, 0, None), (128, 128, 64, 8, 3, 8, 0, 256),
+                 (128, 128, 64, 8, 3, 0, 1, None), (128, 128, 64, 8, 4, 8, 1, None),
+                 (64, 128, 64, 4, 4, 0, 1, None), (128, 128, 64, 8, 3, 8, 2, 256),
+                 (128, 128, 64, 8, 4, 8, 2, 256)]
 SMEM_BUDGET = 200 * 1024  # bytes of shared memory a tile may take (the H100 has 227 KiB)
-INTERPRETER_TILE = (16, 32, 32, 4, 1, 2, 0)  # grouped order: both orders run on the CPU
+INTERPRETER_TILE = (16, 32, 32, 4, 1, 2, 0, None)  # grouped order: both orders run on the CPU
 TUNING = TuneCache("fused_moe")
 
 
@@ -285,7 +303,7 @@ def _tiles(num_pairs: int, num_experts: int, element_size: int, tma: bool = Fals
         else PREFILL_TILES
     tiles = [t for t in tiles if tma or not t[6]]
     if element_size == 4:
-        tiles = [(m, n, min(k, 128), w, min(st, 2), g, a) for m, n, k, w, st, g, a in tiles]
+        tiles = [(m, n, min(k, 128), w, min(st, 2), *rest) for m, n, k, w, st, *rest in tiles]
     return list(dict.fromkeys(tiles))
 
 
@@ -315,28 +333,36 @@ def _forward(x, w13, w2, topk_weights, topk_ids, tile: tuple) -> torch.Tensor:
     """The three steps with one tile (see the module docstring)."""
     (t_, h), (e, two_i, _), k = x.shape, w13.shape, topk_ids.shape[1]
     i = two_i // 2
-    bm, bn, bk, warps, stages, group_m, tma = tile
+    bm, bn, bk, warps, stages, group_m, tma, down_n = tile
     sorted_ids, expert_ids, num_padded = moe_align(topk_ids, e, bm)
     weights = topk_weights.float().contiguous().view(-1)  # (T k,) by pair index
-    inter = torch.empty((t_ * k, i), dtype=x.dtype, device=x.device)  # silu(gate) * up per pair
+    # silu(gate) * up: a row per pair, or with TMA 2 a row per slot of the sorted list
+    inter = torch.empty((sorted_ids.numel() if tma == 2 else t_ * k, i), dtype=x.dtype,
+                        device=x.device)
     out = torch.empty((t_ * k, h), dtype=x.dtype, device=x.device)  # weighted expert outputs
     upcast = device.interpreting() and x.dtype == torch.bfloat16
     ieee = x.dtype == torch.float32
     blocks = sorted_ids.numel() // bm
     used = min(blocks, t_ * k)  # row tiles that can hold tokens
     bn1 = bn or _block_n(used, i, x.device, tile, x.element_size())
-    bn2 = bn or _block_n(used, h, x.device, tile, x.element_size())
+    bn2 = down_n or bn or _block_n(used, h, x.device, tile, x.element_size())
     launch = dict(BLOCK_M=bm, BLOCK_K=bk, GROUP_M=group_m, UPCAST=upcast, IEEE=ieee,
-                  TMA=bool(tma), num_warps=warps, num_stages=stages)
-    d13 = d2 = None
+                  TMA=tma, num_warps=warps, num_stages=stages)
+    d13 = d2 = dx = dinter = None
     if tma:  # the weights as rows: (E 2I, H) and (E H, I), copied in (BN, BK) tiles
         d13 = TensorDescriptor(w13, [e * two_i, h], [h, 1], [bn1, bk])
         d2 = TensorDescriptor(w2, [e * h, i], [i, 1], [bn2, bk])
+    if tma == 2:  # x's rows gathered into sorted order first (padding slots: the last
+        # token's row, never stored), so that both GEMMs read whole (BM, BK) boxes by TMA
+        tok = torch.clamp(sorted_ids // k, max=t_ - 1)
+        xs = x.index_select(0, tok)
+        dx = TensorDescriptor(xs, [xs.shape[0], h], [h, 1], [bm, bk])
+        dinter = TensorDescriptor(inter, [inter.shape[0], i], [i, 1], [bm, bk])
     _moe_gate_up_kernel[(blocks * triton.cdiv(i, bn1),)](
-        x, w13, d13, inter, sorted_ids, expert_ids, num_padded, t_ * k, blocks, k, h, i,
+        x, w13, d13, dx, inter, sorted_ids, expert_ids, num_padded, t_ * k, blocks, k, h, i,
         x.stride(0), w13.stride(0), w13.stride(1), inter.stride(0), BLOCK_N=bn1, **launch)
     _moe_down_kernel[(blocks * triton.cdiv(h, bn2),)](
-        inter, w2, d2, out, weights, topk_ids.reshape(-1), sorted_ids, expert_ids, num_padded,
+        inter, w2, d2, dinter, out, weights, topk_ids.reshape(-1), sorted_ids, expert_ids, num_padded,
         t_ * k, blocks, e, h, i, inter.stride(0), w2.stride(0), w2.stride(1), out.stride(0),
         BLOCK_N=bn2, **launch)
     if k == 1:
