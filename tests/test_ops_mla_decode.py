@@ -168,6 +168,7 @@ def test_splits_fill_whole_waves():
     assert choose_mla_splits(64, 128, 8192, 132) == 1  # 128 programs already
     assert choose_mla_splits(1, 128, 32768, 132) == 66  # 132 programs
     assert choose_mla_splits(1, 128, 1024, 132) == 1024 // MIN_CHUNK
+    assert choose_mla_splits(4, 128, 16384, 132) == 16  # 33 (two waves) saves only 3%
     for b in (1, 2, 3, 5, 16, 40, 70):
         for ctx, sms in ((300, 8), (4096, 40), (8192, 132), (32768, 132)):
             s = choose_mla_splits(b, 128, ctx, sms)
