@@ -159,3 +159,31 @@ def test_ship_tuning_keeps_the_choices_already_in_the_file():
     new = {"gemv": {"b": 3, "c": 4}, "w4a16": {}}
     assert tool.merged(old, new) == {"gemv": {"a": 1, "b": 2, "c": 4}, "moe": {"m": 5}}
     assert tool.merged(old, new, replace=True)["gemv"] == {"a": 1, "b": 3, "c": 4}
+
+
+def test_two_passes_cancel_a_steady_clock_drift(monkeypatch):
+    """A clock that slows each timing by a tenth makes one pass take the first candidate;
+    two passes, forwards then backwards, give every candidate the same mean slowdown and
+    take the fastest, last in the list. A candidate that fails is not timed again."""
+    import triton.testing
+
+    true = {"a": 1.10, "b": 1.05, "c": 1.00}
+    calls = []
+
+    def launch(c):
+        calls.append(c)
+        if c == "bad":
+            raise RuntimeError("out of shared memory")
+
+    def drifting_do_bench(fn, **kw):
+        fn()
+        return true[calls[-1]] * (1 + 0.1 * (len(calls) - 1))
+
+    monkeypatch.setattr(triton.testing, "do_bench", drifting_do_bench)
+    monkeypatch.setattr(_tuning.torch.cuda, "is_current_stream_capturing", lambda: False)
+    assert TuneCache("one").tune("k", ["a", "b", "c"], launch, timing=True) == "a"
+    calls.clear()
+    two = TuneCache("two", passes=2)
+    assert two.tune("k", ["a", "bad", "b", "c"], launch, timing=True) == "c"
+    assert calls == ["a", "bad", "b", "c", "c", "b", "a"]
+    assert [c for c, _ in sorted(two.log["k"], key=lambda e: e[1])] == ["c", "b", "a"]

@@ -62,13 +62,18 @@ def recorded() -> contextlib.AbstractContextManager[list[tuple[TuneCache, Hashab
 
 
 class TuneCache:
-    """Configs chosen per key. ``retime``: how many of the fastest candidates are timed a
-    second time (a few-microsecond kernel times noisily) before the choice; ``keep``: how
-    many of the fastest :meth:`candidates` returns (None: all that ran)."""
+    """Configs chosen per key. ``passes``: how many times every candidate is timed, in the
+    list's order and then backwards, alternately; each keeps the mean of its times. A GPU
+    whose clock falls steadily under a run of long kernels then adds the same to every
+    candidate over two passes, where one pass would time the last ones slowest.
+    ``retime``: how many of the fastest are then timed once more, each keeping the smaller
+    of its two times (a few-microsecond kernel times noisily). ``keep``: how many of the
+    fastest :meth:`candidates` returns (None: all that ran)."""
 
-    def __init__(self, name: str, *, retime: int = 0, keep: int | None = None) -> None:
+    def __init__(self, name: str, *, passes: int = 1, retime: int = 0,
+                 keep: int | None = None) -> None:
         self.name = name
-        self.retime, self.keep = retime, keep
+        self.passes, self.retime, self.keep = passes, retime, keep
         self.chosen: dict[Hashable, Any] = {}
         self.log: dict[Hashable, list[tuple[Any, float]]] = {}  # key -> [(config, ms)] as timed
         self.offered: dict[Hashable, list] = {}  # key -> candidates, where a shipped one was taken
@@ -166,14 +171,19 @@ class TuneCache:
         def ms(c):
             return do_bench(lambda: launch(c), warmup=5, rep=20, return_mode="median")
 
-        ran, err = [], None
-        for c in candidates:
-            try:
-                ran.append((c, ms(c)))
-            except Exception as e:  # a tile that does not fit (shared memory, registers) is skipped
-                err = e
-        if not ran:
+        times: dict[int, list[float]] = {i: [] for i in range(len(candidates))}
+        err = None
+        for p in range(max(1, self.passes)):
+            order = list(times) if p % 2 == 0 else list(times)[::-1]
+            for i in order:
+                try:
+                    times[i].append(ms(candidates[i]))
+                except Exception as e:  # a tile that does not fit (shared memory, registers)
+                    err = e  # is skipped, in this pass and the next
+                    del times[i]
+        if not times:
             raise err
+        ran = [(candidates[i], sum(t) / len(t)) for i, t in times.items()]
         self.log.setdefault(key, []).extend(ran)
         timed = sorted(ran, key=lambda e: e[1])[:max(1, self.retime)]
         if len(timed) > 1:  # the fastest few again; each keeps the smaller of its two times
