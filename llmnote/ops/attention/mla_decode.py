@@ -91,11 +91,9 @@ def _set_boxes(nargs) -> None:
         nargs["R_DESC"].block_shape = [nargs["BLOCK_N"], nargs["ROPE"]]
 
 
-def _config(bh: int, bn: int, warps: int, stages: int, tma: bool = False,
-            warp_spec: bool = False) -> triton.Config:
-    return triton.Config({"BLOCK_H": bh, "BLOCK_N": bn, "TMA": tma, "WARP_SPEC": warp_spec},
-                         num_warps=warps, num_stages=stages,
-                         pre_hook=_set_boxes if tma else None)
+def _config(bh: int, bn: int, warps: int, stages: int, tma: bool = False) -> triton.Config:
+    return triton.Config({"BLOCK_H": bh, "BLOCK_N": bn, "TMA": tma}, num_warps=warps,
+                         num_stages=stages, pre_hook=_set_boxes if tma else None)
 
 
 # Registers decide the head tile: at r = 512 the (BLOCK_H, r) fp32 accumulator and the
@@ -176,11 +174,10 @@ def _mla_split_kernel(
     H, NUM_SPLITS, CAPACITY, CAP_BUCKET, TMA_CHOICE,
     LATENT: tl.constexpr, ROPE: tl.constexpr, PAGE: tl.constexpr, FINAL: tl.constexpr,
     UPCAST: tl.constexpr, PRECISION: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
-    TMA: tl.constexpr, WARP_SPEC: tl.constexpr,
+    TMA: tl.constexpr,
 ):
     """One program: one split of one sequence, for BLOCK_H of its query heads. ``TMA``:
-    the whole tiles of positions by tensor descriptors, the latent in two halves;
-    ``WARP_SPEC``: their loop warp-specialised (producer warps issue the copies)."""
+    the whole tiles of positions by tensor descriptors, the latent in two halves."""
     split = tl.program_id(0)
     off_b = tl.program_id(1).to(tl.int64)
     heads = tl.program_id(2) * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -209,7 +206,7 @@ def _mla_split_kernel(
         acc_lo = tl.zeros((BLOCK_H, HALF), tl.float32)
         acc_hi = tl.zeros((BLOCK_H, HALF), tl.float32)
         whole = lo + tl.maximum(hi - lo, 0) // BLOCK_N * BLOCK_N  # the tiles with no gap
-        for start in tl.range(lo, whole, BLOCK_N, warp_specialize=WARP_SPEC):  # a block each
+        for start in tl.range(lo, whole, BLOCK_N):  # each in one page: read as a block
             blk = tl.load(TABLES + off_b * stride_tb + start // PAGE)
             first = blk * PAGE + start % PAGE  # the tile's first row in the pages' rows
             m_i, l_i, acc_lo, acc_hi = _attend_tile(
