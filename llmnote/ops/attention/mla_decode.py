@@ -108,6 +108,10 @@ def _config(bh: int, bn: int, warps: int, stages: int, tma: bool = False) -> tri
 # of positions lies within one page (BLOCK_N divides the page size). At context 8192 on an
 # H200, (64, 64, 8, 2) by TMA took 0.87x the time of the best pointer tile at batch 64 and
 # 0.83x at batch 16 (session 30's sweep); the narrower ones serve pages of 16 and 32.
+# Warp-specialising their loop (tl.range(..., warp_specialize=True), Triton 3.6) compiled
+# and gave the same outputs, but took 530 against 532 us at batch 64 and 313 against
+# 267 us at batch 16 (context 8192, H200, session 31;
+# benchmarks/logs/mla-warp-specialize-2026-11-28.csv).
 POINTER_TILES = [(16, 32, 4, 2), (16, 64, 4, 2), (32, 32, 4, 2), (32, 32, 8, 2),
                  (32, 64, 8, 2), (64, 32, 8, 2), (64, 64, 8, 2), (64, 64, 8, 3)]
 # (statically compiled for sm_90 with Triton 3.6: all wgmma, none spills; (64, 64, 8, 3)
