@@ -1,6 +1,7 @@
-"""The engine serving an MLA model (DeepSeek-V3 layout, dense layers) from its latent
-paged cache: greedy tokens equal Hugging Face ``generate`` on the same random weights,
-with the PyTorch reference and with the Triton decode kernel (interpreter on the CPU)."""
+"""The engine serving an MLA model (DeepSeek-V3 layout: dense layers, and with its
+mixture-of-experts layers) from its latent paged cache: greedy tokens equal Hugging Face
+``generate`` on the same random weights, with the PyTorch reference and with the Triton
+decode kernel (interpreter on the CPU)."""
 
 import pytest
 import torch
@@ -30,15 +31,24 @@ MODES = {
 }
 
 
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
+# layer 1 a mixture of experts: top 2 of 8 in 4 groups, 2 of them open, a shared expert
+MOE = dict(first_k_dense_replace=1, n_routed_experts=8, num_experts_per_tok=2, n_group=4,
+           topk_group=2, moe_intermediate_size=24, n_shared_experts=1,
+           routed_scaling_factor=2.5)
+
+
+def _checkpoint(tmp_path_factory, name, **extra):
     torch.manual_seed(0)
-    hf = transformers.DeepseekV3ForCausalLM(transformers.DeepseekV3Config(**CFG)).eval()
+    cfg = transformers.DeepseekV3Config(**{**CFG, **extra})
+    hf = transformers.DeepseekV3ForCausalLM(cfg).eval()
     with torch.no_grad():
-        for name, p in hf.named_parameters():
-            if "norm" in name:
+        for name_, p in hf.named_parameters():
+            if "norm" in name_:
                 p.copy_(torch.randn_like(p) * 0.1 + 1.0)
-    path = tmp_path_factory.mktemp("mla")
+        for name_, b in hf.named_buffers():
+            if name_.endswith("e_score_correction_bias"):
+                b.copy_(torch.randn_like(b) * 0.1)
+    path = tmp_path_factory.mktemp(name)
     hf.save_pretrained(path, safe_serialization=True)
     g = torch.Generator().manual_seed(1)
     shared = torch.randint(0, CFG["vocab_size"], (11,), generator=g).tolist()
@@ -52,6 +62,16 @@ def checkpoint(tmp_path_factory):
                               min_new_tokens=MAX_TOKENS)
             want.append(out[0, len(p):].tolist())
     return path, prompts, want
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    return _checkpoint(tmp_path_factory, "mla")
+
+
+@pytest.fixture(scope="module")
+def moe_checkpoint(tmp_path_factory):
+    return _checkpoint(tmp_path_factory, "mla-moe", **MOE)
 
 
 @pytest.mark.parametrize("mode", list(MODES))
@@ -76,6 +96,22 @@ def test_greedy_tokens_match_hf(checkpoint, mode, monkeypatch):
     assert [o.token_ids for o in outs] == want
     # the kernel mode's decode steps ran the Triton kernel (the interpreter here)
     assert bool(calls) == (mode == "kernel") and device.backend() != "reference"
+
+
+@pytest.mark.parametrize("mode", ["reference", "kernel"])
+def test_moe_layers_greedy_tokens_match_hf(moe_checkpoint, mode):
+    """DeepSeek-V3's mixture of experts (group-limited sigmoid routing with the balance
+    bias, the shared expert) served by the engine: transformers' tokens."""
+    from llmnote import device
+    from llmnote.models.deepseek import DeepseekMoE
+
+    path, prompts, want = moe_checkpoint
+    where = device.default_device() if mode == "kernel" else "cpu"
+    with LLM(path, device=where, dtype=torch.float32, ops=reference_ops(), block_size=8,
+             **MODES[mode]) as llm:
+        assert isinstance(llm.model.model.layers[1].mlp, DeepseekMoE)
+        outs = llm.generate(prompts, SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0))
+    assert [o.token_ids for o in outs] == want
 
 
 def test_unsupported_engine_switches(checkpoint):
@@ -106,10 +142,12 @@ def test_kv_capacity_against_gqa_of_the_same_width():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_gpu_defaults(checkpoint):
-    """On a GPU: fp32 with llmnote's kernels (RoPE, norms, SwiGLU, the MLA decode) gives
-    transformers' tokens; the plain call (bf16, kernels) runs on the paged kernel."""
-    path, prompts, want = checkpoint
+@pytest.mark.parametrize("name", ["dense", "moe"])
+def test_gpu_defaults(checkpoint, moe_checkpoint, name):
+    """On a GPU: fp32 with llmnote's kernels (RoPE, norms, SwiGLU, the MLA decode, the
+    fused MoE) gives transformers' tokens; the plain call (bf16, kernels) runs on the
+    paged kernel."""
+    path, prompts, want = checkpoint if name == "dense" else moe_checkpoint
     with LLM(path, dtype=torch.float32, block_size=16) as llm:
         assert llm.runner.backend == "paged" and llm.runner.kv_caches[0].is_cuda
         outs = llm.generate(prompts, SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0))

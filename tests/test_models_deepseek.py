@@ -23,13 +23,23 @@ BASE = dict(vocab_size=151, hidden_size=64, intermediate_size=96, num_hidden_lay
             num_attention_heads=4, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8,
             v_head_dim=24, max_position_embeddings=64, first_k_dense_replace=2,
             bos_token_id=None, eos_token_id=None, pad_token_id=None)
-CASES = {  # q_lora_rank or not; interleaved rope or not; YaRN with V3's mscale; biases; V2
+MOE = dict(moe_intermediate_size=20, first_k_dense_replace=1)
+CASES = {  # q_lora_rank or not; interleaved rope or not; YaRN with V3's mscale; biases; V2;
+    # V3's mixture of experts: top-2 of 8 in 4 groups of which 2 are open, one shared expert;
+    # top-8 of 16 in 4 groups of which 2 are open (8 experts: all of them), no
+    # normalisation, two shared experts' width, no dense layer
     "v3-qlora-yarn": dict(q_lora_rank=48, rope_parameters={"rope_theta": 10000.0, **YARN}),
     "v3-noqlora-halfsplit": dict(q_lora_rank=None, rope_interleave=False),
     "v3-bias-tied-5heads": dict(q_lora_rank=24, attention_bias=True, tie_word_embeddings=True,
                                 num_attention_heads=5),
     "v2-qlora-yarn": dict(family="V2", q_lora_rank=40,
                           rope_parameters={"rope_theta": 10000.0, **YARN}),
+    "v3-moe-top2": dict(q_lora_rank=48, n_routed_experts=8, num_experts_per_tok=2, n_group=4,
+                        topk_group=2, n_shared_experts=1, routed_scaling_factor=2.5, **MOE),
+    "v3-moe-top8-nonorm": dict(q_lora_rank=None, n_routed_experts=16, num_experts_per_tok=8,
+                               n_group=4, topk_group=2, n_shared_experts=2,
+                               norm_topk_prob=False, routed_scaling_factor=1.5,
+                               **{**MOE, "first_k_dense_replace": 0}),
 }
 
 
@@ -43,6 +53,9 @@ def hf_model(family="V3", **kw):
         for name, p in model.named_parameters():
             if name.endswith("bias") or "norm" in name:
                 p.copy_(torch.randn_like(p) * 0.1 + (1.0 if "norm" in name else 0.0))
+        for name, b in model.named_buffers():  # the router's balance bias: moves the choice
+            if name.endswith("e_score_correction_bias"):
+                b.copy_(torch.randn_like(b) * 0.1)
     return model
 
 
@@ -99,8 +112,17 @@ def test_moe_and_mismatched_checkpoints_are_refused(tmp_path):
     hf = hf_model(q_lora_rank=None)
     hf.save_pretrained(tmp_path, safe_serialization=True)
     cfg = json.loads((tmp_path / "config.json").read_text())
-    (tmp_path / "config.json").write_text(json.dumps({**cfg, "first_k_dense_replace": 1}))
-    with pytest.raises(ValueError, match="first_k_dense_replace"):
+    # a config whose layer 1 is a mixture of experts, over a checkpoint of dense layers
+    (tmp_path / "config.json").write_text(json.dumps(
+        {**cfg, "first_k_dense_replace": 1, "n_routed_experts": 8, "n_group": 1,
+         "topk_group": 1, "num_experts_per_tok": 2, "moe_intermediate_size": 20}))
+    with pytest.raises(ValueError, match=r"missing tensors .*mlp\.experts\.0"):
+        load_pretrained(tmp_path, device="cpu")
+    # DeepSeek-V2's mixture of experts (softmax routing) is not built
+    (tmp_path / "config.json").write_text(json.dumps(
+        {**cfg, "architectures": ["DeepseekV2ForCausalLM"], "model_type": "deepseek_v2",
+         "first_k_dense_replace": 1, "n_routed_experts": 8}))
+    with pytest.raises(ValueError, match="DeepSeek-V2's mixture-of-experts"):
         load_pretrained(tmp_path, device="cpu")
     # latent or rope widths that do not match the checkpoint's tensors
     for field, value in (("kv_lora_rank", 16), ("qk_rope_head_dim", 4)):
@@ -109,7 +131,69 @@ def test_moe_and_mismatched_checkpoints_are_refused(tmp_path):
             load_pretrained(tmp_path, device="cpu")
 
 
+def test_moe_layers_and_parameters(pair):
+    """The layers past first_k_dense_replace are mixtures of experts in both models, and
+    the router's choice follows its balance bias: the bias of one expert raised to 10
+    sends every token to it, whose weight is then its unbiased score (times the scale)."""
+    hf, ours, _ = pair
+    c = ours.config
+    for i, layer in enumerate(ours.model.layers):
+        sparse = hasattr(layer.mlp, "experts")
+        assert sparse == c.is_sparse_layer(i) == hasattr(hf.model.layers[i].mlp, "experts")
+    if not c.n_routed_experts:
+        return
+    router = next(layer.mlp.gate for layer in ours.model.layers if hasattr(layer.mlp, "gate"))
+    x = torch.randn(5, c.hidden_size)
+    bias = router.e_score_correction_bias.clone()
+    try:
+        with torch.no_grad():
+            router.e_score_correction_bias.zero_()
+            router.e_score_correction_bias[3] = 10.0
+            weights, ids = router(x)
+    finally:
+        router.e_score_correction_bias.copy_(bias)
+    assert (ids == 3).any(dim=1).all()
+    scores = torch.sigmoid(x @ router.weight.T)
+    got = weights.gather(1, (ids == 3).int().argmax(dim=1, keepdim=True))[:, 0]
+    want = scores[:, 3] * c.routed_scaling_factor
+    if c.norm_topk_prob:
+        want = want / scores.gather(1, ids).sum(dim=1)
+    torch.testing.assert_close(got, want)
+
+
+def test_router_picks_only_from_the_best_groups():
+    """Group-limited routing by hand: 8 experts in 4 groups, 2 groups open, top 2."""
+    from llmnote.models.deepseek import DeepseekRouter
+
+    cfg = MLAConfig(vocab_size=8, hidden_size=4, intermediate_size=8, num_hidden_layers=1,
+                    num_attention_heads=2, n_routed_experts=8, moe_intermediate_size=4,
+                    num_experts_per_tok=2, n_group=4, topk_group=2, routed_scaling_factor=2.0)
+    router = DeepseekRouter(cfg)
+    # sigmoid scores by expert: group 0 (0.9, 0.1), group 1 (0.6, 0.55), group 2 (0.95,
+    # 0.0), group 3 (0.45, 0.45): group sums 1.0, 1.15, 0.95, 0.9 -> groups 1 and 0 open;
+    # expert 4 (0.95) lies in a closed group: the top 2 are experts 0 and 2
+    p = torch.tensor([0.9, 0.1, 0.6, 0.55, 0.95, 1e-4, 0.45, 0.45])
+    with torch.no_grad():
+        router.weight.zero_()
+        router.weight[:, 0] = torch.logit(p)
+    weights, ids = router(torch.tensor([[1.0, 0.0, 0.0, 0.0]]))
+    assert sorted(ids[0].tolist()) == [0, 2]
+    want = torch.tensor([0.9, 0.6]) / 1.5 * 2.0  # normalised, then scaled
+    torch.testing.assert_close(weights[0].sort().values, want.sort().values)
+
+
 def test_config_errors():
+    moe = dict(vocab_size=8, hidden_size=8, intermediate_size=8, num_hidden_layers=1,
+               num_attention_heads=2, n_routed_experts=8, moe_intermediate_size=4)
+    for bad, match in ((dict(n_group=3), "n_group"), (dict(n_group=8), "n_group"),
+                       (dict(n_group=4, topk_group=5), "topk_group"),
+                       (dict(n_group=4, topk_group=1, num_experts_per_tok=3),
+                        "num_experts_per_tok"),
+                       (dict(moe_intermediate_size=None), "moe_intermediate_size"),
+                       (dict(routed_scaling_factor=0.0), "routed_scaling_factor"),
+                       (dict(architecture="deepseek_v2"), "DeepSeek-V3's")):
+        with pytest.raises(ValueError, match=match):
+            MLAConfig(**{**moe, **bad})
     with pytest.raises(ValueError, match="kv_lora_rank"):
         MLAConfig(vocab_size=8, hidden_size=8, intermediate_size=8, num_hidden_layers=1,
                   num_attention_heads=2, kv_lora_rank=0)

@@ -21,7 +21,20 @@ whose RoPE pairs are always interleaved) checkpoints (``q_a_proj``,
 ``kv_b_proj``, ``o_proj``); ``W_DKV`` and ``W_KR`` are the two row blocks of
 ``kv_a_proj_with_mqa``, ``W_UK``/``W_UV`` those of each head in ``kv_b_proj``.
 With ``rope_interleave`` the checkpoint's rope dimensions are pairs ``(2i, 2i+1)``.
-Only dense layers are built: ``first_k_dense_replace`` must cover every layer.
+
+From layer ``first_k_dense_replace`` on, a DeepSeek-V3 checkpoint with
+``n_routed_experts`` replaces the dense MLP by a mixture of experts
+(:class:`DeepseekMoE`): ``n_routed_experts`` SwiGLU experts of width
+``moe_intermediate_size``, a router (:class:`DeepseekRouter`), and a shared expert
+every token goes through. The router scores each expert with a sigmoid; a learnt
+per-expert bias (``e_score_correction_bias``, DeepSeek-V3's auxiliary-loss-free load
+balance) shifts the scores only for the choice. The experts come in ``n_group``
+groups; a token may pick from the ``topk_group`` groups whose two best (biased)
+scores sum highest, then takes its ``num_experts_per_tok`` best experts there. Their
+unbiased scores, divided by their sum (``norm_topk_prob``) and multiplied by
+``routed_scaling_factor``, weigh the experts' outputs (DeepSeek-AI, 2024,
+"DeepSeek-V3 Technical Report", section 2.1.2). DeepSeek-V2's mixture of experts
+(softmax routing) is not built: its checkpoints load with dense layers only.
 """
 
 from __future__ import annotations
@@ -30,9 +43,11 @@ import math
 from dataclasses import asdict, dataclass, replace
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from llmnote.models.llama import MLP, LlamaOps, RMSNorm, attention_torch, auto_ops
+from llmnote.models.moe import SparseMoeBlock
 from llmnote.ops.rope_scaling import RopeScaling, as_rope_scaling
 
 MLA_ARCHITECTURES = {"DeepseekV2ForCausalLM": "deepseek_v2",
@@ -43,7 +58,8 @@ MLA_MODEL_TYPES = {v: k for k, v in MLA_ARCHITECTURES.items()}
 # ---------------------------------------------------------------- config
 @dataclass(frozen=True)
 class MLAConfig:
-    """Shapes of a DeepSeek-V3-style model with MLA attention and dense SwiGLU layers."""
+    """Shapes of a DeepSeek-V3-style model: MLA attention, dense SwiGLU layers, and with
+    ``n_routed_experts`` mixture-of-experts layers from ``first_k_dense_replace`` on."""
 
     vocab_size: int
     hidden_size: int
@@ -63,6 +79,16 @@ class MLAConfig:
     attention_bias: bool = False
     tie_word_embeddings: bool = False
     architecture: str = "deepseek_v3"
+    # the mixture of experts (None: every layer dense); see the module docstring
+    n_routed_experts: int | None = None
+    moe_intermediate_size: int | None = None
+    num_experts_per_tok: int = 8
+    n_shared_experts: int = 1
+    first_k_dense_replace: int = 0
+    n_group: int = 1
+    topk_group: int = 1
+    norm_topk_prob: bool = True
+    routed_scaling_factor: float = 1.0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "rope_scaling", as_rope_scaling(self.rope_scaling))
@@ -80,6 +106,47 @@ class MLAConfig:
         if self.architecture not in MLA_MODEL_TYPES:
             raise ValueError(f"architecture must be one of {tuple(MLA_MODEL_TYPES)}, "
                              f"got {self.architecture!r}")
+        if self.n_routed_experts is not None:
+            self._check_moe()
+
+    def _check_moe(self) -> None:
+        def positive(name: str, lowest: int = 1) -> int:
+            v = getattr(self, name)
+            if not (isinstance(v, int) and not isinstance(v, bool) and v >= lowest):
+                raise ValueError(f"{name} must be an int >= {lowest} with n_routed_experts set, "
+                                 f"got {v!r}")
+            return v
+        if self.architecture != "deepseek_v3":
+            raise ValueError("n_routed_experts: only DeepSeek-V3's mixture of experts is built "
+                             f"(sigmoid routing), not {self.architecture}'s")
+        e = positive("n_routed_experts")
+        positive("moe_intermediate_size")
+        positive("n_shared_experts")
+        positive("first_k_dense_replace", 0)
+        groups, k = positive("n_group"), positive("num_experts_per_tok")
+        if e % groups or e // groups < 2:
+            raise ValueError(f"n_group must divide n_routed_experts = {e} into groups of at "
+                             f"least 2 experts, got n_group = {groups}")
+        if not 1 <= positive("topk_group") <= groups:
+            raise ValueError(f"topk_group must lie in [1, n_group = {groups}], "
+                             f"got {self.topk_group}")
+        if k > self.topk_group * (e // groups):
+            raise ValueError(f"num_experts_per_tok = {k} exceeds the experts of topk_group = "
+                             f"{self.topk_group} groups of {e // groups}")
+        if not (isinstance(self.routed_scaling_factor, (int, float))
+                and math.isfinite(self.routed_scaling_factor)
+                and self.routed_scaling_factor > 0):
+            raise ValueError("routed_scaling_factor must be a positive number, got "
+                             f"{self.routed_scaling_factor!r}")
+
+    @property
+    def num_experts(self) -> int:
+        """Routed experts of a mixture-of-experts layer (0: dense layers only)."""
+        return self.n_routed_experts or 0
+
+    def is_sparse_layer(self, i: int) -> bool:
+        """Whether layer ``i`` is a mixture of experts (else a dense MLP)."""
+        return self.n_routed_experts is not None and i >= self.first_k_dense_replace
 
     # what the engine's cache sizing reads from any config
     @property
@@ -117,7 +184,7 @@ class MLAConfig:
     def from_hf(cls, c: dict) -> MLAConfig:
         """From a Hugging Face ``config.json`` dict of ``DeepseekV3ForCausalLM`` or
         ``DeepseekV2ForCausalLM`` (whose RoPE always takes interleaved pairs);
-        ``ValueError`` naming a field this model does not build (MoE layers, ...)."""
+        ``ValueError`` naming a field this model does not build (V2's MoE layers, ...)."""
         archs = c.get("architectures") or [MLA_MODEL_TYPES.get(c.get("model_type"), "?")]
         if len(archs) != 1 or archs[0] not in MLA_ARCHITECTURES:
             raise ValueError(f"unsupported architecture {archs!r}; supported: "
@@ -125,10 +192,27 @@ class MLAConfig:
         arch = MLA_ARCHITECTURES[archs[0]]
         layers = c["num_hidden_layers"]
         dense = c.get("first_k_dense_replace", 3)
-        if dense is None or dense < layers:
-            raise ValueError(f"first_k_dense_replace = {dense} < num_hidden_layers = {layers}: "
-                             "mixture-of-experts layers are not built by this model (only "
-                             "dense layers)")
+        if not isinstance(dense, int) or isinstance(dense, bool) or dense < 0:
+            raise ValueError(f"first_k_dense_replace must be an int >= 0, got {dense!r}")
+        moe = {}
+        if dense < layers and c.get("n_routed_experts"):
+            if arch != "deepseek_v3":
+                raise ValueError(f"first_k_dense_replace = {dense} < num_hidden_layers = "
+                                 f"{layers}: DeepSeek-V2's mixture-of-experts layers (softmax "
+                                 "routing) are not built by this model, only DeepSeek-V3's")
+            for field, want in (("scoring_func", "sigmoid"), ("topk_method", "noaux_tc"),
+                                ("moe_layer_freq", 1)):
+                if c.get(field) not in (None, want):
+                    raise ValueError(f"{field} = {c[field]!r}: only {want!r} is built "
+                                     "(DeepSeek-V3's routing)")
+            moe = {k: c[k] for k in ("n_routed_experts", "moe_intermediate_size",
+                                     "num_experts_per_tok", "n_shared_experts", "n_group",
+                                     "topk_group", "norm_topk_prob", "routed_scaling_factor")
+                   if c.get(k) is not None}
+            moe["first_k_dense_replace"] = dense
+        elif dense < layers:
+            raise ValueError(f"first_k_dense_replace = {dense} < num_hidden_layers = {layers} "
+                             "but n_routed_experts is not set: the config names no experts")
         if c.get("hidden_act", "silu") != "silu":
             raise ValueError(f"hidden_act {c['hidden_act']!r} is not supported (only 'silu')")
         if c.get("quantization_config"):
@@ -150,7 +234,7 @@ class MLAConfig:
             rope_interleave=arch == "deepseek_v2" or bool(c.get("rope_interleave", True)),
             attention_bias=bool(c.get("attention_bias", False)),
             tie_word_embeddings=bool(c.get("tie_word_embeddings", False)), architecture=arch,
-            **kw,
+            **kw, **moe,
         )
 
     def to_hf(self) -> dict:
@@ -171,9 +255,13 @@ class MLAConfig:
                 "num_attention_heads", "kv_lora_rank", "q_lora_rank", "qk_nope_head_dim",
                 "qk_rope_head_dim", "v_head_dim", "max_position_embeddings", "rms_norm_eps",
                 "rope_interleave", "attention_bias", "tie_word_embeddings")},
-            "num_key_value_heads": self.num_attention_heads,
-            "first_k_dense_replace": self.num_hidden_layers, "hidden_act": "silu",
+            "num_key_value_heads": self.num_attention_heads, "hidden_act": "silu",
             "rope_parameters": rope,
+            **({"first_k_dense_replace": self.num_hidden_layers} if self.n_routed_experts is None
+               else {k: getattr(self, k) for k in (
+                   "n_routed_experts", "moe_intermediate_size", "num_experts_per_tok",
+                   "n_shared_experts", "first_k_dense_replace", "n_group", "topk_group",
+                   "norm_topk_prob", "routed_scaling_factor")}),
         }
 
 
@@ -307,13 +395,64 @@ class MLAttention(nn.Module):
         return self.o_proj(o.transpose(1, 2).reshape(b, s, self.n_heads * self.dv))
 
 
+class DeepseekRouter(nn.Module):
+    """DeepSeek-V3's router (the module docstring): ``x (T, H)`` -> ``(weights fp32 (T, k),
+    expert ids (T, k))``, scores in fp32."""
+
+    def __init__(self, cfg: MLAConfig) -> None:
+        super().__init__()
+        e, h = cfg.n_routed_experts, cfg.hidden_size
+        self.weight = nn.Parameter(torch.empty(e, h))
+        self.register_buffer("e_score_correction_bias", torch.zeros(e))
+        self.top_k, self.groups, self.topk_group = (cfg.num_experts_per_tok, cfg.n_group,
+                                                    cfg.topk_group)
+        self.normalize, self.scale = cfg.norm_topk_prob, float(cfg.routed_scaling_factor)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        scores = torch.sigmoid(F.linear(x.float(), self.weight.float()))  # (T, E)
+        choice = scores + self.e_score_correction_bias.float()  # the bias moves the choice only
+        t, e = choice.shape
+        per_group = choice.view(t, self.groups, e // self.groups)
+        group_score = per_group.topk(2, dim=-1).values.sum(dim=-1)  # (T, groups)
+        best = group_score.topk(self.topk_group, dim=-1).indices
+        allowed = torch.zeros_like(group_score, dtype=torch.bool).scatter_(1, best, True)
+        choice = choice.masked_fill(~allowed.repeat_interleave(e // self.groups, dim=1),
+                                    float("-inf"))
+        ids = choice.topk(self.top_k, dim=-1).indices  # (T, k)
+        weights = scores.gather(1, ids)
+        if self.normalize:
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        return weights * self.scale, ids
+
+
+class DeepseekMoE(SparseMoeBlock):
+    """DeepSeek-V3's mixture of experts: :class:`DeepseekRouter`, the routed experts
+    (stacked and run through ``ops.moe`` as :class:`~llmnote.models.moe.SparseMoeBlock`
+    does), plus the shared expert, a SwiGLU MLP of ``n_shared_experts`` experts' width."""
+
+    def __init__(self, cfg: MLAConfig, ops: LlamaOps) -> None:
+        nn.Module.__init__(self)  # not SparseMoeBlock's: its router reads a LlamaConfig
+        h, i = cfg.hidden_size, cfg.moe_intermediate_size
+        self.gate = DeepseekRouter(cfg)
+        self._init_experts(h, i, cfg.n_routed_experts, cfg.num_experts_per_tok,
+                           ("gate_proj", "up_proj", "down_proj"), ops)
+        self.shared_experts = MLP(_MLPShape(h, i * cfg.n_shared_experts), ops)
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.gate(x)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x) + self.shared_experts(x)
+
+
 class MLADecoderLayer(nn.Module):
     def __init__(self, cfg: MLAConfig, layer_idx: int, ops: LlamaOps) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
         self.self_attn = MLAttention(cfg, layer_idx, ops)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
-        self.mlp = MLP(_MLPShape(cfg.hidden_size, cfg.intermediate_size), ops)
+        self.mlp = DeepseekMoE(cfg, ops) if cfg.is_sparse_layer(layer_idx) else \
+            MLP(_MLPShape(cfg.hidden_size, cfg.intermediate_size), ops)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor,
                 cache: LatentCache | None) -> torch.Tensor:
@@ -348,7 +487,8 @@ class MLADecoder(nn.Module):
 
 
 class DeepseekV3(nn.Module):
-    """A DeepSeek-V2/V3-style causal LM of dense layers: ``forward(input_ids)`` -> logits."""
+    """A DeepSeek-V2/V3-style causal LM (dense layers, and DeepSeek-V3's mixture-of-experts
+    layers where the config has them): ``forward(input_ids)`` -> logits."""
 
     def __init__(self, config: MLAConfig, ops: LlamaOps | None = None) -> None:
         super().__init__()
@@ -358,7 +498,7 @@ class DeepseekV3(nn.Module):
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if self.lm_head.weight.device.type != "meta":
             for m in self.modules():
-                if isinstance(m, (nn.Linear, nn.Embedding)):
+                if isinstance(m, (nn.Linear, nn.Embedding, DeepseekRouter)):
                     nn.init.normal_(m.weight, std=0.02)
                 if isinstance(m, nn.Linear) and m.bias is not None:
                     nn.init.zeros_(m.bias)
@@ -421,5 +561,6 @@ def is_mla_config(c: dict) -> bool:
     return c.get("model_type") in MLA_MODEL_TYPES or any(a in MLA_ARCHITECTURES for a in archs)
 
 
-__all__ = ["DeepseekV3", "LatentCache", "MLAConfig", "MLAttention", "absorb_weights",
-           "is_mla_config", "mla_decode_absorbed", "mla_decode_naive"]
+__all__ = ["DeepseekMoE", "DeepseekRouter", "DeepseekV3", "LatentCache", "MLAConfig",
+           "MLAttention", "absorb_weights", "is_mla_config", "mla_decode_absorbed",
+           "mla_decode_naive"]

@@ -153,7 +153,8 @@ def _check_names(model: Llama, stored: dict[str, tuple[int, ...]], folder: Path)
                if ".experts." in n and n.split(".experts.")[1].split(".")[0].isdigit()}
     if experts and len(experts) != model.config.num_experts:  # a mixture of experts
         problems.append(f"config.json sets {model.config.num_experts} experts a layer "
-                        "(num_experts; Mixtral: num_local_experts), but the checkpoint holds "
+                        "(num_experts; Mixtral: num_local_experts; DeepSeek: n_routed_experts), "
+                        "but the checkpoint holds "
                         f"{len(experts)} (expert indices {min(experts)}..{max(experts)})")
     if missing:
         problems.append(f"missing tensors ({len(missing)}): {_listing(missing)}")

@@ -10,7 +10,8 @@ SwiGLU experts and a router (Shazeer et al., 2017; Fedus et al., 2021)::
 
 Renormalising the top-k of a softmax is a softmax over the top-k logits alone,
 which is how Mixtral's paper writes its router. Neither family has a shared
-expert (Qwen2-MoE and DeepSeek do: an always-on MLP added to ``y``).
+expert (Qwen2-MoE and DeepSeek do: an always-on MLP added to ``y``; DeepSeek-V3's
+block, :class:`llmnote.models.deepseek.DeepseekMoE`, builds on this one).
 
 Parameter names match the checkpoints: Qwen3-MoE ``mlp.gate.weight`` and
 ``mlp.experts.{e}.{gate,up,down}_proj.weight``; Mixtral ``block_sparse_moe.gate.weight``
@@ -58,12 +59,18 @@ class SparseMoeBlock(nn.Module):
 
     def __init__(self, cfg: LlamaConfig, ops) -> None:
         super().__init__()
-        h, i, e = cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts
+        h, e = cfg.hidden_size, cfg.num_experts
         self.gate = nn.Linear(h, e, bias=False)  # the router
-        names = EXPERT_NAMES[cfg.architecture]
-        self.experts = nn.ModuleList(Expert(h, i, names) for _ in range(e))
-        self.num_experts, self.top_k, self.width = e, cfg.num_experts_per_tok, i
+        self._init_experts(h, cfg.moe_intermediate_size, e, cfg.num_experts_per_tok,
+                           EXPERT_NAMES[cfg.architecture], ops)
         self.renormalize = cfg.architecture == "mixtral" or cfg.norm_topk_prob
+
+    def _init_experts(self, hidden: int, width: int, num_experts: int, top_k: int,
+                      names: tuple[str, str, str], ops) -> None:
+        """The experts and what :meth:`stacked` and :meth:`forward` read (a subclass with
+        its own router calls this after ``nn.Module.__init__``)."""
+        self.experts = nn.ModuleList(Expert(hidden, width, names) for _ in range(num_experts))
+        self.num_experts, self.top_k, self.width = num_experts, top_k, width
         self.ops = ops
         self._stacked: tuple[torch.Tensor, torch.Tensor] | None = None
 
