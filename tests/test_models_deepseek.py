@@ -255,3 +255,32 @@ def test_counted_flops_match_torch(form):
     kv = length * h * (dn + dv) * 4
     assert cost.cache_bytes == rows
     assert cost.bytes == rows + w.nbytes / b + (2 * kv if form == "naive" else 0)
+
+
+def test_moe_block_through_the_fused_kernel():
+    """DeepseekMoE with ops.moe = fused_moe (the interpreter on the CPU, compiled on a GPU):
+    the router's scaled weights (no longer summing to one) and the shared expert give the
+    loop over experts' output."""
+    from llmnote.models.deepseek import DeepseekMoE
+    from llmnote.models.llama import kernel_ops
+    from llmnote.ops.moe import fused_moe_ref
+
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    cfg = MLAConfig(vocab_size=8, hidden_size=32, intermediate_size=8, num_hidden_layers=1,
+                    num_attention_heads=2, n_routed_experts=8, moe_intermediate_size=16,
+                    num_experts_per_tok=3, n_group=4, topk_group=2, n_shared_experts=2,
+                    norm_topk_prob=False, routed_scaling_factor=2.5)
+    torch.manual_seed(0)
+    block = DeepseekMoE(cfg, reference_ops()).to(dev)
+    with torch.no_grad():
+        for p in block.parameters():
+            p.normal_(0, 0.2)
+        block.gate.e_score_correction_bias.normal_(0, 0.1)
+        x = torch.randn(2, 7, 32, device=dev)
+        want = block(x)
+        assert block.ops.moe is fused_moe_ref
+        block.ops = kernel_ops()
+        block.shared_experts.ops = block.ops
+        got = block(x)
+    assert got.shape == x.shape
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
