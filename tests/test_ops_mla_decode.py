@@ -176,3 +176,12 @@ def test_splits_fill_whole_waves():
             tiles = b * 2
             waves = -(-tiles * s // sms)
             assert waves * -(-ctx // s) <= -(-tiles // sms) * ctx, (b, ctx, sms, s)
+
+
+def test_the_tuned_tile_is_kept_per_batch_bucket():
+    """The autotuner's key holds the batch's bucket: the best tile depends on how many
+    programs share the GPU, and a tile tuned at batch 1 must not serve batch 16."""
+    import importlib
+
+    kernel = importlib.import_module("llmnote.ops.attention.mla_decode")._mla_split_kernel
+    assert {"BATCH_BUCKET", "CAP_BUCKET", "NUM_SPLITS"} <= set(kernel.keys)

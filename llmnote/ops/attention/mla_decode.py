@@ -167,15 +167,20 @@ def _attend_tile(q_lo, q_hi, q_rope, c_lo, c_hi, kr, pos, hi, m_i, l_i, acc_lo, 
     return m_i, l_i, acc_lo, acc_hi
 
 
-@triton.autotune(configs=CONFIGS, key=["H", "CAP_BUCKET", "NUM_SPLITS", "LATENT", "ROPE", "PAGE",
-                                       "TMA_CHOICE"],
+# The best tile depends on how many programs share the GPU (batch x head tiles x splits),
+# so the key holds the batch's power-of-two bucket: without it the tile tuned at batch 1
+# (narrow head tiles, the most programs) served batch 4 and 16 at the same split count
+# (session 31's record: a 16 x 32 tile at batch 4 with 4k tokens, 0.07 of copy, where
+# batch 4 with 8k took the 64 x 64 TMA tile at 0.17).
+@triton.autotune(configs=CONFIGS, key=["H", "CAP_BUCKET", "BATCH_BUCKET", "NUM_SPLITS", "LATENT",
+                                       "ROPE", "PAGE", "TMA_CHOICE"],
                  prune_configs_by={"early_config_prune": _prune})
-@triton.jit
+@triton.jit(do_not_specialize=["BATCH_BUCKET"])
 def _mla_split_kernel(
     QL, QR, KV, C_DESC, R_DESC, TABLES, SEQ_LENS, O_PART, L_PART, OUT, LSE, qk_scale,
     stride_qlb, stride_qlh, stride_qrb, stride_qrh, stride_kvb, stride_kvs, stride_tb,
     stride_pb, stride_ph, stride_ps, stride_lb, stride_lh, stride_ob, stride_oh,
-    H, NUM_SPLITS, CAPACITY, CAP_BUCKET, TMA_CHOICE,
+    H, NUM_SPLITS, CAPACITY, CAP_BUCKET, BATCH_BUCKET, TMA_CHOICE,
     LATENT: tl.constexpr, ROPE: tl.constexpr, PAGE: tl.constexpr, FINAL: tl.constexpr,
     UPCAST: tl.constexpr, PRECISION: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
     TMA: tl.constexpr,
@@ -427,7 +432,7 @@ def mla_decode(q_latent: torch.Tensor, q_rope: torch.Tensor, kv_cache: torch.Ten
         kv_cache.stride(0), kv_cache.stride(1), block_tables.stride(0),
         part.stride(0), part.stride(1), part.stride(2), lpart.stride(0), lpart.stride(1),
         out.stride(0), out.stride(1), h, splits, cap, triton.next_power_of_2(max(cap, 1)),
-        -1 if tma is None else int(tma), LATENT=r, ROPE=dr, PAGE=page, FINAL=final,
+        triton.next_power_of_2(b), -1 if tma is None else int(tma), LATENT=r, ROPE=dr, PAGE=page, FINAL=final,
         UPCAST=upcast(q_latent.dtype), PRECISION=dot_precision(q_latent.dtype),
     )
     if not final:
