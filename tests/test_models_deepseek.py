@@ -284,3 +284,19 @@ def test_moe_block_through_the_fused_kernel():
         got = block(x)
     assert got.shape == x.shape
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+def test_router_bias_stays_fp32(tmp_path):
+    """The router's balance bias keeps fp32 when the model is loaded in bf16 or cast, as
+    transformers keeps it; the weights take the model's dtype."""
+    hf = hf_model(**CASES["v3-moe-top2"])
+    hf.save_pretrained(tmp_path, safe_serialization=True)
+    model = load_pretrained(tmp_path, dtype=torch.bfloat16, device="cpu", ops=reference_ops())
+    router = model.model.layers[1].mlp.gate
+    want = hf.model.layers[1].mlp.gate.e_score_correction_bias.float()
+    assert router.weight.dtype == torch.bfloat16
+    assert router.e_score_correction_bias.dtype == torch.float32
+    assert torch.equal(router.e_score_correction_bias, want)
+    model.to(torch.float16)
+    assert router.weight.dtype == torch.float16
+    assert torch.equal(router.e_score_correction_bias, want)

@@ -408,6 +408,16 @@ class DeepseekRouter(nn.Module):
                                                     cfg.topk_group)
         self.normalize, self.scale = cfg.norm_topk_prob, float(cfg.routed_scaling_factor)
 
+    def _apply(self, fn, recurse: bool = True):
+        """``.to()``, ``.half()``, ...: the bias keeps fp32 (as transformers keeps it): its
+        small differences between experts decide their choice."""
+        old = self.e_score_correction_bias
+        out = super()._apply(fn, recurse)
+        new = self.e_score_correction_bias
+        if new.dtype != torch.float32:
+            self.e_score_correction_bias = old.to(device=new.device, dtype=torch.float32)
+        return out
+
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         scores = torch.sigmoid(F.linear(x.float(), self.weight.float()))  # (T, E)
         choice = scores + self.e_score_correction_bias.float()  # the bias moves the choice only

@@ -44,6 +44,9 @@ from llmnote.models.llama import Llama, LlamaOps
 INDEX_FILE = "model.safetensors.index.json"
 # Buffers some older checkpoints saved; they are recomputed, not loaded.
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+# loaded in fp32 whatever the model's dtype, as transformers keeps them: DeepSeek-V3's
+# router bias, whose small differences between experts decide their choice
+FP32_SUFFIXES = ("e_score_correction_bias",)
 
 
 def _listing(names: list[str], limit: int = 20) -> str:
@@ -336,8 +339,11 @@ def load_pretrained(
                     raise CheckpointError(f"{f}: tensor {name} has dtype {t.dtype}; expected "
                                           "fp32, fp16, bf16 or fp64 weights (quantized and "
                                           "fp8 checkpoints are not supported)")
-                dtype = dtype or t.dtype
-                state[name] = t.to(device=device, dtype=dtype)
+                if name.endswith(FP32_SUFFIXES):
+                    state[name] = t.to(device=device, dtype=torch.float32)
+                else:
+                    dtype = dtype or t.dtype
+                    state[name] = t.to(device=device, dtype=dtype)
                 if check_finite:
                     _check_finite(state[name], t, f, name)
     if config.tie_word_embeddings:
