@@ -26,9 +26,9 @@ From layer ``first_k_dense_replace`` on, a DeepSeek-V3 checkpoint with
 ``n_routed_experts`` replaces the dense MLP by a mixture of experts
 (:class:`DeepseekMoE`): ``n_routed_experts`` SwiGLU experts of width
 ``moe_intermediate_size``, a router (:class:`DeepseekRouter`), and a shared expert
-every token goes through. The router scores each expert with a sigmoid; a learnt
-per-expert bias (``e_score_correction_bias``, DeepSeek-V3's auxiliary-loss-free load
-balance) shifts the scores only for the choice. The experts come in ``n_group``
+every token goes through. The router scores each expert with a sigmoid; a per-expert
+bias (``e_score_correction_bias``, DeepSeek-V3's auxiliary-loss-free load balance,
+adjusted by load at each training step) shifts the scores only for the choice. The experts come in ``n_group``
 groups; a token may pick from the ``topk_group`` groups whose two best (biased)
 scores sum highest, then takes its ``num_experts_per_tok`` best experts there. Their
 unbiased scores, divided by their sum (``norm_topk_prob``) and multiplied by
