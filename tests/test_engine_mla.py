@@ -37,10 +37,10 @@ MOE = dict(first_k_dense_replace=1, n_routed_experts=8, num_experts_per_tok=2, n
            routed_scaling_factor=2.5)
 
 
-def _checkpoint(tmp_path_factory, name, **extra):
+def _checkpoint(tmp_path_factory, name, family="V3", **extra):
     torch.manual_seed(0)
-    cfg = transformers.DeepseekV3Config(**{**CFG, **extra})
-    hf = transformers.DeepseekV3ForCausalLM(cfg).eval()
+    cfg = getattr(transformers, f"Deepseek{family}Config")(**{**CFG, **extra})
+    hf = getattr(transformers, f"Deepseek{family}ForCausalLM")(cfg).eval()
     with torch.no_grad():
         for name_, p in hf.named_parameters():
             if "norm" in name_:
@@ -74,6 +74,12 @@ def moe_checkpoint(tmp_path_factory):
     return _checkpoint(tmp_path_factory, "mla-moe", **MOE)
 
 
+@pytest.fixture(scope="module")
+def moe_v2_checkpoint(tmp_path_factory):  # DeepSeek-V2's softmax routing, group-limited
+    return _checkpoint(tmp_path_factory, "mla-moe-v2", family="V2",
+                       **{**MOE, "topk_method": "group_limited_greedy"})
+
+
 @pytest.mark.parametrize("mode", list(MODES))
 def test_greedy_tokens_match_hf(checkpoint, mode, monkeypatch):
     path, prompts, want = checkpoint
@@ -98,14 +104,16 @@ def test_greedy_tokens_match_hf(checkpoint, mode, monkeypatch):
     assert bool(calls) == (mode == "kernel") and device.backend() != "reference"
 
 
+@pytest.mark.parametrize("family", ["V3", "V2"])
 @pytest.mark.parametrize("mode", ["reference", "kernel"])
-def test_moe_layers_greedy_tokens_match_hf(moe_checkpoint, mode):
+def test_moe_layers_greedy_tokens_match_hf(moe_checkpoint, moe_v2_checkpoint, family, mode):
     """DeepSeek-V3's mixture of experts (group-limited sigmoid routing with the balance
-    bias, the shared expert) served by the engine: transformers' tokens."""
+    bias, the shared expert), and V2's (softmax, group-limited), served by the engine:
+    transformers' tokens."""
     from llmnote import device
     from llmnote.models.deepseek import DeepseekMoE
 
-    path, prompts, want = moe_checkpoint
+    path, prompts, want = moe_checkpoint if family == "V3" else moe_v2_checkpoint
     where = device.default_device() if mode == "kernel" else "cpu"
     with LLM(path, device=where, dtype=torch.float32, ops=reference_ops(), block_size=8,
              **MODES[mode]) as llm:

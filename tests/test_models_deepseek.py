@@ -27,7 +27,8 @@ MOE = dict(moe_intermediate_size=20, first_k_dense_replace=1)
 CASES = {  # q_lora_rank or not; interleaved rope or not; YaRN with V3's mscale; biases; V2;
     # V3's mixture of experts: top-2 of 8 in 4 groups of which 2 are open, one shared expert;
     # top-8 of 16 in 4 groups of which 2 are open (8 experts: all of them), no
-    # normalisation, two shared experts' width, no dense layer
+    # normalisation, two shared experts' width, no dense layer; V2's softmax routing:
+# group-limited (4 groups, 2 open) and greedy
     "v3-qlora-yarn": dict(q_lora_rank=48, rope_parameters={"rope_theta": 10000.0, **YARN}),
     "v3-noqlora-halfsplit": dict(q_lora_rank=None, rope_interleave=False),
     "v3-bias-tied-5heads": dict(q_lora_rank=24, attention_bias=True, tie_word_embeddings=True,
@@ -40,6 +41,13 @@ CASES = {  # q_lora_rank or not; interleaved rope or not; YaRN with V3's mscale;
                                n_group=4, topk_group=2, n_shared_experts=2,
                                norm_topk_prob=False, routed_scaling_factor=1.5,
                                **{**MOE, "first_k_dense_replace": 0}),
+    "v2-moe-group-limited": dict(family="V2", q_lora_rank=40, n_routed_experts=8,
+                                 num_experts_per_tok=2, n_group=4, topk_group=2,
+                                 topk_method="group_limited_greedy", n_shared_experts=2,
+                                 routed_scaling_factor=2.0, **MOE),
+    "v2-moe-greedy": dict(family="V2", q_lora_rank=None, n_routed_experts=6,
+                          num_experts_per_tok=3, n_group=1, topk_group=1, topk_method="greedy",
+                          n_shared_experts=1, routed_scaling_factor=1.0, **MOE),
 }
 
 
@@ -118,11 +126,12 @@ def test_moe_and_mismatched_checkpoints_are_refused(tmp_path):
          "topk_group": 1, "num_experts_per_tok": 2, "moe_intermediate_size": 20}))
     with pytest.raises(ValueError, match=r"missing tensors .*mlp\.experts\.0"):
         load_pretrained(tmp_path, device="cpu")
-    # DeepSeek-V2's mixture of experts (softmax routing) is not built
+    # DeepSeek-V2 with renormalised weights: transformers does not renormalise, nor do we
     (tmp_path / "config.json").write_text(json.dumps(
         {**cfg, "architectures": ["DeepseekV2ForCausalLM"], "model_type": "deepseek_v2",
-         "first_k_dense_replace": 1, "n_routed_experts": 8}))
-    with pytest.raises(ValueError, match="DeepSeek-V2's mixture-of-experts"):
+         "first_k_dense_replace": 1, "n_routed_experts": 8, "norm_topk_prob": True,
+         "moe_intermediate_size": 20}))
+    with pytest.raises(ValueError, match="norm_topk_prob=True with DeepSeek-V2"):
         load_pretrained(tmp_path, device="cpu")
     # latent or rope widths that do not match the checkpoint's tensors
     for field, value in (("kv_lora_rank", 16), ("qk_rope_head_dim", 4)):
@@ -144,6 +153,12 @@ def test_moe_layers_and_parameters(pair):
         return
     router = next(layer.mlp.gate for layer in ours.model.layers if hasattr(layer.mlp, "gate"))
     x = torch.randn(5, c.hidden_size)
+    if c.architecture == "deepseek_v2":  # softmax probabilities times the scale, no bias
+        assert not hasattr(router, "e_score_correction_bias")
+        weights, ids = router(x)
+        probs = torch.softmax(x @ router.weight.T, dim=-1)
+        torch.testing.assert_close(weights, probs.gather(1, ids) * c.routed_scaling_factor)
+        return
     bias = router.e_score_correction_bias.clone()
     try:
         with torch.no_grad():
@@ -191,7 +206,10 @@ def test_config_errors():
                         "num_experts_per_tok"),
                        (dict(moe_intermediate_size=None), "moe_intermediate_size"),
                        (dict(routed_scaling_factor=0.0), "routed_scaling_factor"),
-                       (dict(architecture="deepseek_v2"), "DeepSeek-V3's")):
+                       (dict(topk_method="greedy"), "topk_method"),
+                       (dict(architecture="deepseek_v2", topk_method="noaux_tc"), "topk_method"),
+                       (dict(architecture="deepseek_v2", norm_topk_prob=True),
+                        "norm_topk_prob")):
         with pytest.raises(ValueError, match=match):
             MLAConfig(**{**moe, **bad})
     with pytest.raises(ValueError, match="kv_lora_rank"):

@@ -22,19 +22,24 @@ whose RoPE pairs are always interleaved) checkpoints (``q_a_proj``,
 ``kv_a_proj_with_mqa``, ``W_UK``/``W_UV`` those of each head in ``kv_b_proj``.
 With ``rope_interleave`` the checkpoint's rope dimensions are pairs ``(2i, 2i+1)``.
 
-From layer ``first_k_dense_replace`` on, a DeepSeek-V3 checkpoint with
-``n_routed_experts`` replaces the dense MLP by a mixture of experts
-(:class:`DeepseekMoE`): ``n_routed_experts`` SwiGLU experts of width
-``moe_intermediate_size``, a router (:class:`DeepseekRouter`), and a shared expert
-every token goes through. The router scores each expert with a sigmoid; a per-expert
-bias (``e_score_correction_bias``, DeepSeek-V3's auxiliary-loss-free load balance,
-adjusted by load at each training step) shifts the scores only for the choice. The experts come in ``n_group``
-groups; a token may pick from the ``topk_group`` groups whose two best (biased)
-scores sum highest, then takes its ``num_experts_per_tok`` best experts there. Their
-unbiased scores, divided by their sum (``norm_topk_prob``) and multiplied by
-``routed_scaling_factor``, weigh the experts' outputs (DeepSeek-AI, 2024,
-"DeepSeek-V3 Technical Report", section 2.1.2). DeepSeek-V2's mixture of experts
-(softmax routing) is not built: its checkpoints load with dense layers only.
+From layer ``first_k_dense_replace`` on, a checkpoint with ``n_routed_experts``
+replaces the dense MLP by a mixture of experts (:class:`DeepseekMoE`):
+``n_routed_experts`` SwiGLU experts of width ``moe_intermediate_size``, a router
+(:class:`DeepseekRouter`), and a shared expert every token goes through. The experts
+come in ``n_group`` groups, and a token may pick its ``num_experts_per_tok`` experts
+only from the ``topk_group`` best groups. The two families route differently:
+
+- DeepSeek-V3 (``topk_method = "noaux_tc"``) scores each expert with a sigmoid. A
+  per-expert bias (``e_score_correction_bias``, its auxiliary-loss-free load balance,
+  adjusted by load at each training step) shifts the scores for the choice only; a
+  group's score is the sum of its two best. The chosen experts' unbiased scores, divided
+  by their sum (``norm_topk_prob``) and multiplied by ``routed_scaling_factor``, weigh
+  their outputs (DeepSeek-AI, 2024, "DeepSeek-V3 Technical Report", section 2.1.2).
+- DeepSeek-V2 scores with a softmax over the experts. ``"greedy"`` takes the top-k of
+  all of them; ``"group_limited_greedy"`` ranks the groups by their best score. The
+  weights are the chosen probabilities times ``routed_scaling_factor``, not renormalised:
+  transformers' ``DeepseekV2ForCausalLM`` does not read ``norm_topk_prob``, so a config
+  that sets it is refused rather than served differently.
 """
 
 from __future__ import annotations
@@ -87,8 +92,9 @@ class MLAConfig:
     first_k_dense_replace: int = 0
     n_group: int = 1
     topk_group: int = 1
-    norm_topk_prob: bool = True
+    norm_topk_prob: bool | None = None  # None: the family's (V3 True, V2 False)
     routed_scaling_factor: float = 1.0
+    topk_method: str | None = None  # None: the family's ("noaux_tc" V3, "greedy" V2)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "rope_scaling", as_rope_scaling(self.rope_scaling))
@@ -106,6 +112,11 @@ class MLAConfig:
         if self.architecture not in MLA_MODEL_TYPES:
             raise ValueError(f"architecture must be one of {tuple(MLA_MODEL_TYPES)}, "
                              f"got {self.architecture!r}")
+        v3 = self.architecture == "deepseek_v3"
+        if self.norm_topk_prob is None:
+            object.__setattr__(self, "norm_topk_prob", v3)
+        if self.topk_method is None:
+            object.__setattr__(self, "topk_method", "noaux_tc" if v3 else "greedy")
         if self.n_routed_experts is not None:
             self._check_moe()
 
@@ -116,17 +127,24 @@ class MLAConfig:
                 raise ValueError(f"{name} must be an int >= {lowest} with n_routed_experts set, "
                                  f"got {v!r}")
             return v
-        if self.architecture != "deepseek_v3":
-            raise ValueError("n_routed_experts: only DeepSeek-V3's mixture of experts is built "
-                             f"(sigmoid routing), not {self.architecture}'s")
+        v3 = self.architecture == "deepseek_v3"
+        methods = ("noaux_tc",) if v3 else ("greedy", "group_limited_greedy")
+        if self.topk_method not in methods:
+            raise ValueError(f"topk_method must be one of {methods} for {self.architecture}, "
+                             f"got {self.topk_method!r}")
+        if not v3 and self.norm_topk_prob:
+            raise ValueError("norm_topk_prob=True with DeepSeek-V2: transformers' "
+                             "DeepseekV2ForCausalLM does not renormalise the top-k weights, "
+                             "and this model follows it; pass norm_topk_prob=False")
         e = positive("n_routed_experts")
         positive("moe_intermediate_size")
         positive("n_shared_experts")
         positive("first_k_dense_replace", 0)
         groups, k = positive("n_group"), positive("num_experts_per_tok")
-        if e % groups or e // groups < 2:
+        least = 2 if v3 else 1  # V3 sums a group's two best scores
+        if e % groups or e // groups < least:
             raise ValueError(f"n_group must divide n_routed_experts = {e} into groups of at "
-                             f"least 2 experts, got n_group = {groups}")
+                             f"least {least} experts, got n_group = {groups}")
         if not 1 <= positive("topk_group") <= groups:
             raise ValueError(f"topk_group must lie in [1, n_group = {groups}], "
                              f"got {self.topk_group}")
@@ -184,7 +202,7 @@ class MLAConfig:
     def from_hf(cls, c: dict) -> MLAConfig:
         """From a Hugging Face ``config.json`` dict of ``DeepseekV3ForCausalLM`` or
         ``DeepseekV2ForCausalLM`` (whose RoPE always takes interleaved pairs);
-        ``ValueError`` naming a field this model does not build (V2's MoE layers, ...)."""
+        ``ValueError`` naming a field this model does not build."""
         archs = c.get("architectures") or [MLA_MODEL_TYPES.get(c.get("model_type"), "?")]
         if len(archs) != 1 or archs[0] not in MLA_ARCHITECTURES:
             raise ValueError(f"unsupported architecture {archs!r}; supported: "
@@ -196,18 +214,15 @@ class MLAConfig:
             raise ValueError(f"first_k_dense_replace must be an int >= 0, got {dense!r}")
         moe = {}
         if dense < layers and c.get("n_routed_experts"):
-            if arch != "deepseek_v3":
-                raise ValueError(f"first_k_dense_replace = {dense} < num_hidden_layers = "
-                                 f"{layers}: DeepSeek-V2's mixture-of-experts layers (softmax "
-                                 "routing) are not built by this model, only DeepSeek-V3's")
-            for field, want in (("scoring_func", "sigmoid"), ("topk_method", "noaux_tc"),
-                                ("moe_layer_freq", 1)):
+            scoring = "sigmoid" if arch == "deepseek_v3" else "softmax"
+            for field, want in (("scoring_func", scoring), ("moe_layer_freq", 1)):
                 if c.get(field) not in (None, want):
                     raise ValueError(f"{field} = {c[field]!r}: only {want!r} is built "
-                                     "(DeepSeek-V3's routing)")
+                                     f"({MLA_MODEL_TYPES[arch]}'s routing)")
             moe = {k: c[k] for k in ("n_routed_experts", "moe_intermediate_size",
                                      "num_experts_per_tok", "n_shared_experts", "n_group",
-                                     "topk_group", "norm_topk_prob", "routed_scaling_factor")
+                                     "topk_group", "norm_topk_prob", "routed_scaling_factor",
+                                     "topk_method")
                    if c.get(k) is not None}
             moe["first_k_dense_replace"] = dense
         elif dense < layers:
@@ -261,7 +276,7 @@ class MLAConfig:
                else {k: getattr(self, k) for k in (
                    "n_routed_experts", "moe_intermediate_size", "num_experts_per_tok",
                    "n_shared_experts", "first_k_dense_replace", "n_group", "topk_group",
-                   "norm_topk_prob", "routed_scaling_factor")}),
+                   "norm_topk_prob", "routed_scaling_factor", "topk_method")}),
         }
 
 
@@ -396,14 +411,16 @@ class MLAttention(nn.Module):
 
 
 class DeepseekRouter(nn.Module):
-    """DeepSeek-V3's router (the module docstring): ``x (T, H)`` -> ``(weights fp32 (T, k),
-    expert ids (T, k))``, scores in fp32."""
+    """DeepSeek-V3's or -V2's router (the module docstring): ``x (T, H)`` ->
+    ``(weights fp32 (T, k), expert ids (T, k))``, scores in fp32."""
 
     def __init__(self, cfg: MLAConfig) -> None:
         super().__init__()
         e, h = cfg.n_routed_experts, cfg.hidden_size
         self.weight = nn.Parameter(torch.empty(e, h))
-        self.register_buffer("e_score_correction_bias", torch.zeros(e))
+        self.method = cfg.topk_method
+        if self.method == "noaux_tc":  # V3's balance bias
+            self.register_buffer("e_score_correction_bias", torch.zeros(e))
         self.top_k, self.groups, self.topk_group = (cfg.num_experts_per_tok, cfg.n_group,
                                                     cfg.topk_group)
         self.normalize, self.scale = cfg.norm_topk_prob, float(cfg.routed_scaling_factor)
@@ -411,28 +428,40 @@ class DeepseekRouter(nn.Module):
     def _apply(self, fn, recurse: bool = True):
         """``.to()``, ``.half()``, ...: the bias keeps fp32 (as transformers keeps it): its
         small differences between experts decide their choice."""
-        old = self.e_score_correction_bias
+        old = getattr(self, "e_score_correction_bias", None)
         out = super()._apply(fn, recurse)
-        new = self.e_score_correction_bias
-        if new.dtype != torch.float32:
+        new = getattr(self, "e_score_correction_bias", None)
+        if new is not None and new.dtype != torch.float32:
             self.e_score_correction_bias = old.to(device=new.device, dtype=torch.float32)
         return out
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        scores = torch.sigmoid(F.linear(x.float(), self.weight.float()))  # (T, E)
-        choice = scores + self.e_score_correction_bias.float()  # the bias moves the choice only
-        t, e = choice.shape
-        per_group = choice.view(t, self.groups, e // self.groups)
-        group_score = per_group.topk(2, dim=-1).values.sum(dim=-1)  # (T, groups)
-        best = group_score.topk(self.topk_group, dim=-1).indices
-        allowed = torch.zeros_like(group_score, dtype=torch.bool).scatter_(1, best, True)
-        choice = choice.masked_fill(~allowed.repeat_interleave(e // self.groups, dim=1),
-                                    float("-inf"))
+        logits = F.linear(x.float(), self.weight.float())  # (T, E)
+        if self.method == "noaux_tc":  # V3
+            scores = torch.sigmoid(logits)
+            choice = scores + self.e_score_correction_bias.float()  # moves the choice only
+            choice = self._open_groups(choice, choice.view(choice.shape[0], self.groups, -1)
+                                       .topk(2, dim=-1).values.sum(dim=-1), float("-inf"))
+        else:  # V2
+            scores = torch.softmax(logits, dim=-1)
+            choice = scores
+            if self.method == "group_limited_greedy":
+                choice = self._open_groups(scores, scores.view(scores.shape[0], self.groups, -1)
+                                           .amax(dim=-1), 0.0)
         ids = choice.topk(self.top_k, dim=-1).indices  # (T, k)
         weights = scores.gather(1, ids)
         if self.normalize:
             weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
         return weights * self.scale, ids
+
+    def _open_groups(self, choice: torch.Tensor, group_score: torch.Tensor,
+                     closed: float) -> torch.Tensor:
+        """``choice (T, E)`` with the experts outside the ``topk_group`` best groups (by
+        ``group_score (T, groups)``) set to ``closed``."""
+        best = group_score.topk(self.topk_group, dim=-1).indices
+        allowed = torch.zeros_like(group_score, dtype=torch.bool).scatter_(1, best, True)
+        per_group = choice.shape[1] // self.groups
+        return choice.masked_fill(~allowed.repeat_interleave(per_group, dim=1), closed)
 
 
 class DeepseekMoE(SparseMoeBlock):
