@@ -151,8 +151,8 @@ def _moe_tile(num_row_blocks, n, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
 
 @triton.jit
 def _moe_gate_up_kernel(
-    x_ptr, w_ptr, w_desc, x_desc, out_ptr, sorted_ptr, expert_ptr, npad_ptr, num_rows, num_row_blocks,
-    top_k, H, I, stride_xm, stride_we, stride_wn, stride_om,
+    x_ptr, w_ptr, w_desc, x_desc, out_ptr, sorted_ptr, expert_ptr, npad_ptr, num_rows,
+    num_row_blocks, top_k, H, I, stride_xm, stride_we, stride_wn, stride_om,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr, TMA: tl.constexpr,
 ):
@@ -365,7 +365,8 @@ def _forward(x, w13, w2, topk_weights, topk_ids, tile: tuple) -> torch.Tensor:
         x, w13, d13, dx, inter, sorted_ids, expert_ids, num_padded, t_ * k, blocks, k, h, i,
         x.stride(0), w13.stride(0), w13.stride(1), inter.stride(0), BLOCK_N=bn1, **launch)
     _moe_down_kernel[(blocks * triton.cdiv(h, bn2),)](
-        inter, w2, d2, dinter, out, weights, topk_ids.reshape(-1), sorted_ids, expert_ids, num_padded,
+        inter, w2, d2, dinter, out, weights, topk_ids.reshape(-1), sorted_ids, expert_ids,
+        num_padded,
         t_ * k, blocks, e, h, i, inter.stride(0), w2.stride(0), w2.stride(1), out.stride(0),
         BLOCK_N=bn2, **launch)
     if k == 1:

@@ -432,7 +432,8 @@ def mla_decode(q_latent: torch.Tensor, q_rope: torch.Tensor, kv_cache: torch.Ten
         kv_cache.stride(0), kv_cache.stride(1), block_tables.stride(0),
         part.stride(0), part.stride(1), part.stride(2), lpart.stride(0), lpart.stride(1),
         out.stride(0), out.stride(1), h, splits, cap, triton.next_power_of_2(max(cap, 1)),
-        triton.next_power_of_2(b), -1 if tma is None else int(tma), LATENT=r, ROPE=dr, PAGE=page, FINAL=final,
+        triton.next_power_of_2(b), -1 if tma is None else int(tma),
+        LATENT=r, ROPE=dr, PAGE=page, FINAL=final,
         UPCAST=upcast(q_latent.dtype), PRECISION=dot_precision(q_latent.dtype),
     )
     if not final:
