@@ -125,7 +125,8 @@ def test_moe_layers_greedy_tokens_match_hf(moe_checkpoint, moe_v2_checkpoint, fa
 def test_unsupported_engine_switches(checkpoint):
     path, _, _ = checkpoint
     for kw, match in ((dict(attention_backend="flash"), "flash"),
-                      (dict(decode_steps=4), "decode_steps")):
+                      (dict(decode_steps=4), "decode_steps"),
+                      (dict(cuda_graphs=True), "cuda_graphs=True needs the model on a CUDA")):
         with pytest.raises(ValueError, match=match):
             LLM(path, device="cpu", dtype=torch.float32, **kw)
 
@@ -153,13 +154,16 @@ def test_kv_capacity_against_gqa_of_the_same_width():
 @pytest.mark.parametrize("name", ["dense", "moe"])
 def test_gpu_defaults(checkpoint, moe_checkpoint, name):
     """On a GPU: fp32 with llmnote's kernels (RoPE, norms, SwiGLU, the MLA decode, the
-    fused MoE) gives transformers' tokens; the plain call (bf16, kernels) runs on the
-    paged kernel."""
+    fused MoE) gives transformers' tokens, with the decode steps replayed from CUDA graphs
+    (the default) and without; the plain call (bf16, kernels) runs on the paged kernel."""
     path, prompts, want = checkpoint if name == "dense" else moe_checkpoint
-    with LLM(path, dtype=torch.float32, block_size=16) as llm:
-        assert llm.runner.backend == "paged" and llm.runner.kv_caches[0].is_cuda
-        outs = llm.generate(prompts, SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0))
-    assert [o.token_ids for o in outs] == want
+    for graphs in (None, False):
+        with LLM(path, dtype=torch.float32, block_size=16, cuda_graphs=graphs) as llm:
+            assert llm.runner.backend == "paged" and llm.runner.kv_caches[0].is_cuda
+            outs = llm.generate(prompts, SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0))
+            assert llm.runner.use_graphs == (graphs is None)
+            assert (llm.runner.num_graph_steps > 0) == (graphs is None)
+        assert [o.token_ids for o in outs] == want, graphs
     with LLM(path) as llm:
         assert llm.runner.kv_caches[0].dtype == torch.bfloat16
         outs = llm.generate(prompts, SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0))

@@ -50,7 +50,7 @@ class CudaGraphs:
         if self.ops.rope is not rope_ref:
             return self.ops.rope
         pos = torch.arange(self.max_model_len, device=self.device)
-        cos, sin = rope_cos_sin(pos, a.head_dim, theta, sc)  # (L, D/2) fp32
+        cos, sin = rope_cos_sin(pos, self._rotary_dim(), theta, sc)  # (L, D/2) fp32
 
         def rope(q, k, positions, *args):
             c, s_ = cos[positions][None, None], sin[positions][None, None]  # (1, 1, T, D/2)
@@ -59,6 +59,10 @@ class CudaGraphs:
             return q, k
 
         return rope
+
+    def _rotary_dim(self) -> int:
+        """The width RoPE turns: the head's (an MLA runner: the rope part's)."""
+        return self.model.model.layers[0].self_attn.head_dim
 
     def _decode_graph_forward(self, b: int, splits: int) -> torch.Tensor:
         """The captured decode forward of the first ``b`` rows of the static buffers."""

@@ -16,10 +16,14 @@ differs. Each layer of a step, on the packed tokens ``(T, hidden)``:
    (:func:`llmnote.ops.attention.mla_decode.mla_decode`) on a GPU, or wherever
    ``attention_backend="paged"``; prefills and the CPU take
    :func:`mla_paged_attention_ref` (bottom-right causal, plain PyTorch);
-4. ``W_UV`` then ``o_proj``, and the dense SwiGLU MLP.
+4. ``W_UV`` then ``o_proj``, and the MLP (dense SwiGLU, or DeepSeek-V3's mixture of
+   experts).
 
-CUDA graphs and multi-step decoding are not built for this runner (every step
-runs eagerly, one decode step per scheduler step).
+On a GPU the decode steps replay CUDA graphs as the other runner's do
+(:mod:`llmnote.engine.cuda_graphs`: static inputs, a scratch block for padded rows, the
+graph of each batch size captured at its first step); the captured forward is
+:meth:`MLAModelRunner._mla_layers` with the paged MLA kernel. Multi-step decoding is
+not built for this runner (one decode step per scheduler step).
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ from llmnote.engine.config import EngineConfig
 from llmnote.engine.kv_cache import choose_num_blocks
 from llmnote.engine.model_runner import ModelRunner
 from llmnote.engine.paged_kernel import _inputs
+from llmnote.engine.step_kernels import feed_step, greedy_tokens
 from llmnote.models.deepseek import DeepseekV3, absorb_weights
 
 
@@ -68,30 +73,41 @@ class MLAModelRunner(ModelRunner):
         self.device, self.dtype = p.device, p.dtype
         self.ops = model.ops.for_device(self.device)
         c = model.config
-        if config.cuda_graphs:
-            raise ValueError("cuda_graphs=True: CUDA graphs are not built for MLA models; "
-                             "pass cuda_graphs=None or False")
+        is_cuda = self.device.type == "cuda" and not device.interpreting()
+        if config.cuda_graphs and not is_cuda:
+            raise ValueError(f"cuda_graphs=True needs the model on a CUDA GPU, but it is on "
+                             f"{self.device}; pass cuda_graphs=None (graphs where possible) or "
+                             "False")
         if config.attention_backend == "flash":
             raise ValueError("attention_backend='flash' does not apply to MLA models; pass "
                              "None, 'reference' or 'paged'")
         if (config.decode_steps or 1) > 1:
             raise ValueError(f"decode_steps={config.decode_steps}: multi-step decoding is not "
                              "built for MLA models; pass None or 1")
-        self.use_graphs, self.use_gemv, self.use_w4, self.decode_steps = False, False, False, 1
+        on_gpu = device.on_gpu() and self.device.type == "cuda"
+        self.backend = config.attention_backend or ("paged" if on_gpu else "reference")
+        # graphs capture the paged kernel's decode; the reference reads the host
+        self.use_graphs = is_cuda and config.cuda_graphs is not False and \
+            self.backend == "paged"
+        if config.cuda_graphs and not self.use_graphs:
+            raise ValueError("cuda_graphs=True captures the paged MLA kernel: pass "
+                             "attention_backend=None or 'paged'")
+        self.use_gemv, self.use_w4, self.decode_steps = False, False, 1
         self.max_model_len = min(config.max_model_len or 10**12, c.max_position_embeddings)
         self.num_blocks = choose_num_blocks(model, config, self.dtype, self.device,
                                             self.max_model_len)
         self.max_model_len = min(self.max_model_len, self.num_blocks * config.block_size)
-        shape = (self.num_blocks, config.block_size, c.latent_dim)
+        # with graphs, one more block: the scratch block that padded rows write to
+        shape = (self.num_blocks + self.use_graphs, config.block_size, c.latent_dim)
         self.kv_caches = [torch.zeros(shape, dtype=self.dtype, device=self.device)
                           for _ in range(c.num_hidden_layers)]
-        on_gpu = device.on_gpu() and self.device.type == "cuda"
-        self.backend = config.attention_backend or ("paged" if on_gpu else "reference")
         self.generators: dict[int, torch.Generator] = {}
         self.default_generator = torch.Generator(device=self.device).manual_seed(config.seed)
         self.graphs, self.num_graph_steps, self.num_decode_runs = {}, 0, 0
         self.absorbed = [absorb_weights(layer.self_attn.kv_b_proj.weight, c.num_attention_heads,
                                         c.qk_nope_head_dim) for layer in model.model.layers]
+        if self.use_graphs:
+            self._init_graphs()
         self._cold = self.device.type == "cuda"  # the first step compiles in parallel first
 
     def _attend(self, i: int, q_lat: torch.Tensor, q_rope: torch.Tensor,
@@ -106,29 +122,62 @@ class MLAModelRunner(ModelRunner):
                               validate=False)
         return mla_paged_attention_ref(q_lat, q_rope, self.kv_caches[i], meta, scale)
 
-    @torch.no_grad()
-    def forward(self, ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-                logits_rows: list[int]) -> torch.Tensor:
-        """ids, positions: (T,) -> logits (len(logits_rows), vocab) of the chosen rows."""
+    def _mla_layers(self, ids: torch.Tensor, positions: torch.Tensor,
+                    slot_mapping: torch.Tensor, attend, rope=None) -> torch.Tensor:
+        """The decoder on packed tokens ``ids (T,)`` -> ``(T, hidden)`` before the final
+        norm; ``attend(layer, q_lat (T, H, r), q_rope (T, H, dr)) -> (T, H, r)`` reads the
+        latent cache after this step's rows are written; ``rope`` replaces the model's."""
         decoder = self.model.model
         x = decoder.embed_tokens(ids)  # (T, hidden)
         t = ids.shape[0]
         for i, layer in enumerate(decoder.layers):
             a = layer.self_attn
-            q_nope, q_rope, c, k_rope = a.project(layer.input_layernorm(x)[None], positions)
+            q_nope, q_rope, c, k_rope = a.project(layer.input_layernorm(x)[None], positions,
+                                                  rope)
             rows = torch.cat([c[0], k_rope[0]], dim=-1)  # (T, r + dr)
-            self.kv_caches[i].view(-1, rows.shape[-1])[meta.slot_mapping] = rows.to(self.dtype)
+            self.kv_caches[i].view(-1, rows.shape[-1])[slot_mapping] = rows.to(self.dtype)
             w_uk, w_uv = self.absorbed[i]
             q_lat = torch.einsum("htd,hdr->thr", q_nope[0], w_uk).contiguous()  # (T, H, r)
-            o_lat = self._attend(i, q_lat, q_rope[0].transpose(0, 1).contiguous(), meta)
+            o_lat = attend(i, q_lat, q_rope[0].transpose(0, 1).contiguous())
             o = torch.einsum("thr,hdr->thd", o_lat, w_uv)  # (T, H, dv)
             x = x + a.o_proj(o.reshape(t, -1))
             x = x + layer.mlp(layer.post_attention_layernorm(x))
-        if len(logits_rows) < t:
+        return x
+
+    @torch.no_grad()
+    def forward(self, ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                logits_rows: list[int]) -> torch.Tensor:
+        """ids, positions: (T,) -> logits (len(logits_rows), vocab) of the chosen rows."""
+        x = self._mla_layers(ids, positions, meta.slot_mapping,
+                             lambda i, q_lat, q_rope: self._attend(i, q_lat, q_rope, meta))
+        if len(logits_rows) < x.shape[0]:
             x = x[torch.tensor(logits_rows, dtype=torch.long, device=x.device)]
-        return self.model.lm_head(decoder.norm(x))
+        return self.model.lm_head(self.model.model.norm(x))
+
+    # ------------------------------------------------------------ CUDA graphs
+    def _rotary_dim(self) -> int:
+        return self.model.config.qk_rope_head_dim
+
+    def _splits(self, b: int) -> int:
+        """Unused: :func:`~llmnote.ops.attention.mla_decode.mla_decode` takes its split
+        count from the block tables' width (``max_model_len``), the same at every step."""
+        return 0
+
+    def _decode_graph_forward(self, b: int, splits: int) -> torch.Tensor:
+        """The captured decode forward of the first ``b`` rows of the static buffers."""
+        from llmnote.ops.attention.mla_decode import mla_decode
+
+        scale = self.model.config.softmax_scale
+        feed_step(self.g_in, self.g_step.tokens, self.g_step.step, self.config.max_num_seqs, b)
+        tables, ctx = self.g_tables[:b], self.g_ctx[:b]
+        x = self._mla_layers(
+            self.g_ids[:b], self.g_pos[:b], self.g_slots[:b],
+            lambda i, q_lat, q_rope: mla_decode(q_lat, q_rope, self.kv_caches[i], tables, ctx,
+                                                scale, validate=False), self._rope)
+        logits = self.model.lm_head(self.model.model.norm(x))  # (b, vocab)
+        greedy_tokens(logits, self.g_step)
+        return logits
 
     def close(self) -> None:
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
+        super().close()  # the graphs and their buffers
         self.kv_caches, self.absorbed = [], []

@@ -370,10 +370,11 @@ class MLAttention(nn.Module):
         self.rope_args = (cfg.rope_theta, cfg.rope_interleave, cfg.rope_scaling)
         self.absorb = False
 
-    def project(self, x: torch.Tensor, positions: torch.Tensor
+    def project(self, x: torch.Tensor, positions: torch.Tensor, rope=None
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """``x (B, S, hidden)`` -> ``q_nope (B, H, S, dn)``, ``q_rope (B, H, S, dr)``,
-        ``c (B, S, r)``, ``k_rope (B, S, dr)``, RoPE applied to the rope parts."""
+        ``c (B, S, r)``, ``k_rope (B, S, dr)``, RoPE applied to the rope parts (by ``rope``
+        if given, the ops' otherwise)."""
         b, s, _ = x.shape
         q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x))) if self.q_lora else self.q_proj(x)
         q = q.view(b, s, self.n_heads, self.dn + self.dr).transpose(1, 2)  # (B, H, S, dn + dr)
@@ -381,7 +382,7 @@ class MLAttention(nn.Module):
         ckv = self.kv_a_proj_with_mqa(x)  # (B, S, r + dr)
         c = self.kv_a_layernorm(ckv[..., :self.r])
         k_rope = ckv[..., self.r:][:, None].contiguous()  # (B, 1, S, dr)
-        self.ops.rope(q_rope, k_rope, positions, *self.rope_args)  # in place
+        (rope or self.ops.rope)(q_rope, k_rope, positions, *self.rope_args)  # in place
         return q_nope, q_rope, c, k_rope[:, 0]
 
     def attend(self, q_nope: torch.Tensor, q_rope: torch.Tensor, c: torch.Tensor,
