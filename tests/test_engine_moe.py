@@ -103,3 +103,20 @@ def test_moe_preset_by_name():
                                                    ignore_eos=True), use_tqdm=False)
     assert len(out[0].token_ids) == 4
     assert hasattr(llm.model.model.layers[0].mlp, "experts")
+
+
+def test_graphs_refuse_the_reference_moe():
+    """The reference MoE waits for the GPU (``torch.where``), so a decode step that runs it
+    cannot be captured: ``cuda_graphs=None`` runs it eagerly, ``True`` says why it cannot."""
+    from llmnote.engine.cuda_graphs import graph_blocker, use_graphs
+
+    model = Llama(get_preset("qwen3-moe-tiny"), ops=reference_ops())
+    fused = dataclasses.replace(reference_ops(), moe=fused_moe)
+    dense = Llama(get_preset("llama-tiny"), ops=reference_ops())
+    assert "fused_moe_ref" in graph_blocker(model, model.ops)
+    assert graph_blocker(model, fused) is None and graph_blocker(dense, dense.ops) is None
+    assert use_graphs(model, model.ops, None, is_cuda=True) is False
+    assert use_graphs(model, fused, None, is_cuda=True) is True
+    assert use_graphs(model, fused, None, is_cuda=False) is False
+    with pytest.raises(ValueError, match="cuda_graphs=True cannot capture.*fused_moe_ref"):
+        use_graphs(model, model.ops, True, is_cuda=True)

@@ -30,6 +30,33 @@ from llmnote.ops._pdl import dependent_launches
 GRAPH_BATCH_SIZES = tuple(2**i for i in range(16))  # captured: those < max_num_seqs, and it
 
 
+def graph_blocker(model: torch.nn.Module, ops) -> str | None:
+    """Why the decode step of ``model`` run with ``ops`` cannot be captured, or None.
+
+    The reference mixture of experts, :func:`~llmnote.ops.moe.fused_moe_ref`, finds each
+    expert's tokens with ``torch.where``, which waits for the GPU: a capture refuses it."""
+    from llmnote.models.moe import SparseMoeBlock
+    from llmnote.ops.moe import fused_moe_ref
+
+    if ops.moe is fused_moe_ref and any(isinstance(m, SparseMoeBlock) for m in model.modules()):
+        return ("its mixture-of-experts layers run the reference fused_moe_ref, which waits for "
+                "the GPU (torch.where)")
+    return None
+
+
+def use_graphs(model: torch.nn.Module, ops, cuda_graphs: bool | None, is_cuda: bool) -> bool:
+    """Whether a runner captures its decode steps: ``cuda_graphs`` True or None (where the
+    model is on a CUDA GPU and its ops can be captured); True where they cannot raises."""
+    if cuda_graphs is False or not is_cuda:
+        return False
+    why = graph_blocker(model, ops)
+    if why is not None and cuda_graphs:
+        raise ValueError(f"cuda_graphs=True cannot capture this model's decode step: {why}; "
+                         "pass ops with llmnote.ops.moe.fused_moe, or cuda_graphs=None "
+                         "(graphs where possible) or False")
+    return why is None
+
+
 class CudaGraphs:
     """Capture and replay of :class:`~llmnote.engine.model_runner.ModelRunner`'s decode
     step (it provides ``_layers``, ``_logits`` and the caches)."""

@@ -33,6 +33,7 @@ import torch
 from llmnote import device
 from llmnote.engine.attention import AttentionMetadata
 from llmnote.engine.config import EngineConfig
+from llmnote.engine.cuda_graphs import use_graphs
 from llmnote.engine.kv_cache import choose_num_blocks
 from llmnote.engine.model_runner import ModelRunner
 from llmnote.engine.paged_kernel import _inputs
@@ -87,11 +88,11 @@ class MLAModelRunner(ModelRunner):
         on_gpu = device.on_gpu() and self.device.type == "cuda"
         self.backend = config.attention_backend or ("paged" if on_gpu else "reference")
         # graphs capture the paged kernel's decode; the reference reads the host
-        self.use_graphs = is_cuda and config.cuda_graphs is not False and \
-            self.backend == "paged"
-        if config.cuda_graphs and not self.use_graphs:
+        if config.cuda_graphs and self.backend != "paged":
             raise ValueError("cuda_graphs=True captures the paged MLA kernel: pass "
                              "attention_backend=None or 'paged'")
+        self.use_graphs = self.backend == "paged" and \
+            use_graphs(model, self.ops, config.cuda_graphs, is_cuda)
         self.use_gemv, self.use_w4, self.decode_steps = False, False, 1
         self.max_model_len = min(config.max_model_len or 10**12, c.max_position_embeddings)
         self.num_blocks = choose_num_blocks(model, config, self.dtype, self.device,

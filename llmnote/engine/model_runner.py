@@ -29,7 +29,7 @@ from llmnote import device
 from llmnote.engine.attention import BACKENDS, AttentionMetadata, write_kv
 from llmnote.engine.batch1 import Batch1Paths
 from llmnote.engine.config import GRAPH_DECODE_STEPS, EngineConfig
-from llmnote.engine.cuda_graphs import GRAPH_BATCH_SIZES, CudaGraphs  # noqa: F401 (re-exported)
+from llmnote.engine.cuda_graphs import GRAPH_BATCH_SIZES, CudaGraphs, use_graphs  # noqa: F401
 from llmnote.engine.fused_weights import _fuse, _project
 from llmnote.engine.graph_tuning import GraphTuning
 from llmnote.engine.kv_cache import choose_num_blocks, kv_bytes_per_block  # noqa: F401
@@ -73,7 +73,7 @@ class ModelRunner(CudaGraphs, GraphTuning, MultiStep, Batch1Paths):
             raise ValueError(f"cuda_graphs=True needs the model on a CUDA GPU, but it is on "
                              f"{self.device}; pass cuda_graphs=None (graphs where possible) or "
                              "False")
-        self.use_graphs = is_cuda and config.cuda_graphs is not False
+        self.use_graphs = use_graphs(model, self.ops, config.cuda_graphs, is_cuda)
         # multi-step decoding: the most decode steps one call of launch_steps may take
         self.decode_steps = config.decode_steps or (GRAPH_DECODE_STEPS if self.use_graphs else 1)
         self.num_blocks = choose_num_blocks(model, config, self.dtype, self.device,
