@@ -7,7 +7,8 @@ sets it; ``tools/chapter_times.py`` merges such files into
 ``llmnote/data/results/chapters.csv``.
 
 Under pytest-xdist (``-n``), a notebook's cells share one kernel, so they must run in
-one worker: xdist's default distribution (``load``) is replaced by ``loadfile``."""
+one worker: xdist's default distribution (``load``), and ``worksteal`` when notebooks
+are collected, are replaced by ``loadfile``."""
 
 from __future__ import annotations
 
@@ -39,13 +40,25 @@ def pytest_configure(config):
         torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 
+def runs_notebooks(config) -> bool:
+    """Whether this run collects notebooks: an argument (or, with none, a ``testpaths``
+    entry) that is a ``.ipynb`` file or a folder holding one."""
+    for arg in config.args:
+        p = Path(str(arg).split("::")[0])
+        if p.suffix == ".ipynb" or (p.is_dir() and next(p.rglob("*.ipynb"), None)):
+            return True
+    return False
+
+
 @pytest.hookimpl(optionalhook=True)  # (a hook of xdist's, which may not be installed)
 def pytest_xdist_make_scheduler(config, log):
     """``-n`` alone (``--dist load``) would send a notebook's cells to different workers,
     each with its own kernel, where a cell misses the names the cells before it defined:
-    each file (notebook or test module) goes to one worker instead. Other ``--dist``
-    modes are kept."""
-    if config.getvalue("dist") == "load":
+    each file (notebook or test module) goes to one worker instead. ``--dist worksteal``
+    would too, so it does the same when the run collects notebooks (and steals single
+    tests otherwise). Other ``--dist`` modes are kept."""
+    dist = config.getvalue("dist")
+    if dist == "load" or (dist == "worksteal" and runs_notebooks(config)):
         from xdist.scheduler import LoadFileScheduling
 
         return LoadFileScheduling(config, log)

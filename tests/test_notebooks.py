@@ -183,3 +183,46 @@ def test_setup_page_shows_the_recorded_chapter_times():
     for (provider, gpu), rows in df.groupby(["provider", "gpu_name"]):  # each GPU: a part
         assert set(rows["llmnote_sha"].astype(str)), f"{provider} on {gpu}: rows name no commit"
     assert recorded <= chapters, f"times for notebooks that are gone: {sorted(recorded - chapters)}"
+
+
+def test_parallel_runs_keep_a_notebooks_cells_in_one_worker(tmp_path, monkeypatch):
+    """Under pytest-xdist a notebook's cells share one kernel: the root conftest sends each
+    file to one worker for ``--dist load`` always and for ``worksteal`` when notebooks are
+    collected (a worksteal run of the chapters once split them, and most cells failed on
+    names their notebook's earlier cells define in another worker)."""
+    from types import SimpleNamespace
+
+    spec = importlib.util.spec_from_file_location("root_conftest", ROOT / "conftest.py")
+    root = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(root)
+    (tmp_path / "nb").mkdir()
+    (tmp_path / "nb" / "deep").mkdir()
+    (tmp_path / "nb" / "deep" / "a.ipynb").write_text("{}")
+    (tmp_path / "t").mkdir()
+    (tmp_path / "t" / "test_a.py").write_text("")
+    monkeypatch.chdir(tmp_path)
+    runs = [root.runs_notebooks(SimpleNamespace(args=a))
+            for a in (["nb"], ["t"], ["t", "nb/deep/a.ipynb::Cell 3"], ["t/test_a.py::test_x"])]
+    assert runs == [True, False, True, False]
+
+
+def test_the_scheduler_each_dist_mode_gets(tmp_path, monkeypatch):
+    """(The hook of the test above, with pytest-xdist installed.)"""
+    from types import SimpleNamespace
+
+    scheduling = pytest.importorskip("xdist.scheduler")
+    spec = importlib.util.spec_from_file_location("root_conftest", ROOT / "conftest.py")
+    root = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(root)
+    (tmp_path / "nb").mkdir()
+    (tmp_path / "nb" / "a.ipynb").write_text("{}")
+    (tmp_path / "t").mkdir()
+    monkeypatch.chdir(tmp_path)
+    for dist, args, want in (("load", ["t"], True), ("worksteal", ["nb"], True),
+                             ("worksteal", ["t"], False), ("each", ["nb"], False)):
+        config = SimpleNamespace(args=args, getvalue=lambda name, d=dist: d)
+        if want:
+            assert isinstance(root.pytest_xdist_make_scheduler(config, None),
+                              scheduling.LoadFileScheduling)
+        else:
+            assert root.pytest_xdist_make_scheduler(config, None) is None
