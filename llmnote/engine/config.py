@@ -11,7 +11,9 @@ Every field is checked in ``__post_init__`` (``ValueError``).
   budget in one step, so the budget must be at least ``max_model_len``.
 * **CUDA graphs** (``cuda_graphs``): ``None`` captures the decode step when the model is on a CUDA
   GPU, else runs eagerly; ``True`` is refused (``ValueError`` at build) off one; ``False``: always
-  eager. Graphs exist for batch 1, 2, 4, 8, ... below ``max_num_seqs`` and for it; a ``B``-sequence
+  eager. A mixture of experts run by the reference ``fused_moe_ref`` (``ops=reference_ops()``)
+  waits for the GPU, so it cannot be captured: ``None`` then runs eagerly, ``True`` is refused.
+  Graphs exist for batch 1, 2, 4, 8, ... below ``max_num_seqs`` and for it; a ``B``-sequence
   step replays the smallest graph of at least ``B``, padded rows writing to a scratch block.
 * **Multi-step decoding** (``decode_steps``): when every running sequence decodes and none waits,
   up to ``decode_steps`` steps run back to back on the device, tokens read by the host once at the
@@ -58,7 +60,7 @@ class EngineConfig:
     attention_backend: str | None = None  # "reference" | "flash" | "paged"; None: see
     # model_runner.default_backend (paged on a GPU where its shapes allow, else flash)
     seed: int = 0  # the generator of requests that carry no seed of their own
-    cuda_graphs: bool | None = None  # None: on when the model is on a CUDA GPU
+    cuda_graphs: bool | None = None  # None: on where the model is on a CUDA GPU and capturable
     decode_steps: int | None = None  # None: 8 with CUDA graphs, else 1
     async_scheduling: bool = True  # queue the next decode run before reading this one
     dependent_launches: bool = True  # PDL between the graph's kernels (Hopper+; llmnote.ops._pdl)
