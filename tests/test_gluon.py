@@ -267,11 +267,14 @@ def test_benchmark_suite_runs_tiny_and_summarises():
     assert set(mm["shape"]) == {"square", "linear"} and set(mm["layer"]) == {"", "o"}
     assert "llmnote" in set(mm.provider) and ("llmnote-gluon" in set(mm.provider)) == on_hopper
     w4 = df[df.bench == S.W4_BENCH]
-    assert {"llmnote", "torch-linear"} <= set(w4.provider)
+    assert {"llmnote", "torch-linear", "read-packed-bytes"} <= set(w4.provider)
     bw = w4[(w4.metric == "bandwidth") & (w4.provider == "llmnote")]
     t = w4[(w4.metric == "time") & (w4.provider == "llmnote")]
     packed = 128 * 16 // 2 + 2 * (128 // 64) * 16 * 2  # codes + bf16 scales and zeros
     assert float(bw.p50.iloc[0]) == pytest.approx(packed / (float(t.p50.iloc[0]) * 1e-3) / 1e9)
+    assert S.packed_bytes(16, 128, torch.bfloat16, 64) == packed
+    read = w4[w4.provider == "read-packed-bytes"]
+    assert set(read.weight_bytes.astype(int)) == {packed}  # the packed layer's bytes
     assert "torch" in set(df[df.bench == S.COPY_BENCH].provider)
     assert {"copy", "matmul-bf16"} <= set(df[df.bench == "ceiling"].provider)
 

@@ -20,8 +20,9 @@ of codes, scales and zero points in flight instead of one; ``-repacked-single`` 
 ``-single-ahead4-float`` also decoding the codes as fp32 bit patterns,
 ``-single-ahead4-float-overlap`` also leaving each step's product in flight)
 vs ``llmnote`` (the Triton :func:`llmnote.quant.kernels.w4a16_linear`, tuned on its first
-call) vs ``torch-linear`` (``F.linear`` on the bf16 weight), the same Llama-3-8B layers at batch 1 and 16, group
-128 (RTN); bandwidth = bytes of the weight as each provider reads it (packed codes,
+call) vs ``torch-linear`` (``F.linear`` on the bf16 weight) vs ``read-packed-bytes`` (``torch.sum``
+over as many bytes as the packed layer: a read alone, with a launch's fixed costs, at that
+size), the same Llama-3-8B layers at batch 1 and 16, group 128 (RTN); bandwidth = bytes of the weight as each provider reads it (packed codes,
 scales and zeros; 2 N K for bf16) / time. Copy (``bench = "gluon-copy"``): ``llmnote-gluon``
 (:func:`llmnote.ops.gluon.copy`) vs ``torch`` (``dst.copy_(src)``), 1 MiB to 1 GiB;
 bandwidth = bytes read + written per second. Ceiling rows (copy bandwidth, bf16
@@ -161,6 +162,12 @@ def _w4_providers(n: int, k: int, dtype: torch.dtype, group: int) -> dict:
         x = torch.randn(m, k, device=dev).to(dtype)
         return lambda: F.linear(x, w16)
 
+    def read(m):  # one kernel that only reads as many bytes as the packed layer (codes,
+        # scales, zero points): what a read alone reaches at this size, the fixed costs of
+        # a launch included, against which a batch-1 kernel's share of copy is set
+        flat = torch.randn(packed_bytes(n, k, dtype, group) // 2, device=dev).to(torch.bfloat16)
+        return flat.sum
+
     return {"llmnote-gluon": gluon_factory,
             # the defaults: two codes at a time into a 16-bit pair, dequantized in the
             # tile's dtype
@@ -185,7 +192,14 @@ def _w4_providers(n: int, k: int, dtype: torch.dtype, group: int) -> dict:
             "llmnote-gluon-repacked-single-ahead4-float-overlap": repacked(
                 "llmnote-gluon-repacked-single-ahead4-float-overlap", ahead=4, float_codes=True,
                 overlap=True, pairs=False),
-            "llmnote": checked(triton_w4a16, "llmnote"), "torch-linear": linear}
+            "llmnote": checked(triton_w4a16, "llmnote"), "torch-linear": linear,
+            "read-packed-bytes": read}
+
+
+def packed_bytes(n: int, k: int, dtype: torch.dtype, group: int) -> int:
+    """Bytes of an ``(N, K)`` layer packed as W4A16: int4 codes, a scale and a zero point
+    of ``dtype`` per group of ``group`` channels and column."""
+    return k * n // 2 + 2 * (k // group) * n * torch.empty((), dtype=dtype).element_size()
 
 
 def run(quick: bool = False, dtype: torch.dtype = torch.bfloat16, square: list[int] | None = None,
@@ -219,7 +233,7 @@ def run(quick: bool = False, dtype: torch.dtype = torch.bfloat16, square: list[i
                                 "dtype": dtype_name(dtype), "M": m, "N": n, "K": k, "shape": "linear",
                                 "layer": layer}))
     for layer, (n, k) in layers.items():
-        packed = k * n // 2 + 2 * (k // w4_group) * n * torch.empty((), dtype=dtype).element_size()
+        packed = packed_bytes(n, k, dtype, w4_group)
         providers = _w4_providers(n, k, dtype, w4_group)
         unknown = sorted(set(w4_providers or ()) - set(providers))
         if unknown:
