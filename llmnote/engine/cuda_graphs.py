@@ -47,6 +47,10 @@ def graph_blocker(model: torch.nn.Module, ops) -> str | None:
 def use_graphs(model: torch.nn.Module, ops, cuda_graphs: bool | None, is_cuda: bool) -> bool:
     """Whether a runner captures its decode steps: ``cuda_graphs`` True or None (where the
     model is on a CUDA GPU and its ops can be captured); True where they cannot raises."""
+    if cuda_graphs and not is_cuda:
+        device = next(model.parameters()).device
+        raise ValueError(f"cuda_graphs=True needs the model on a CUDA GPU, but it is on "
+                         f"{device}; pass cuda_graphs=None (graphs where possible) or False")
     if cuda_graphs is False or not is_cuda:
         return False
     why = graph_blocker(model, ops)

@@ -75,10 +75,7 @@ class MLAModelRunner(ModelRunner):
         self.ops = model.ops.for_device(self.device)
         c = model.config
         is_cuda = self.device.type == "cuda" and not device.interpreting()
-        if config.cuda_graphs and not is_cuda:
-            raise ValueError(f"cuda_graphs=True needs the model on a CUDA GPU, but it is on "
-                             f"{self.device}; pass cuda_graphs=None (graphs where possible) or "
-                             "False")
+        graphs = use_graphs(model, self.ops, config.cuda_graphs, is_cuda)
         if config.attention_backend == "flash":
             raise ValueError("attention_backend='flash' does not apply to MLA models; pass "
                              "None, 'reference' or 'paged'")
@@ -91,8 +88,7 @@ class MLAModelRunner(ModelRunner):
         if config.cuda_graphs and self.backend != "paged":
             raise ValueError("cuda_graphs=True captures the paged MLA kernel: pass "
                              "attention_backend=None or 'paged'")
-        self.use_graphs = self.backend == "paged" and \
-            use_graphs(model, self.ops, config.cuda_graphs, is_cuda)
+        self.use_graphs = graphs and self.backend == "paged"
         self.use_gemv, self.use_w4, self.decode_steps = False, False, 1
         self.max_model_len = min(config.max_model_len or 10**12, c.max_position_embeddings)
         self.num_blocks = choose_num_blocks(model, config, self.dtype, self.device,

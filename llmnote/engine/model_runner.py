@@ -69,10 +69,6 @@ class ModelRunner(CudaGraphs, GraphTuning, MultiStep, Batch1Paths):
         c = model.config
         self.max_model_len = min(config.max_model_len or 10**12, c.max_position_embeddings)
         is_cuda = self.device.type == "cuda" and not device.interpreting()
-        if config.cuda_graphs and not is_cuda:
-            raise ValueError(f"cuda_graphs=True needs the model on a CUDA GPU, but it is on "
-                             f"{self.device}; pass cuda_graphs=None (graphs where possible) or "
-                             "False")
         self.use_graphs = use_graphs(model, self.ops, config.cuda_graphs, is_cuda)
         # multi-step decoding: the most decode steps one call of launch_steps may take
         self.decode_steps = config.decode_steps or (GRAPH_DECODE_STEPS if self.use_graphs else 1)
