@@ -61,6 +61,13 @@ MLA_MODEL_TYPES = {v: k for k, v in MLA_ARCHITECTURES.items()}
 
 
 # ---------------------------------------------------------------- config
+# MLAConfig's mixture-of-experts fields read from and written to config.json as they are
+# (first_k_dense_replace, which also says where the dense layers end, is read apart)
+MOE_FIELDS = ("n_routed_experts", "moe_intermediate_size", "num_experts_per_tok",
+              "n_shared_experts", "n_group", "topk_group", "norm_topk_prob",
+              "routed_scaling_factor", "topk_method")
+
+
 @dataclass(frozen=True)
 class MLAConfig:
     """Shapes of a DeepSeek-V3-style model: MLA attention, dense SwiGLU layers, and with
@@ -219,11 +226,7 @@ class MLAConfig:
                 if c.get(field) not in (None, want):
                     raise ValueError(f"{field} = {c[field]!r}: only {want!r} is built "
                                      f"({MLA_MODEL_TYPES[arch]}'s routing)")
-            moe = {k: c[k] for k in ("n_routed_experts", "moe_intermediate_size",
-                                     "num_experts_per_tok", "n_shared_experts", "n_group",
-                                     "topk_group", "norm_topk_prob", "routed_scaling_factor",
-                                     "topk_method")
-                   if c.get(k) is not None}
+            moe = {k: c[k] for k in MOE_FIELDS if c.get(k) is not None}
             moe["first_k_dense_replace"] = dense
         elif dense < layers:
             raise ValueError(f"first_k_dense_replace = {dense} < num_hidden_layers = {layers} "
@@ -273,10 +276,7 @@ class MLAConfig:
             "num_key_value_heads": self.num_attention_heads, "hidden_act": "silu",
             "rope_parameters": rope,
             **({"first_k_dense_replace": self.num_hidden_layers} if self.n_routed_experts is None
-               else {k: getattr(self, k) for k in (
-                   "n_routed_experts", "moe_intermediate_size", "num_experts_per_tok",
-                   "n_shared_experts", "first_k_dense_replace", "n_group", "topk_group",
-                   "norm_topk_prob", "routed_scaling_factor", "topk_method")}),
+               else {k: getattr(self, k) for k in ("first_k_dense_replace", *MOE_FIELDS)}),
         }
 
 
