@@ -185,6 +185,14 @@ def test_setup_page_shows_the_recorded_chapter_times():
     assert recorded <= chapters, f"times for notebooks that are gone: {sorted(recorded - chapters)}"
 
 
+def _root_conftest():
+    """The repository's root ``conftest.py`` as a module of its own."""
+    spec = importlib.util.spec_from_file_location("root_conftest", ROOT / "conftest.py")
+    root = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(root)
+    return root
+
+
 def test_parallel_runs_keep_a_notebooks_cells_in_one_worker(tmp_path, monkeypatch):
     """Under pytest-xdist a notebook's cells share one kernel: the root conftest sends each
     file to one worker for ``--dist load`` always and for ``worksteal`` when notebooks are
@@ -192,9 +200,7 @@ def test_parallel_runs_keep_a_notebooks_cells_in_one_worker(tmp_path, monkeypatc
     names their notebook's earlier cells define in another worker)."""
     from types import SimpleNamespace
 
-    spec = importlib.util.spec_from_file_location("root_conftest", ROOT / "conftest.py")
-    root = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(root)
+    root = _root_conftest()
     (tmp_path / "nb").mkdir()
     (tmp_path / "nb" / "deep").mkdir()
     (tmp_path / "nb" / "deep" / "a.ipynb").write_text("{}")
@@ -211,9 +217,7 @@ def test_the_scheduler_each_dist_mode_gets(tmp_path, monkeypatch):
     from types import SimpleNamespace
 
     scheduling = pytest.importorskip("xdist.scheduler")
-    spec = importlib.util.spec_from_file_location("root_conftest", ROOT / "conftest.py")
-    root = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(root)
+    root = _root_conftest()
     (tmp_path / "nb").mkdir()
     (tmp_path / "nb" / "a.ipynb").write_text("{}")
     (tmp_path / "t").mkdir()
