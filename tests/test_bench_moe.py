@@ -8,6 +8,7 @@ from llmnote import device
 from llmnote.bench.suites import SUITES
 from llmnote.bench.suites import moe as S
 from llmnote.models import Llama, get_preset
+from llmnote.ops import moe_few_tokens as FT
 
 
 def test_tiny_layer_sweep_records_every_metric():
@@ -25,11 +26,14 @@ def test_tiny_layer_sweep_records_every_metric():
     assert set(layer[layer.provider != "llmnote"].l2_flush) <= {"read"}
     assert set(layer[layer.provider == "llmnote"].l2_flush) == (
         {"read", "write"} if device.on_gpu() else {"read"})
-    # the tile the tuner chose, on llmnote's rows only (the interpreter's one tile at 5
-    # tokens; 1 token takes the few-token path, which has none)
+    # the tile the tuner chose, on llmnote's rows only: at 1 token the few-token path's pair
+    # of tiles, at 5 the sorted path's (the interpreter's one tile of each)
     assert set(layer[layer.provider != "llmnote"].tile) == {""}
     ours = layer[layer.provider == "llmnote"]
-    assert set(ours[ours.x_value == 1].tile) == {""} and "" not in set(ours[ours.x_value == 5].tile)
+    few = ours[ours.x_value == 1].tile
+    tiles = [FT.INTERPRETER_TILE] if device.interpreting() else FT.TILES
+    assert len(set(few)) == 1 and set(few) <= {str(t) for t in tiles}
+    assert "" not in set(ours[ours.x_value == 5].tile)
     assert set(df[df.bench == "ceiling"].provider) == {"copy"}
     assert len(S.summary(df)) == 4  # per size: speed-up over the best peer, roofline fraction
 

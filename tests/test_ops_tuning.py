@@ -187,3 +187,8 @@ def test_two_passes_cancel_a_steady_clock_drift(monkeypatch):
     assert two.tune("k", ["a", "bad", "b", "c"], launch, timing=True) == "c"
     assert calls == ["a", "bad", "b", "c", "c", "b", "a"]
     assert [c for c, _ in sorted(two.log["k"], key=lambda e: e[1])] == ["c", "b", "a"]
+
+
+def test_a_cache_names_a_flush_it_knows():
+    with pytest.raises(ValueError, match="l2_flush: expected 'write' or 'read', got 'cold'"):
+        TuneCache("test-bad-flush", l2_flush="cold")

@@ -68,12 +68,17 @@ class TuneCache:
     candidate over two passes, where one pass would time the last ones slowest.
     ``retime``: how many of the fastest are then timed once more, each keeping the smaller
     of its two times (a few-microsecond kernel times noisily). ``keep``: how many of the
-    fastest :meth:`candidates` returns (None: all that ran)."""
+    fastest :meth:`candidates` returns (None: all that ran). ``l2_flush``: how the L2 is
+    emptied before each timed call, ``"write"`` (``do_bench``'s) or ``"read"`` (see
+    :func:`llmnote.bench.harness.measure`; the launch's host cost then hidden as there)."""
 
     def __init__(self, name: str, *, passes: int = 1, retime: int = 0,
-                 keep: int | None = None) -> None:
+                 keep: int | None = None, l2_flush: str = "write") -> None:
+        if l2_flush not in ("write", "read"):
+            raise ValueError(f"l2_flush: expected 'write' or 'read', got {l2_flush!r}")
         self.name = name
         self.passes, self.retime, self.keep = passes, retime, keep
+        self.l2_flush = l2_flush
         self.chosen: dict[Hashable, Any] = {}
         self.log: dict[Hashable, list[tuple[Any, float]]] = {}  # key -> [(config, ms)] as timed
         self.offered: dict[Hashable, list] = {}  # key -> candidates, where a shipped one was taken
@@ -169,6 +174,10 @@ class TuneCache:
         from triton.testing import do_bench
 
         def ms(c):
+            if self.l2_flush == "read":
+                from llmnote.bench.harness import measure  # (the ops do not need pandas else)
+
+                return measure(lambda: launch(c), warmup_ms=5, rep_ms=20, l2_flush="read").p50
             return do_bench(lambda: launch(c), warmup=5, rep=20, return_mode="median")
 
         times: dict[int, list[float]] = {i: [] for i in range(len(candidates))}

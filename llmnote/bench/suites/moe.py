@@ -13,7 +13,8 @@ loop before timing (low-precision rule of :mod:`llmnote.testing`), then timed wi
 (``l2_flush = "read"``: a decode step meets an L2 of clean lines, see
 :mod:`llmnote.bench.harness`); on a GPU llmnote's block at 1..16 tokens is timed after
 ``do_bench``'s writing flush as well (rows ``l2_flush = "write"``); its rows name the
-tile its tuner chose (``tile``, empty on the few-token path). Each timed call
+tile its tuner chose (``tile``; on the few-token path, the pair of gate/up and down
+tiles of :mod:`llmnote.ops.moe_few_tokens`). Each timed call
 routes its tokens afresh from one of 8 precomputed routings, so the experts it reads
 are rarely the ones the call before left in L2. Metrics: ``time``; ``weight_bandwidth``
 = bytes of the experts the call's tokens touch / time; ``roofline_fraction`` = that
@@ -48,7 +49,7 @@ from llmnote import device
 from llmnote.bench.ceilings import copy_bandwidth
 from llmnote.bench.harness import Skip, Timing, measure, rows_for
 from llmnote.bench.results import environment
-from llmnote.ops.moe import TUNING as MOE_TUNING
+from llmnote.ops import _tuning as tuning
 from llmnote.ops.moe import fused_moe, fused_moe_ref, route
 from llmnote.testing import assert_close_lowp, interpreter_allowance
 
@@ -148,12 +149,13 @@ def _layer_rows(model: str, shape: tuple[int, int, int, int], tokens: list[int],
         extra = {"dtype": "bfloat16", "model": model, "experts": e, "top_k": k, "hidden": h,
                  "width": i, "touched_bytes": wbytes}
         for name, fn in providers.items():
-            tile = ""  # llmnote's: the tile its tuner chose for this size (none: few tokens)
+            tile = ""  # llmnote's: the tile its tuner chose for this size
             try:
-                with MOE_TUNING.recorded() as keys:
+                with tuning.recorded() as keys:  # the sorted path's cache or the few tokens'
                     got = fn(x, w13, w2, w, ids)
                 if name == "llmnote" and keys:
-                    tile = str(MOE_TUNING.get(keys[-1]))
+                    cache, key = keys[-1]
+                    tile = str(cache.get(key))
                 if ref32 is not None:
                     atol = 1e-2 + interpreter_allowance(dtype, ref32)
                     assert_close_lowp(got, ref32, lowp, atol=atol, name=f"{name} {model} T={t}")
