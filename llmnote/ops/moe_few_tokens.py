@@ -52,7 +52,9 @@ from llmnote.ops._tuning import TuneCache
 # first is the choice off the GPU and inside a graph capture; on a GPU the first call of
 # each shape times them all, the L2 emptied before each call by a read (the L2 a decode
 # step's MoE block meets holds the clean lines of the weights read before it, not dirty
-# ones): timed after do_bench's writing flush, the H200 took a tile 12% slower at one token.
+# ones). After do_bench's writing flush most of each time is the write-back (31-114 us for
+# a 25-us call at one token of Qwen3-30B-A3B on an H200), and once in three fresh tunings
+# the tuner took a tile 9% slower than the best (benchmarks/logs/moe-few-tokens-evict-*).
 TILES = [((2, 2048, 4), (2, 256, 2)), ((4, 1024, 4), (2, 256, 2)), ((2, 2048, 4), (4, 256, 4)),
          ((4, 1024, 4), (8, 128, 4)), ((8, 1024, 4), (1, 512, 4))]
 INTERPRETER_TILE = ((16, 32, 4), (8, 32, 4))
@@ -93,7 +95,8 @@ def _few_tokens_gate_up_kernel(
     for k0 in range(0, H, BLOCK_K):
         k_ok = offs_k < H - k0
         xk = tl.load(x_ptr + k0 + offs_k, mask=k_ok, other=0.0).to(tl.float32)
-        # the weights, read once: first out of L2 (the down kernel's w2 rows stay longer)
+        # the weights, each read once: the first lines the L2 gives up (about 1% faster at
+        # 1-4 tokens on an H200, benchmarks/logs/moe-few-tokens-evict-2026-11-29.log)
         g = tl.load(g_ptrs, mask=n_ok[:, None] & k_ok[None, :], other=0.0,
                     eviction_policy="evict_first")
         u = tl.load(u_ptrs, mask=n_ok[:, None] & k_ok[None, :], other=0.0,
