@@ -329,3 +329,15 @@ def test_decode_notice_reads_the_recorded_engine_benchmark():
             assert line is None
         assert decode_notice(method, size * 2, gpu) is None  # a larger model: not measured
     assert decode_notice("awq", size / 2, "a GPU nothing was recorded on") is None
+    # nothing recorded on this GPU model: a recorded one of the same compute capability
+    # answers, named in the line; another capability stays silent
+    cap = rec[rec.gpu_name == gpu].capability.iloc[0]
+    for method, provider in (("awq", "llmnote-w4a16"), ("smoothquant", "llmnote-w8a8")):
+        ratio = r.loc[provider, "p50"] / r.loc["llmnote-bf16", "p50"]
+        line = decode_notice(method, size / 2, "NVIDIA H999", cap)
+        if ratio > 1:
+            assert line is not None and f"{ratio:.2f}x" in line
+            assert f"an {gpu} (compute capability {cap}, as this NVIDIA H999)" in line
+        else:
+            assert line is None
+    assert decode_notice("awq", size / 2, "NVIDIA H999", "1.0") is None

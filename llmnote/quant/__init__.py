@@ -100,7 +100,8 @@ def quantize_model(model: nn.Module, method: str = "smoothquant", calibration=No
 
 def _say_if_it_does_not_pay(method: str, weight, bf16_bytes: float) -> None:
     """On a GPU: one warning when the recorded engine benchmark found this method slower
-    than bf16 at batch 1 on this GPU for a model no smaller (:mod:`llmnote.quant.pays`)."""
+    than bf16 at batch 1 on this GPU, or else on one of its compute capability, for a model
+    no smaller (:mod:`llmnote.quant.pays`)."""
     import warnings
 
     import torch
@@ -109,7 +110,9 @@ def _say_if_it_does_not_pay(method: str, weight, bf16_bytes: float) -> None:
 
     if not weight.is_cuda:
         return
-    line = decode_notice(method, bf16_bytes, torch.cuda.get_device_name(weight.device))
+    major, minor = torch.cuda.get_device_capability(weight.device)
+    line = decode_notice(method, bf16_bytes, torch.cuda.get_device_name(weight.device),
+                         f"{major}.{minor}")
     if line:
         warnings.warn(line, stacklevel=3)
 
