@@ -341,3 +341,26 @@ def test_decode_notice_reads_the_recorded_engine_benchmark():
         else:
             assert line is None
     assert decode_notice("awq", size / 2, "NVIDIA H999", "1.0") is None
+
+
+def test_quantize_model_warns_from_the_record_of_its_architecture(monkeypatch):
+    """The call site: on a GPU model with no record of its own, quantize_model's warning
+    comes from the recorded GPU of the same compute capability and names it."""
+    import types
+
+    from llmnote import quant
+    from llmnote.quant.pays import _recorded
+
+    rec = _recorded()
+    gpu, cap = rec.gpu_name.iloc[0], rec.capability.iloc[0]
+    r = rec[rec.gpu_name == gpu].set_index("provider")
+    if r.loc["llmnote-w4a16", "p50"] <= r.loc["llmnote-bf16", "p50"]:
+        pytest.skip("the record has W4A16 faster than bf16: there is no notice to see")
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda d=None: "NVIDIA H999")
+    monkeypatch.setattr(torch.cuda, "get_device_capability",
+                        lambda d=None: tuple(int(v) for v in cap.split(".")))
+    weight = types.SimpleNamespace(is_cuda=True, device="cuda:0")
+    size = float(r.loc["llmnote-bf16", "weight_bytes"])
+    with pytest.warns(UserWarning, match=f"on an {gpu} \\(compute capability {cap}, as this "
+                                         "NVIDIA H999\\)"):
+        quant._say_if_it_does_not_pay("awq", weight, size / 2)
