@@ -192,3 +192,29 @@ def test_two_passes_cancel_a_steady_clock_drift(monkeypatch):
 def test_a_cache_names_a_flush_it_knows():
     with pytest.raises(ValueError, match="l2_flush: expected 'write' or 'read', got 'cold'"):
         TuneCache("test-bad-flush", l2_flush="cold")
+
+
+def test_a_reading_flush_times_through_the_harness(monkeypatch):
+    """l2_flush="read": the candidates are timed by llmnote.bench.harness.measure with a
+    reading flush (not do_bench), and the fastest is taken."""
+    import triton.testing
+
+    from llmnote.bench import harness
+
+    true = {"a": 2.0, "b": 1.0}
+    flushes, calls = [], []
+
+    def fake_measure(fn, *, warmup_ms, rep_ms, l2_flush):
+        fn()
+        flushes.append(l2_flush)
+        return harness.Timing(true[calls[-1]], true[calls[-1]], true[calls[-1]])
+
+    def no_do_bench(fn, **kw):
+        raise AssertionError("do_bench timed a cache that reads its flush")
+
+    monkeypatch.setattr(harness, "measure", fake_measure)
+    monkeypatch.setattr(triton.testing, "do_bench", no_do_bench)
+    monkeypatch.setattr(_tuning.torch.cuda, "is_current_stream_capturing", lambda: False)
+    cache = TuneCache("read", l2_flush="read")
+    assert cache.tune("k", ["a", "b"], calls.append, timing=True) == "b"
+    assert flushes == ["read", "read"] and calls == ["a", "b"]
