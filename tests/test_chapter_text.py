@@ -13,10 +13,13 @@
 * Code fits the column: every line of every code cell of
   ``notebooks/**/*.md`` is at most 79 characters (the setup cell, the first
   code cell of each file, is stamped by ``tools/notebooks.py`` and excepted).
+* No cell prints a glued value: a code cell does not end with a bare ``glue(...)``
+  (``glue`` returns its value, which the cell would show as its output).
 """
 
 from __future__ import annotations
 
+import ast
 import re
 import sys
 from dataclasses import dataclass
@@ -169,6 +172,25 @@ def long_code_lines(path: Path) -> list[str]:
     ]
 
 
+def shown_glues(path: Path) -> list[str]:
+    """Code cells whose last statement is a bare ``glue(...)``: ``glue`` returns its value,
+    so the cell would print it as its output (a stray number under the cell on the site);
+    a trailing ``;`` keeps it quiet."""
+    bad = []
+    for b in (b for b in blocks(path) if b.kind == "code"):
+        body = "\n".join(b.lines)
+        try:
+            last = ast.parse(body).body[-1:]
+        except SyntaxError:  # IPython magics: not this rule's business
+            continue
+        if last and isinstance(last[0], ast.Expr) and isinstance(last[0].value, ast.Call) \
+                and getattr(last[0].value.func, "id", None) == "glue" \
+                and not body.rstrip().endswith(";"):
+            bad.append(f"{path.relative_to(ROOT)}:{b.start}: the cell ends with a bare glue(), "
+                       "whose value it would print: end it with ';'")
+    return bad
+
+
 def _ids(paths):
     return [str(p.relative_to(ROOT / "notebooks")) for p in paths]
 
@@ -194,6 +216,12 @@ def test_code_cells_fit_the_column(path):
     assert not bad, (
         f"code lines longer than {MAX_CODE_LINE} characters (the site's "
         "content column):\n" + "\n".join(bad))
+
+
+@pytest.mark.parametrize("path", ALL_SOURCES, ids=_ids(ALL_SOURCES))
+def test_no_cell_prints_a_glued_value(path):
+    bad = shown_glues(path)
+    assert not bad, "\n".join(bad)
 
 
 # The rules themselves, on small examples.
@@ -238,3 +266,7 @@ x = 1  # .................................................................. long
     assert glue_violations(p) == ["x.md:9: 'nope' is never glued by a cell"]
     long = long_code_lines(p)
     assert len(long) == 1 and long[0].startswith("x.md:23: 80 characters")
+    assert shown_glues(p) == []  # its glue cell ends with an assignment
+    q = _write(tmp_path, "# T\n\n```{code-cell} ipython3\nglue('a', 1)\n```\n\n"
+                         "```{code-cell} ipython3\nglue('b', 2);\n```\n")
+    assert [b.split(": ")[0] for b in shown_glues(q)] == ["x.md:4"]
