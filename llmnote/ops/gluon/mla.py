@@ -68,6 +68,7 @@ from llmnote.ops.attention._common import LN2, LOG2E, num_sms, poisoned
 from llmnote.ops.attention.decode import combine_splits
 from llmnote.ops.attention.mla_decode import _check, choose_mla_splits, mla_decode_ref
 from llmnote.ops.gluon._common import cta_barrier, require_gpu, tma_load
+from llmnote.ops.gluon.attention import _mma_layout, _operand_layout  # (16-bit: fp8 False)
 from llmnote.ops.gluon.compile import Compiled, compile_kernel, tensordesc
 
 GL_DTYPES = {torch.float16: gl.float16, torch.bfloat16: gl.bfloat16}
@@ -112,18 +113,6 @@ class _Meta:
     def __init__(self, PAGE, FINAL):
         self.PAGE = gl.constexpr(PAGE)
         self.FINAL = gl.constexpr(FINAL)
-
-
-@gluon.constexpr_function
-def _mma_layout(n):
-    """A warpgroup's wgmma accumulator, 64 x ``n`` (16-bit inputs: K steps of 16)."""
-    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, n, 16])
-
-
-@gluon.constexpr_function
-def _operand_layout(parent):
-    """wgmma's left operand in registers (16-bit: two elements of a row per register)."""
-    return gl.DotOperandLayout(operand_index=0, parent=parent, k_width=2)
 
 
 @gluon.constexpr_function
@@ -263,9 +252,9 @@ def _consumer0(q_desc, qr_desc, c_desc, r_desc, q_smem, qr_smem, c_lo, c_hi, r_r
     BN: gl.constexpr = c_desc.block_type.shape[0]
     HALF_W: gl.constexpr = c_desc.block_type.shape[1]
     NSTAGE: gl.constexpr = c_lo.type.shape[0]
-    s_layout: gl.constexpr = _mma_layout(BN)
-    o_layout: gl.constexpr = _mma_layout(HALF_W)
-    p_layout: gl.constexpr = _operand_layout(o_layout)
+    s_layout: gl.constexpr = _mma_layout(BN, False)
+    o_layout: gl.constexpr = _mma_layout(HALF_W, False)
+    p_layout: gl.constexpr = _operand_layout(o_layout, False)
     row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
     o_rows: gl.constexpr = gl.SliceLayout(1, o_layout)
 
@@ -316,7 +305,7 @@ def _consumer1(q_desc, qr_desc, c_desc, r_desc, q_smem, qr_smem, c_lo, c_hi, r_r
     BH: gl.constexpr = q_desc.block_type.shape[0]
     HALF_W: gl.constexpr = c_desc.block_type.shape[1]
     NSTAGE: gl.constexpr = c_lo.type.shape[0]
-    o_layout: gl.constexpr = _mma_layout(HALF_W)
+    o_layout: gl.constexpr = _mma_layout(HALF_W, False)
     o_rows: gl.constexpr = gl.SliceLayout(1, o_layout)
     acc = gl.zeros([BH, HALF_W], gl.float32, layout=o_layout)
     for j in range(n_tiles):
