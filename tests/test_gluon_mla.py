@@ -21,7 +21,6 @@ import importlib
 import inspect
 import itertools
 import math
-import os
 
 import pytest
 import torch
@@ -35,15 +34,8 @@ GM = importlib.import_module("llmnote.ops.gluon.mla")
 
 cap = device.capability()
 on_hopper = device.on_gpu() and cap is not None and cap[0] == 9
-# The kernel was written and compile-checked without a GPU (session 33) and has never run:
-# its GPU tests run only when asked (LLMNOTE_GLUON_MLA=1, the next GPU session's first
-# step), so that a synchronisation mistake cannot hang `make test-gpu`. Drop the switch
-# once they have passed on a Hopper GPU.
-ASKED = os.environ.get("LLMNOTE_GLUON_MLA") == "1"
-needs_hopper = pytest.mark.skipif(
-    not (on_hopper and ASKED),
-    reason="needs a Hopper GPU (compute capability 9.x)" if not on_hopper else
-    "never run on a GPU yet: LLMNOTE_GLUON_MLA=1 runs these (see the comment above)")
+needs_hopper = pytest.mark.skipif(not on_hopper,
+                                  reason="needs a Hopper GPU (compute capability 9.x)")
 off_gpu = pytest.mark.skipif(device.on_gpu(), reason="checks the error raised without a GPU")
 V3_SCALE = (128 + 64) ** -0.5  # DeepSeek-V3's softmax scale (qk_nope 128 + rope 64)
 
@@ -182,6 +174,7 @@ class _StandIn:
         assert c_desc.base is r_desc.base and r_desc.block_shape == [GM.BLOCK_N, GM.ROPE]
         bh, bn, r = GM.BLOCK_H, GM.BLOCK_N, GM.LATENT
         rows, dt = c_desc.base, c_desc.base.dtype
+        dv = rows.device  # (CUDA on a GPU machine: combine_splits then runs compiled)
         table, lens = tables.reshape(-1), seq_lens.tolist()
         for tile, split, b in itertools.product(*map(range, grid)):
             seq_len = min(lens[b], capacity)
@@ -189,12 +182,12 @@ class _StandIn:
             lo, hi = split * chunk, min(split * chunk + chunk, seq_len)
             q0 = b * q_heads + tile * bh
             ql, qr = q_desc.base[q0:q0 + bh].float(), qr_desc.base[q0:q0 + bh].float()
-            m = torch.full((bh,), float("-inf"))
-            l, acc = torch.zeros(bh), torch.zeros(bh, r)
+            m = torch.full((bh,), float("-inf"), device=dv)
+            l, acc = torch.zeros(bh, device=dv), torch.zeros(bh, r, device=dv)
             for start in range(lo, hi, bn):
                 first = int(table[b * stride_tb + start // PAGE]) * PAGE + start % PAGE
                 tile_rows = rows[first:first + bn].clone()
-                valid = start + torch.arange(bn) < hi
+                valid = start + torch.arange(bn, device=dv) < hi
                 tile_rows[~valid, :r] = 0  # the kernel's zeroed rows
                 c, kr = tile_rows[:, :r].float(), tile_rows[:, r:].float()
                 s = (ql @ c.T + qr @ kr.T) * qk_scale
@@ -204,11 +197,11 @@ class _StandIn:
                 l = l * alpha + p.sum(1)
                 acc = acc * alpha[:, None] + p.to(dt).float() @ c
                 m = m_new
-            heads = tile * bh + torch.arange(bh)
+            heads = tile * bh + torch.arange(bh, device=dv)
             ok = heads < H
             o = torch.where(l[:, None] > 0, acc / l.clamp_min(1e-30)[:, None], 0.0)
             lse2 = torch.where(l > 0, m + torch.log2(l.clamp_min(1e-30)), float("-inf"))
-            cols = torch.arange(r)
+            cols = torch.arange(r, device=dv)
             if FINAL:
                 at = b * stride_ob + heads[ok, None] * stride_oh + cols[None, :]
                 out.view(-1)[at.reshape(-1)] = o[ok].to(out.dtype).reshape(-1)
@@ -320,3 +313,73 @@ def test_agrees_with_the_triton_kernel(seed):
     gluon_out = GM.mla_decode_gluon(*args, V3_SCALE)
     assert_close_lowp(gluon_out, ref32, triton_out, atol=1e-3 * float(ref32.abs().max()),
                       name="gluon against triton")
+
+
+# ------------------------------------------------ mla_decode's default takes this kernel
+MD = importlib.import_module("llmnote.ops.attention.mla_decode")
+
+
+def test_unsupported_names_what_is_missing(monkeypatch):
+    """Without a Hopper GPU: the GPU error; with one (faked), the dtype, widths and pages
+    the kernel does not take, and None for DeepSeek's shapes."""
+    dev = device.default_device()
+    ql, qr, cache, tables, lens = paged([5], 16, torch.bfloat16, dev)
+    if not on_hopper:
+        assert "needs a CUDA GPU of compute capability 9.0" in GM.unsupported(ql, qr, cache)
+    monkeypatch.setattr(GM, "require_gpu", lambda *a, **k: None)
+    assert GM.unsupported(ql, qr, cache) is None
+    assert "bfloat16 or float16" in GM.unsupported(ql.float(), qr.float(), cache.float())
+    assert "latent_dim 512 and rope_dim 64" in GM.unsupported(ql[..., :256], qr,
+                                                              cache[..., :320])
+    assert "multiple of BLOCK_N" in GM.unsupported(ql, qr, cache.view(-1, 32, 576))
+
+
+@pytest.mark.parametrize("kw,takes_gluon", [
+    ({}, True), ({"kernel": "triton"}, False), ({"tma": False}, False),
+    ({"kernel": "gluon"}, True)])
+def test_default_dispatches_to_gluon_where_it_can(kw, takes_gluon, monkeypatch):
+    """Where the Gluon kernel can run, mla_decode's default (and kernel='gluon') calls it;
+    kernel='triton' or a choice of TMA keeps the Triton kernel (here a spy stands in for
+    the Gluon launcher, so this runs on any machine)."""
+    calls = []
+
+    def spy(*args, validate=True):
+        calls.append(validate)
+        return MD.mla_decode_ref(*args[:6], return_lse=args[7])
+    monkeypatch.setattr(GM, "mla_decode_gluon", spy)
+    monkeypatch.setattr(MD, "_gluon_takes", lambda *a: True)
+    args = paged([70, 3], 16, torch.bfloat16, device.default_device())
+    MD.mla_decode(*args, V3_SCALE, **kw)
+    assert len(calls) == takes_gluon
+    if kw == {}:
+        assert calls == [False]  # mla_decode checked the arguments: not again
+
+
+def test_kernel_argument_is_checked():
+    args = paged([7], 16, torch.bfloat16, device.default_device())
+    with pytest.raises(ValueError, match="kernel must be None, 'triton' or 'gluon', got 'cuda'"):
+        MD.mla_decode(*args, V3_SCALE, kernel="cuda")
+    with pytest.raises(ValueError, match="kernel='gluon' takes tma=None"):
+        MD.mla_decode(*args, V3_SCALE, kernel="gluon", tma=True)
+
+
+@off_gpu
+def test_default_keeps_the_triton_kernel_without_hopper():
+    args = paged([7], 16, torch.bfloat16, device.default_device())
+    assert not MD._gluon_takes(*args[:3])
+    with pytest.raises(RuntimeError, match="mla_decode_gluon needs a CUDA GPU"):
+        MD.mla_decode(*args, V3_SCALE, kernel="gluon")
+
+
+@needs_hopper
+@pytest.mark.timeout(300, method="thread")
+def test_default_is_the_gluon_kernel_on_hopper(seed):
+    """On a Hopper GPU at DeepSeek's widths the default gives the Gluon kernel's output
+    bit for bit; at widths it does not take, the Triton kernel's."""
+    args = paged([4097, 300], 128, torch.bfloat16, torch.device("cuda"), seed=seed)
+    assert MD._gluon_takes(*args[:3])
+    assert torch.equal(MD.mla_decode(*args, V3_SCALE), GM.mla_decode_gluon(*args, V3_SCALE))
+    small = (args[0][..., :256], args[1], args[2][..., :320].contiguous()) + args[3:]
+    assert not MD._gluon_takes(*small[:3])
+    assert torch.equal(MD.mla_decode(*small, V3_SCALE),
+                       MD.mla_decode(*small, V3_SCALE, kernel="triton"))

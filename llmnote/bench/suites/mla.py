@@ -9,10 +9,15 @@ that over the copy bandwidth measured at the start of the same run (row
 records a dense matmul in the dtype (provider ``matmul-bf16``), the tensor cores'
 ceiling. Providers:
 
-* ``llmnote``: :func:`llmnote.ops.attention.mla_decode.mla_decode` on a paged
-  cache (64-token pages, shuffled), the absorbed query given; checked against
-  the fp32 reference first; its rows name the tile the autotuner chose
-  (``tile``) and the count of splits (``splits``);
+* ``llmnote``: :func:`llmnote.ops.attention.mla_decode.mla_decode` with its
+  defaults on a paged cache (64-token pages, shuffled), the absorbed query
+  given; checked against the fp32 reference first. On a Hopper GPU that is the
+  warp-specialised Gluon kernel (:mod:`llmnote.ops.gluon.mla`), elsewhere the
+  Triton one. Its rows name the kernel and tile (``tile``: ``"gluon 64x64
+  s2"``, or the tile the Triton autotuner chose) and the count of splits
+  (``splits``);
+* ``llmnote-triton``: the Triton kernel (``kernel="triton"``), where the
+  default is the Gluon one: the step from the portable kernel to Hopper's;
 * ``sdpa-absorbed``: SDPA on the absorbed form over a contiguous latent cache,
   the heads laid out as the query rows of one kv head (``q (B, 1, H, r + dr)``,
   ``k = [c, k_rope] (B, 1, L, r + dr)``, ``v = c``), SDPA's own backend;
@@ -34,8 +39,9 @@ from llmnote.bench.harness import Skip, sweep
 from llmnote.bench.results import ceiling
 from llmnote.bench.suites.common import dtype_name
 from llmnote.ops.attention._common import num_sms
+from llmnote.ops.gluon import mla as gluon_mla
 from llmnote.ops.attention.mla_decode import (
-    _mla_split_kernel, choose_mla_splits, mla_decode, mla_decode_ref,
+    _gluon_takes, _mla_split_kernel, choose_mla_splits, mla_decode, mla_decode_ref,
 )
 from llmnote.testing import assert_close_lowp
 
@@ -75,15 +81,23 @@ def _tile_name(config) -> str:
             + (" tma" if kw.get("TMA") else ""))
 
 
+def _gluon_default(x: dict) -> bool:
+    """Whether mla_decode's default takes the Gluon kernel for these inputs."""
+    return _gluon_takes(x["q_lat"], x["q_rope"], x["cache"])
+
+
 def _providers(b: int, s: dict, dtype, chosen: dict | None = None) -> dict:
-    """The three providers at batch ``b``; ``chosen[ctx]`` gets the tile the autotuner
-    picked for llmnote's kernel (its first call at a size tunes it)."""
-    def ours(ctx):
+    """The four providers at batch ``b``; ``chosen[ctx]`` gets the kernel and tile of
+    llmnote's default (the Triton autotuner's pick is made at its first call at a size)."""
+    def ours(ctx, kernel=None):
         x = _inputs(b, ctx, s, dtype)
+        if kernel == "triton" and not _gluon_default(x):
+            raise Skip("the default is the Triton kernel here (provider llmnote)")
         args = (x["q_lat"], x["q_rope"], x["cache"], x["tables"], x["lens"], x["scale"])
-        got = mla_decode(*args)
-        if chosen is not None:
-            chosen[ctx] = _tile_name(_mla_split_kernel.best_config)
+        got = mla_decode(*args, kernel=kernel)
+        if chosen is not None and kernel is None:
+            chosen[ctx] = (f"gluon {gluon_mla.BLOCK_H}x{gluon_mla.BLOCK_N} s{gluon_mla.STAGES}"
+                           if _gluon_default(x) else _tile_name(_mla_split_kernel.best_config))
         sl = slice(0, min(b, 2))
         ref = mla_decode_ref(*(t[sl].float() if t.is_floating_point() else t[sl]
                                for t in args[:2]), x["cache"].float(), x["tables"][sl],
@@ -91,8 +105,8 @@ def _providers(b: int, s: dict, dtype, chosen: dict | None = None) -> dict:
         peer = mla_decode_ref(args[0][sl], args[1][sl], x["cache"], x["tables"][sl],
                               x["lens"][sl], x["scale"])
         assert_close_lowp(got[sl], ref, peer, atol=2**-10 * float(ref.abs().max()),
-                          name="llmnote mla_decode")
-        return lambda: mla_decode(*args, validate=False)
+                          name=f"llmnote mla_decode (kernel={kernel})")
+        return lambda: mla_decode(*args, validate=False, kernel=kernel)
 
     def sdpa_absorbed(ctx):
         x = _inputs(b, ctx, s, dtype)
@@ -127,7 +141,8 @@ def _providers(b: int, s: dict, dtype, chosen: dict | None = None) -> dict:
         f()
         return f
 
-    return {"llmnote": ours, "sdpa-absorbed": sdpa_absorbed, "torch-naive": naive}
+    return {"llmnote": ours, "llmnote-triton": lambda ctx: ours(ctx, "triton"),
+            "sdpa-absorbed": sdpa_absorbed, "torch-naive": naive}
 
 
 def run(quick: bool = False, shapes: dict | None = None, batches: list[int] | None = None,

@@ -380,10 +380,25 @@ def tma_ok(q_latent: torch.Tensor, q_rope: torch.Tensor, kv_cache: torch.Tensor)
     return device.interpreting() or (device.on_gpu() and cap is not None and cap >= (9, 0))
 
 
+def _gluon_takes(q_latent: torch.Tensor, q_rope: torch.Tensor, kv_cache: torch.Tensor) -> bool:
+    """Whether the default may take the Gluon kernel: a Hopper GPU is here (the kernel's
+    module, which needs Triton's Gluon, is imported only then) and the inputs suit it."""
+    cap = device.capability()
+    if not (device.on_gpu() and cap is not None and cap[0] == 9
+            and isinstance(kv_cache, torch.Tensor) and kv_cache.is_cuda):
+        return False
+    try:
+        from llmnote.ops.gluon.mla import unsupported
+    except ImportError:  # a Triton without Gluon
+        return False
+    return unsupported(q_latent, q_rope, kv_cache) is None
+
+
 def mla_decode(q_latent: torch.Tensor, q_rope: torch.Tensor, kv_cache: torch.Tensor,
                block_tables: torch.Tensor, seq_lens: torch.Tensor, sm_scale: float,
                num_splits: int | None = None, return_lse: bool = False, validate: bool = True,
-               tma: bool | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+               tma: bool | None = None, kernel: str | None = None,
+               ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Absorbed MLA decode over a paged latent cache (split-KV); arguments as
     :func:`mla_decode_ref`. ``validate`` checks lengths and the block-table entries in
     use (a GPU synchronisation; False under CUDA graphs: lengths are then clamped to
@@ -392,10 +407,31 @@ def mla_decode(q_latent: torch.Tensor, q_rope: torch.Tensor, kv_cache: torch.Ten
     past it NaN), as "Range of the inputs" in :mod:`llmnote.ops.attention.reference`.
     ``tma``: None lets the autotuner choose between the tiles read through pointers and,
     where :func:`tma_ok`, the tiles the copy engine brings (the interpreter takes those);
-    True or False keeps one kind (True where it cannot be: ValueError)."""
-    _check(q_latent, q_rope, kv_cache, block_tables, seq_lens, sm_scale, num_splits, validate)
+    True or False keeps one kind (True where it cannot be: ValueError).
+
+    ``kernel``: ``None`` (the default) runs the warp-specialised Gluon kernel
+    (:func:`llmnote.ops.gluon.mla.mla_decode_gluon`, FlashMLA's schedule, about 1.4x this
+    Triton kernel's speed at DeepSeek-V3's shapes on an H200) wherever it can: a Hopper
+    GPU, bf16 or fp16, ``latent_dim`` 512 and ``rope_dim`` 64, pages of a multiple of 64
+    positions one after the other (:func:`llmnote.ops.gluon.mla.unsupported` says why not),
+    and ``tma`` left at None; elsewhere the Triton kernel. ``"triton"`` keeps the Triton
+    kernel; ``"gluon"`` the Gluon one (where it cannot run, the error says why)."""
+    if kernel not in (None, "triton", "gluon"):
+        raise ValueError(f"kernel must be None, 'triton' or 'gluon', got {kernel!r}")
     if tma is not None and not isinstance(tma, bool):
         raise TypeError(f"tma must be None, True or False, got {tma!r}")
+    if kernel == "gluon" and tma is not None:
+        raise ValueError(f"tma={tma} chooses among the Triton kernel's tiles; kernel='gluon' "
+                         "takes tma=None")
+    if kernel == "gluon":
+        from llmnote.ops.gluon.mla import mla_decode_gluon
+        return mla_decode_gluon(q_latent, q_rope, kv_cache, block_tables, seq_lens, sm_scale,
+                                num_splits, return_lse, validate)
+    _check(q_latent, q_rope, kv_cache, block_tables, seq_lens, sm_scale, num_splits, validate)
+    if kernel is None and tma is None and _gluon_takes(q_latent, q_rope, kv_cache):
+        from llmnote.ops.gluon.mla import mla_decode_gluon
+        return mla_decode_gluon(q_latent, q_rope, kv_cache, block_tables, seq_lens, sm_scale,
+                                num_splits, return_lse, validate=False)  # (checked just now)
     can_tma = tma_ok(q_latent, q_rope, kv_cache)
     if tma and not can_tma:
         raise ValueError("tma=True: the tiles cannot come by TMA here (it needs Triton's "

@@ -46,7 +46,8 @@ more, each split's normalised partial and its lse in log2 units, as
 ``store_split`` writes them, merged by ``combine_splits``. bf16 and fp16 only;
 ``r = 512``, ``dr = 64`` (DeepSeek-V2/V3) and pages of a multiple of ``BLOCK_N``
 positions. Needs a Hopper GPU (``wgmma``); elsewhere :func:`compile_mla` still
-compiles it for sm_90 to read its PTX. Not wired into :func:`mla_decode`.
+compiles it for sm_90 to read its PTX. :func:`llmnote.ops.attention.mla_decode` takes it
+by default wherever :func:`unsupported` finds nothing against the inputs.
 
 Sources: DeepSeek-AI, FlashMLA (2025), https://github.com/deepseek-ai/FlashMLA;
 J. Shah et al., "FlashAttention-3" (2024); Triton's Gluon tutorials.
@@ -447,6 +448,25 @@ def _check_shapes(q_latent, q_rope, kv_cache) -> None:
                          f"got {kv_cache.shape[0]} x {page}")
 
 
+def unsupported(q_latent: torch.Tensor, q_rope: torch.Tensor, kv_cache: torch.Tensor) -> str | None:
+    """Why this kernel cannot take these inputs here (the error it would raise), or None when
+    it can: a Hopper GPU, bf16/fp16, ``r = 512``, ``dr = 64``, pages of a multiple of
+    :data:`BLOCK_N` positions, a contiguous cache of fewer than 2**31 rows. (Whether the
+    arguments are consistent is :func:`~llmnote.ops.attention.mla_decode._check`'s matter.)"""
+    try:
+        _check_dtypes({"q_latent": q_latent, "q_rope": q_rope, "kv_cache": kv_cache})
+        require_gpu("mla_decode_gluon", (9, 0), only_major=9,
+                    instead="llmnote.ops.attention.mla_decode")
+        if q_latent.dim() != 3 or q_rope.dim() != 3 or kv_cache.dim() != 3:
+            return "q_latent, q_rope and kv_cache must be 3-d"
+        _check_shapes(q_latent, q_rope, kv_cache)
+    except (TypeError, ValueError, RuntimeError) as e:
+        return str(e)
+    if q_latent.shape[0] > MAX_GRID_Z:
+        return f"batch must be at most {MAX_GRID_Z} (the grid's third axis), got {q_latent.shape[0]}"
+    return None
+
+
 def _tma_rows(t: torch.Tensor, heads: int) -> torch.Tensor:
     """``t (B, H, d)`` as rows ``(B x heads, d)`` for TMA: contiguous, 16-byte aligned, and
     with H padded to ``heads`` by zero rows (heads past H in a tile then score 0 and are
@@ -511,4 +531,4 @@ def mla_decode_gluon(q_latent: torch.Tensor, q_rope: torch.Tensor, kv_cache: tor
     return (out, lse) if return_lse else out
 
 
-__all__ = ["BLOCK_N", "STAGES", "compile_mla", "mla_decode_gluon", "mla_decode_ref"]
+__all__ = ["BLOCK_N", "STAGES", "compile_mla", "mla_decode_gluon", "mla_decode_ref", "unsupported"]
