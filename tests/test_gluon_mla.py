@@ -12,7 +12,7 @@ checked by running a PyTorch stand-in of the kernel, the schedule of the kernel'
 loops, in its place. On a Hopper GPU: the outputs and lse against ``mla_decode_ref`` in
 fp32 on fresh random inputs with the rule of the Triton MLA kernel's tests
 (``assert_close_lowp``), for DeepSeek-V3's 128 heads and V2-Lite's 16, batches 1, 3 and
-16, part-filled last tiles, one split and several, pages of 64 and 128 positions, and
+16, part-filled last tiles, one split and several, pages of 32, 64 and 128 positions, and
 cache rows and pages that are not the sequences' holding NaN. A schedule that deadlocks
 would hang the GPU: each GPU test has a time limit that ends the process.
 """
@@ -127,7 +127,7 @@ def test_compile_mla_refuses_what_it_cannot_build():
     with pytest.raises(TypeError, match="torch.float16 or torch.bfloat16"):
         GM.compile_mla(torch.float32)
     with pytest.raises(ValueError, match="page must be a multiple of BLOCK_N"):
-        GM.compile_mla(page=32)
+        GM.compile_mla(page=GM.BLOCK_N // 2)
     with pytest.raises(ValueError, match=r"heads must lie in \[1, 128\]"):
         GM.compile_mla(heads=129)
 
@@ -250,7 +250,7 @@ def test_launcher_refuses_other_widths_and_pages(monkeypatch):
     with pytest.raises(ValueError, match="latent_dim 512 and rope_dim 64"):
         GM.mla_decode_gluon(ql[..., :256], qr, cache[..., :320], tables, lens, 0.1)
     with pytest.raises(ValueError, match="page_size.*multiple of BLOCK_N"):
-        GM.mla_decode_gluon(ql, qr, cache.view(-1, 32, 576), tables, lens, 0.1)
+        GM.mla_decode_gluon(ql, qr, cache.view(-1, GM.BLOCK_N // 2, 576), tables, lens, 0.1)
     with pytest.raises(ValueError, match="kv_cache must be contiguous"):
         GM.mla_decode_gluon(ql, qr, cache.transpose(0, 1).contiguous().transpose(0, 1), tables,
                             lens, 0.1)
@@ -264,6 +264,7 @@ CASES = [  # (lens, heads, page)
     ([1000] * 16, 128, 64),
     ([64, 4096, 129] * 5 + [1], 16, 64),  # batch 16: whole tiles, a tile and one position
     ([8192] * 16, 128, 128),
+    ([31, 32, 33, 1000], 128, GM.BLOCK_N),  # pages of one tile
 ]
 
 
@@ -331,7 +332,7 @@ def test_unsupported_names_what_is_missing(monkeypatch):
     assert "bfloat16 or float16" in GM.unsupported(ql.float(), qr.float(), cache.float())
     assert "latent_dim 512 and rope_dim 64" in GM.unsupported(ql[..., :256], qr,
                                                               cache[..., :320])
-    assert "multiple of BLOCK_N" in GM.unsupported(ql, qr, cache.view(-1, 32, 576))
+    assert "multiple of BLOCK_N" in GM.unsupported(ql, qr, cache.view(-1, GM.BLOCK_N // 2, 576))
 
 
 @pytest.mark.parametrize("kw,takes_gluon", [

@@ -410,9 +410,9 @@ def mla_decode(q_latent: torch.Tensor, q_rope: torch.Tensor, kv_cache: torch.Ten
     True or False keeps one kind (True where it cannot be: ValueError).
 
     ``kernel``: ``None`` (the default) runs the warp-specialised Gluon kernel
-    (:func:`llmnote.ops.gluon.mla.mla_decode_gluon`, FlashMLA's schedule, about 1.4x this
+    (:func:`llmnote.ops.gluon.mla.mla_decode_gluon`, FlashMLA's schedule, 1.2-1.6x this
     Triton kernel's speed at DeepSeek-V3's shapes on an H200) wherever it can: a Hopper
-    GPU, bf16 or fp16, ``latent_dim`` 512 and ``rope_dim`` 64, pages of a multiple of 64
+    GPU, bf16 or fp16, ``latent_dim`` 512 and ``rope_dim`` 64, pages of a multiple of 32
     positions one after the other (:func:`llmnote.ops.gluon.mla.unsupported` says why not),
     and ``tma`` left at None; elsewhere the Triton kernel. ``"triton"`` keeps the Triton
     kernel; ``"gluon"`` the Gluon one (where it cannot run, the error says why)."""

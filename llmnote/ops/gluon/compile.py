@@ -63,7 +63,7 @@ class Compiled:
     asm: dict = field(repr=False)
     registers: int
     shared: int
-    spilled: int  # bytes of local memory per thread (register spills)
+    spilled: int  # bytes of local memory and stack frame per thread (register spills)
     num_warps: int
 
     def count(self, instruction: str) -> int:
@@ -97,7 +97,7 @@ class Compiled:
 
 
 def _resource_usage(cubin: bytes) -> dict[str, int]:
-    """REG, SHARED, LOCAL of the cubin's kernel, from ``cuobjdump --dump-resource-usage``."""
+    """REG, SHARED, LOCAL, STACK of the cubin's kernel, from ``cuobjdump --dump-resource-usage``."""
     from triton import knobs
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -105,7 +105,7 @@ def _resource_usage(cubin: bytes) -> dict[str, int]:
         path.write_bytes(cubin)
         out = subprocess.run([knobs.nvidia.cuobjdump.path, "--dump-resource-usage", str(path)],
                              capture_output=True, text=True, check=True).stdout
-    found = dict(re.findall(r"\b(REG|SHARED|LOCAL):(\d+)", out))
+    found = dict(re.findall(r"\b(REG|SHARED|LOCAL|STACK):(\d+)", out))
     return {k: int(v) for k, v in found.items()}
 
 
@@ -179,8 +179,10 @@ def _compile(kernel, signature, constexprs, aligned, num_warps, num_stages, arch
         options["maxnreg"] = maxnreg
     k = triton.compile(src, target=GPUTarget("cuda", arch, 32), options=options)
     usage = _resource_usage(k.asm["cubin"])
+    # spilled registers go to the stack frame (STACK) since CUDA 12's ptxas, not LOCAL
+    spilled = usage.get("LOCAL", 0) + usage.get("STACK", 0)
     return Compiled(name=k.metadata.name, asm=dict(k.asm), registers=usage.get("REG", 0),
-                    shared=int(k.metadata.shared), spilled=usage.get("LOCAL", 0), num_warps=num_warps)
+                    shared=int(k.metadata.shared), spilled=spilled, num_warps=num_warps)
 
 
 _RESULT = "@@compiled "  # the prefix of the child's answer lines on its stdout
@@ -253,7 +255,8 @@ def _main() -> None:
         except Exception:  # the parent raises it, with the child's traceback
             import traceback
 
-            out = {"error": traceback.format_exc()[-3000:]}
+            tb = traceback.format_exc()  # (a chain: the first exception, the cause, comes first)
+            out = {"error": tb if len(tb) <= 8000 else tb[:5000] + "\n...\n" + tb[-3000:]}
         print(_RESULT + json.dumps(out), flush=True)
 
 

@@ -80,25 +80,29 @@ MAX_GRID_Z = 65535  # the grid is (head tiles, splits, batch)
 BLOCK_H = 64  # query heads a program takes: one wgmma M block per warpgroup
 # Shared memory (bf16/fp16, 2 bytes), of the H100/H200's 227 KiB = 232,448 bytes a block:
 #   Q: 64 x (512 + 64) x 2                       =  73,728
-#   ring: STAGES x BLOCK_N x 576 x 2 = 2 x 73,728 = 147,456
-#   P: 64 x BLOCK_N x 2, one buffer               =   8,192
-#   alpha and l: 2 x 64 x 4; 8 mbarriers x 8      =     576
-#   total                                          = 229,952 (ptxas: 230,320 with Triton's
-#                                                    warp-specialisation state; 2 KB spare)
-# 64 positions a tile (FlashMLA's): S is one m64n64 wgmma chain, and each tile's mbarrier
-# hand-overs and row reductions serve 64 positions. A second P buffer (8 KiB) does not fit
-# beside two stages; one suffices, since consumer 1's work on a tile (64 x 64 x 256 MMA)
-# is a quarter of consumer 0's (S over 576, its own 256, the softmax), so P's buffer is
-# free again long before consumer 0 needs it. (BLOCK_N = 32 with three stages and two P
-# buffers would take 192,512 bytes, with half-width S MMAs and twice the hand-overs.)
-BLOCK_N = 64
-STAGES = 2
+#   ring: STAGES x BLOCK_N x 576 x 2 = 4 x 36,864 = 147,456
+#   P: 64 x BLOCK_N x 2, one buffer               =   4,096
+#   alpha and l: 2 x 64 x 4; 12 mbarriers x 8     =     608
+#   total                                          = 225,888 (ptxas: 226,240 with Triton's
+#                                                    warp-specialisation state)
+# Q takes a third of the memory, so the ring holds what is left: 128 positions. Cut into
+# four tiles of 32 rather than FlashMLA's two of 64, the loader refills a slot as soon as
+# both consumers are done with its tile, so three tiles stay in flight instead of one:
+# measured on an H200 (DeepSeek-V3 shapes, bf16), 0.437-0.439 of the copy bandwidth at
+# batch 16-64 and 32k tokens against 0.374-0.395 with 64 x 2, although a 64 x 32 score
+# MMA reads Q from shared memory twice as often per position (benchmarks/logs/
+# mla-gluon-tiles-2026-11-29.txt). One P buffer suffices: consumer 1's work on a tile
+# (64 x 32 x 256 MMA) is a quarter of consumer 0's (S over 576, its own 256, the
+# softmax), so P's buffer is free again long before consumer 0 needs it.
+BLOCK_N = 32
+STAGES = 4
 # registers a thread (setmaxnreg), of MAXNREG x 3 warpgroups = 504 (the 9 warps run as 3
 # warpgroups, 384 threads): the loader's warpgroup the fewest there are (24), consumer 1 224
 # (O_hi: 128, alpha, addresses), consumer 0 (the default partition) the rest, 504 - 24 - 224
-# = 256, setmaxnreg's most: O_lo (128), S (32), P of this tile and of the product in flight
-# (2 x 16), m, l, addresses. (Compiled here: no spills; with MAXNREG 160, consumer 0 at 232,
-# none either.)
+# = 256, setmaxnreg's most: O_lo (128), S (16), P of this tile and of the product in flight
+# (2 x 8), m, l, addresses, and the descriptors of Q's 36 K-steps of 16, which the compiler
+# keeps in registers across the loop. (Compiled: no spills with Triton 3.6 or 3.9; with
+# tiles of 64 positions Triton 3.6 spilled 160 bytes a thread, reloaded every tile.)
 WORKER_WARPS, WORKER_REGS = gl.constexpr([1, 4]), gl.constexpr([24, 224])
 MAXNREG = 168
 
@@ -382,7 +386,8 @@ def _mla_kernel(q_desc, qr_desc, c_desc, r_desc, tables, seq_lens, out, lse, o_p
 
 
 def _layouts(dtype):
-    """(block, NVMMASharedLayout) of Q's and c's halves (64 x 256) and the rope tiles (64 x 64)."""
+    """(block, NVMMASharedLayout) of Q's and c's halves (64 x 256, BLOCK_N x 256) and the rope
+    tiles (64 x 64, BLOCK_N x 64)."""
     g = GL_DTYPES[dtype]
     return [(blk, gl.NVMMASharedLayout.get_default_for(blk, g))
             for blk in ([BLOCK_H, HALF], [BLOCK_H, ROPE], [BLOCK_N, HALF], [BLOCK_N, ROPE])]
