@@ -33,6 +33,21 @@ ROOT = Path(__file__).resolve().parent.parent
 solved = gnb.solved_notebook  # what a student who got everything right hands in
 
 
+def _write_pid(path) -> str:
+    """A line of student code: this process's pid into ``path``, whole or not at all (a
+    rename), so that the test never reads a file the grader's kill cut short."""
+    return (f"open({str(path) + '.tmp'!r}, 'w').write(str(os.getpid())); "
+            f"os.rename({str(path) + '.tmp'!r}, {str(path)!r})")
+
+
+def _wait_for(path) -> str:
+    """Student code: the cell ends only once ``path`` exists, so the process that writes
+    it exists when the grader cleans up (on a loaded machine the grading could otherwise
+    end before the fork had run, and the test would find no pid to check)."""
+    return (f"t0 = time.time()\nwhile not os.path.exists({str(path)!r}) and "
+            "time.time() - t0 < 60:\n    time.sleep(0.02)\n")
+
+
 def with_cells(nb, *sources: str, replace: tuple[str, str] | None = None):
     nb = nbformat.from_dict(nb)
     if replace is not None:
@@ -70,13 +85,14 @@ def _roofline_folder(tmp: Path) -> Path:
         "exit_in_check": with_cells(good, replace=(PARAMS, PARAMS + "    import os\n"
                                                            "    os._exit(3)\n")),
         "fork": with_cells(good, "import os, time\nif os.fork() == 0:\n"
-                                 f"    open({str(pid_file)!r}, 'w').write(str(os.getpid()))\n"
-                                 "    time.sleep(1000)\n    os._exit(0)\n"),
+                                 f"    {_write_pid(pid_file)}\n"
+                                 "    time.sleep(1000)\n    os._exit(0)\n"
+                                 + _wait_for(pid_file)),
         "daemon": with_cells(good, "import os, time\nif os.fork() == 0:\n    os.setsid()\n"
                                    "    if os.fork() == 0:\n"
-                                   f"        open({str(tmp / 'daemon.pid')!r}, 'w')"
-                                   ".write(str(os.getpid()))\n"
-                                   "        time.sleep(1000)\n    os._exit(0)\n"),
+                                   f"        {_write_pid(tmp / 'daemon.pid')}\n"
+                                   "        time.sleep(1000)\n    os._exit(0)\n"
+                                   + _wait_for(tmp / "daemon.pid")),
         "kill_parent": with_cells(good, "import os, signal\n"
                                         "os.kill(os.getppid(), signal.SIGKILL)\n"),
         "flood": with_cells(good, "while True:\n    print('x' * 1000)\n"),
