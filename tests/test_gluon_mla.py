@@ -384,3 +384,37 @@ def test_default_is_the_gluon_kernel_on_hopper(seed):
     assert not MD._gluon_takes(*small[:3])
     assert torch.equal(MD.mla_decode(*small, V3_SCALE),
                        MD.mla_decode(*small, V3_SCALE, kernel="triton"))
+
+
+@needs_hopper
+@pytest.mark.timeout(300, method="thread")
+def test_the_default_replays_from_a_cuda_graph(seed):
+    """The engine's decode steps replay CUDA graphs (``validate=False``): captured once, the
+    default (the Gluon kernel here) gives on new query and cache contents, new lengths and
+    a new block table written into the same tensors what an eager call gives on them."""
+    from llmnote.ops.attention.mla_decode import mla_decode
+
+    dev = torch.device("cuda")
+    lens = [700, 64, 2000]
+    args = [t.clone() for t in paged(lens, 128, torch.bfloat16, dev, seed=seed)]
+    assert MD._gluon_takes(*args[:3])
+    call = lambda: mla_decode(*args, V3_SCALE, num_splits=4, validate=False)  # noqa: E731
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        call()  # warm-up (allocator, compile) outside the capture
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = call()
+    # new contents in the captured tensors: other queries and rows, shorter lengths, and
+    # the pages of the sequences in another order
+    fresh = paged(lens, 128, torch.bfloat16, dev, seed=seed + 1)
+    for t, new in zip(args[:3], fresh[:3]):
+        t.copy_(new)
+    args[3].copy_(fresh[3].flip(0))  # sequence i now holds the pages of sequence 2 - i
+    args[4].copy_(torch.tensor([1999, 1, 650], dtype=torch.int32, device=dev))
+    graph.replay()
+    torch.cuda.synchronize()
+    want = mla_decode(*args, V3_SCALE, num_splits=4)
+    assert torch.equal(out, want)
