@@ -468,7 +468,8 @@ def unsupported(q_latent: torch.Tensor, q_rope: torch.Tensor, kv_cache: torch.Te
     except (TypeError, ValueError, RuntimeError) as e:
         return str(e)
     if q_latent.shape[0] > MAX_GRID_Z:
-        return f"batch must be at most {MAX_GRID_Z} (the grid's third axis), got {q_latent.shape[0]}"
+        return (f"batch must be at most {MAX_GRID_Z} (the grid's third axis), got "
+                f"{q_latent.shape[0]}")
     return None
 
 
