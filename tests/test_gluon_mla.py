@@ -392,13 +392,11 @@ def test_the_default_replays_from_a_cuda_graph(seed):
     """The engine's decode steps replay CUDA graphs (``validate=False``): captured once, the
     default (the Gluon kernel here) gives on new query and cache contents, new lengths and
     a new block table written into the same tensors what an eager call gives on them."""
-    from llmnote.ops.attention.mla_decode import mla_decode
-
     dev = torch.device("cuda")
     lens = [700, 64, 2000]
     args = [t.clone() for t in paged(lens, 128, torch.bfloat16, dev, seed=seed)]
     assert MD._gluon_takes(*args[:3])
-    call = lambda: mla_decode(*args, V3_SCALE, num_splits=4, validate=False)  # noqa: E731
+    call = lambda: MD.mla_decode(*args, V3_SCALE, num_splits=4, validate=False)  # noqa: E731
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
@@ -416,5 +414,5 @@ def test_the_default_replays_from_a_cuda_graph(seed):
     args[4].copy_(torch.tensor([1999, 1, 650], dtype=torch.int32, device=dev))
     graph.replay()
     torch.cuda.synchronize()
-    want = mla_decode(*args, V3_SCALE, num_splits=4)
+    want = MD.mla_decode(*args, V3_SCALE, num_splits=4)
     assert torch.equal(out, want)

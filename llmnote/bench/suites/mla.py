@@ -13,8 +13,8 @@ ceiling. Providers:
   defaults on a paged cache (64-token pages, shuffled), the absorbed query
   given; checked against the fp32 reference first. On a Hopper GPU that is the
   warp-specialised Gluon kernel (:mod:`llmnote.ops.gluon.mla`), elsewhere the
-  Triton one. Its rows name the kernel and tile (``tile``: ``"gluon 64x64
-  s2"``, or the tile the Triton autotuner chose) and the count of splits
+  Triton one. Its rows name the kernel and tile (``tile``: ``"gluon 64x32
+  s4"``, or the tile the Triton autotuner chose) and the count of splits
   (``splits``);
 * ``llmnote-triton``: the Triton kernel (``kernel="triton"``), where the
   default is the Gluon one: the step from the portable kernel to Hopper's;
@@ -39,10 +39,10 @@ from llmnote.bench.harness import Skip, sweep
 from llmnote.bench.results import ceiling
 from llmnote.bench.suites.common import dtype_name
 from llmnote.ops.attention._common import num_sms
-from llmnote.ops.gluon import mla as gluon_mla
 from llmnote.ops.attention.mla_decode import (
     _gluon_takes, _mla_split_kernel, choose_mla_splits, mla_decode, mla_decode_ref,
 )
+from llmnote.ops.gluon import mla as gluon_mla
 from llmnote.testing import assert_close_lowp
 
 BENCH = "mla"

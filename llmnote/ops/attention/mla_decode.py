@@ -423,15 +423,14 @@ def mla_decode(q_latent: torch.Tensor, q_rope: torch.Tensor, kv_cache: torch.Ten
     if kernel == "gluon" and tma is not None:
         raise ValueError(f"tma={tma} chooses among the Triton kernel's tiles; kernel='gluon' "
                          "takes tma=None")
-    if kernel == "gluon":
+    if kernel != "gluon":  # (the Gluon launcher checks its arguments itself)
+        _check(q_latent, q_rope, kv_cache, block_tables, seq_lens, sm_scale, num_splits, validate)
+    if kernel == "gluon" or (kernel is None and tma is None
+                             and _gluon_takes(q_latent, q_rope, kv_cache)):
         from llmnote.ops.gluon.mla import mla_decode_gluon
         return mla_decode_gluon(q_latent, q_rope, kv_cache, block_tables, seq_lens, sm_scale,
-                                num_splits, return_lse, validate)
-    _check(q_latent, q_rope, kv_cache, block_tables, seq_lens, sm_scale, num_splits, validate)
-    if kernel is None and tma is None and _gluon_takes(q_latent, q_rope, kv_cache):
-        from llmnote.ops.gluon.mla import mla_decode_gluon
-        return mla_decode_gluon(q_latent, q_rope, kv_cache, block_tables, seq_lens, sm_scale,
-                                num_splits, return_lse, validate=False)  # (checked just now)
+                                num_splits, return_lse,
+                                validate=validate and kernel == "gluon")  # (else checked above)
     can_tma = tma_ok(q_latent, q_rope, kv_cache)
     if tma and not can_tma:
         raise ValueError("tma=True: the tiles cannot come by TMA here (it needs Triton's "
