@@ -75,6 +75,12 @@ def moe_checkpoint(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
+def wide_checkpoint(tmp_path_factory):  # DeepSeek-V2/V3's latent and rope widths, 16 heads
+    return _checkpoint(tmp_path_factory, "mla-wide", kv_lora_rank=512, qk_rope_head_dim=64,
+                       num_attention_heads=16, num_key_value_heads=16)
+
+
+@pytest.fixture(scope="module")
 def moe_v2_checkpoint(tmp_path_factory):  # DeepSeek-V2's softmax routing, group-limited
     return _checkpoint(tmp_path_factory, "mla-moe-v2", family="V2",
                        **{**MOE, "topk_method": "group_limited_greedy"})
@@ -168,3 +174,92 @@ def test_gpu_defaults(checkpoint, moe_checkpoint, name):
         assert llm.runner.kv_caches[0].dtype == torch.bfloat16
         outs = llm.generate(prompts, SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0))
     assert all(len(o.token_ids) == MAX_TOKENS for o in outs)
+
+
+def test_block_size_none_is_chosen_for_the_model(checkpoint, monkeypatch):
+    """``block_size=None`` (the default): the page the model's decode kernel prefers
+    (``preferred_block_size``: 64 for DeepSeek's widths on Hopper, where the Gluon kernel
+    runs), else 16; a block size passed in is kept."""
+    import llmnote.engine.llm as engine_llm
+    from llmnote.engine import EngineConfig
+    from llmnote.engine.config import DEFAULT_BLOCK_SIZE
+    from llmnote.engine.mla_runner import preferred_block_size
+    from llmnote.ops.attention.mla_decode import preferred_page
+
+    assert EngineConfig().block_size is None and DEFAULT_BLOCK_SIZE == 16
+    assert EngineConfig().with_block_size().block_size == 16
+    assert EngineConfig().with_block_size(64).block_size == 64
+    assert EngineConfig(block_size=8).with_block_size(64).block_size == 8
+    assert preferred_page(512, 64, torch.bfloat16, "cpu") is None  # no GPU, no Gluon kernel
+    path = checkpoint[0]
+    row = CFG["kv_lora_rank"] + CFG["qk_rope_head_dim"]
+    with LLM(path, device="cpu", dtype=torch.float32) as llm:
+        assert preferred_block_size(llm.model) is None  # on the CPU
+        assert preferred_block_size(Llama(LlamaConfig(vocab_size=8, hidden_size=8,
+                                                      intermediate_size=8, num_hidden_layers=1,
+                                                      num_attention_heads=2))) is None
+        assert llm.config.block_size == 16 and llm.scheduler.blocks.block_size == 16
+        assert llm.runner.kv_caches[0].shape[1:] == (16, row)
+    # the engine takes the page the kernel asks for (wired through on any machine)
+    monkeypatch.setattr(engine_llm, "preferred_block_size", lambda model: 32)
+    with LLM(path, device="cpu", dtype=torch.float32) as llm:
+        assert llm.config.block_size == 32 and llm.scheduler.blocks.block_size == 32
+        assert llm.runner.kv_caches[0].shape[1:] == (32, row)
+        outs = llm.generate(checkpoint[1], SamplingParams(max_tokens=MAX_TOKENS, temperature=0))
+    assert [o.token_ids for o in outs] == checkpoint[2]
+    with LLM(path, device="cpu", dtype=torch.float32, block_size=8) as llm:
+        assert llm.config.block_size == 8
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_deepseek_widths_decode_by_the_gluon_kernel_by_default(wide_checkpoint, monkeypatch):
+    """DeepSeek's widths (r = 512, dr = 64), bf16, the engine's defaults: on a Hopper GPU
+    the cache blocks hold 64 tokens and the decode steps run the Gluon kernel, eagerly and
+    from CUDA graphs; elsewhere blocks of 16 and the Triton kernel. Every decode step's
+    attention equals the fp32 reference within twice the error of the bf16 reference plus
+    0.01 (the kernel tests' bound)."""
+    import importlib
+
+    from llmnote.engine.mla_runner import MLAModelRunner, mla_paged_attention_ref
+
+    path, prompts, _ = wide_checkpoint
+    hopper = torch.cuda.get_device_capability()[0] == 9
+    gluon_calls = []
+    if hopper:
+        G = importlib.import_module("llmnote.ops.gluon.mla")
+        real = G.mla_decode_gluon
+        monkeypatch.setattr(G, "mla_decode_gluon",
+                            lambda *a, **k: gluon_calls.append(1) or real(*a, **k))
+    errors = []
+    attend = MLAModelRunner._attend
+
+    def checked(self, i, q_lat, q_rope, meta):
+        out = attend(self, i, q_lat, q_rope, meta)
+        if q_lat.shape[0] == meta.batch and meta.cu_seqlens_q[-1] == meta.batch:  # decode
+            scale, cache = self.model.config.softmax_scale, self.kv_caches[i]
+            want = mla_paged_attention_ref(q_lat.float(), q_rope.float(), cache.float(), meta,
+                                           scale)
+            lowp = mla_paged_attention_ref(q_lat, q_rope, cache, meta, scale).float()
+            errors.append(((out.float() - want).abs().max().item(),
+                           (lowp - want).abs().max().item()))
+        return out
+
+    monkeypatch.setattr(MLAModelRunner, "_attend", checked)
+    sp = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0)
+    page = 64 if hopper else 16
+    with LLM(path, cuda_graphs=False, num_blocks=64) as llm:  # eager: every step via _attend
+        assert llm.runner.kv_caches[0].dtype == torch.bfloat16 and llm.runner.backend == "paged"
+        assert llm.config.block_size == page and llm.runner.kv_caches[0].shape[1] == page
+        outs = llm.generate(prompts, sp)
+    assert all(len(o.token_ids) == MAX_TOKENS for o in outs)
+    assert len(errors) >= MAX_TOKENS - 1
+    assert all(e <= 2 * lowp + 1e-2 for e, lowp in errors), errors
+    assert bool(gluon_calls) == hopper
+    eager_calls = len(gluon_calls)
+    with LLM(path, num_blocks=64) as llm:  # the defaults: decode steps from CUDA graphs
+        assert llm.config.block_size == page
+        outs = llm.generate(prompts, sp)
+        assert llm.runner.use_graphs and llm.runner.num_graph_steps > 0
+    assert all(len(o.token_ids) == MAX_TOKENS for o in outs)
+    assert (len(gluon_calls) > eager_calls) == hopper  # captured into the graphs

@@ -19,7 +19,7 @@ def simulate(cfg: EngineConfig, num_blocks: int, requests: list[tuple[list[int],
              max_model_len: int = 1024, arrivals: dict[int, int] | None = None):
     """Run to completion; returns (sequences, scheduler, steps)."""
     sched = Scheduler(cfg, num_blocks, max_model_len)
-    bs = cfg.block_size
+    bs = sched.config.block_size
     slots: dict[int, int] = {}  # the fake KV cache: slot -> token id
     seqs = [Sequence(i, p, SamplingParams(temperature=0, max_tokens=m, ignore_eos=True))
             for i, (p, m) in enumerate(requests)]

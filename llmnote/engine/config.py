@@ -5,7 +5,10 @@ Every field is checked in ``__post_init__`` (``ValueError``).
 
 * **KV cache**: ``num_blocks`` blocks of ``block_size`` token slots per layer. ``num_blocks=None``
   sizes it on a GPU from ``gpu_memory_utilization`` (in (0, 1]) of the memory free after the
-  weights load; on the CPU it is ``cpu_num_blocks``.
+  weights load; on the CPU it is ``cpu_num_blocks``. ``block_size=None`` lets the engine choose
+  for its model: :data:`DEFAULT_BLOCK_SIZE`, but 64 for a latent-attention model whose decode
+  the Gluon kernel takes (a Hopper GPU, bf16/fp16, DeepSeek's widths:
+  :func:`llmnote.ops.attention.mla_decode.preferred_page`), as vLLM does for FlashMLA.
 * **Work per step**: at most ``max_num_seqs`` sequences and ``max_num_batched_tokens`` tokens
   (prefill chunks plus one per decoding sequence). Without chunked prefill a prompt must fit the
   budget in one step, so the budget must be at least ``max_model_len``.
@@ -39,6 +42,7 @@ from llmnote.engine._check import check_int
 
 
 GRAPH_DECODE_STEPS = 8  # decode_steps=None with CUDA graphs
+DEFAULT_BLOCK_SIZE = 16  # block_size=None, but for a latent cache the Gluon MLA kernel reads
 # gemv=None: the batch-1 GEMV path for models of at most this hidden size. Its fused
 # prologues make every program re-read the whole input rows; measured on the H100 that
 # pays for Qwen3-0.6B (hidden 1024) and costs for Llama-3-8B (hidden 4096, 6.6 -> 7.2 ms
@@ -48,7 +52,7 @@ GEMV_MAX_HIDDEN = 2048
 
 @dataclass(frozen=True)
 class EngineConfig:
-    block_size: int = 16
+    block_size: int | None = None  # None: chosen for the model (LLM), else DEFAULT_BLOCK_SIZE
     num_blocks: int | None = None  # None: from GPU memory, or cpu_num_blocks on the CPU
     cpu_num_blocks: int = 256
     gpu_memory_utilization: float = 0.9
@@ -73,7 +77,7 @@ class EngineConfig:
     fused_all_reduce: bool = True  # NCCL ranks: all-reduce + residual add + norm, one kernel
 
     def __post_init__(self) -> None:
-        for name in ("block_size", "cpu_num_blocks", "max_num_batched_tokens", "max_num_seqs"):
+        for name in ("cpu_num_blocks", "max_num_batched_tokens", "max_num_seqs"):
             check_int(name, getattr(self, name), min_value=1)
         check_int("tensor_parallel_size", self.tensor_parallel_size, min_value=1)
         if self.distributed_backend not in (None, "nccl", "gloo"):
@@ -84,7 +88,7 @@ class EngineConfig:
                 and self.distributed_timeout_s > 0):
             raise ValueError("distributed_timeout_s must be a number > 0, got "
                              f"{self.distributed_timeout_s!r}")
-        for name in ("num_blocks", "max_model_len", "decode_steps"):
+        for name in ("block_size", "num_blocks", "max_model_len", "decode_steps"):
             if getattr(self, name) is not None:
                 check_int(name, getattr(self, name), min_value=1)
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
@@ -112,3 +116,10 @@ class EngineConfig:
 
     def replace(self, **changes: object) -> EngineConfig:
         return replace(self, **changes)
+
+    def with_block_size(self, page: int | None = None) -> EngineConfig:
+        """This config with ``block_size`` chosen where it is None: ``page`` (what the model's
+        attention kernel prefers) or else :data:`DEFAULT_BLOCK_SIZE`."""
+        if self.block_size is not None:
+            return self
+        return self.replace(block_size=page or DEFAULT_BLOCK_SIZE)

@@ -41,7 +41,7 @@ import torch
 
 from llmnote.engine.config import EngineConfig
 from llmnote.engine.loading import MODEL_CLASSES, draft_runner, load_model, share_cache
-from llmnote.engine.mla_runner import MLAModelRunner
+from llmnote.engine.mla_runner import MLAModelRunner, preferred_block_size
 from llmnote.engine.model_runner import DecodeRun, ModelRunner
 from llmnote.engine.requests import (
     RequestOutput, StreamEvent, check_fits, encode_prompt, is_token_id, prompt_list,
@@ -99,6 +99,7 @@ class LLM:
             if config.tensor_parallel_size > 1:  # the model lives sharded in worker processes
                 from llmnote.engine.tp_driver import TPRunner
 
+                self.config = config = config.with_block_size()  # (ranks serve Llama models)
                 if speculative is not None:
                     raise ValueError("speculative decoding runs in one process; pass "
                                      "tensor_parallel_size=1 to use it")
@@ -108,6 +109,7 @@ class LLM:
                 tok, eos = r.tokenizer, r.eos
             else:
                 self.model, tok, eos = load_model(model, dtype, device, ops, config.seed)
+                self.config = config = config.with_block_size(preferred_block_size(self.model))
             # loaded here: close() drops it
             self._owns_model = not isinstance(model, MODEL_CLASSES)
             self.tokenizer = tokenizer if tokenizer is not None else tok

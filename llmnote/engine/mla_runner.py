@@ -12,10 +12,11 @@ differs. Each layer of a step, on the packed tokens ``(T, hidden)``:
    (:meth:`llmnote.models.deepseek.MLAttention.project`); write ``[c, k_rope]``
    at the tokens' slots;
 2. absorb ``W_UK`` into the query: ``q_lat (T, H, r)``;
-3. attend over the paged rows: a decode-only step takes the Triton kernel
-   (:func:`llmnote.ops.attention.mla_decode.mla_decode`) on a GPU, or wherever
-   ``attention_backend="paged"``; prefills and the CPU take
-   :func:`mla_paged_attention_ref` (bottom-right causal, plain PyTorch);
+3. attend over the paged rows: a decode-only step takes the paged MLA kernel
+   (:func:`llmnote.ops.attention.mla_decode.mla_decode`: on a Hopper GPU the Gluon kernel,
+   for which the engine's default ``block_size`` becomes 64, :func:`preferred_block_size`;
+   elsewhere the Triton one) on a GPU, or wherever ``attention_backend="paged"``; prefills
+   and the CPU take :func:`mla_paged_attention_ref` (bottom-right causal, plain PyTorch);
 4. ``W_UV`` then ``o_proj``, and the MLP (dense SwiGLU, or DeepSeek-V3's mixture of
    experts).
 
@@ -62,6 +63,19 @@ def mla_paged_attention_ref(q_lat: torch.Tensor, q_rope: torch.Tensor, kv_cache:
         p = torch.softmax(s.masked_fill(~allowed, float("-inf")), dim=-1)
         out[q0:q1] = torch.einsum("hqk,kr->qhr", p, rows[:, :r]).to(out.dtype)
     return out
+
+
+def preferred_block_size(model: object) -> int | None:
+    """The cache block size that ``model``'s decode kernel prefers, or None for the engine's
+    default: for a latent-attention model, the page at which
+    :func:`~llmnote.ops.attention.mla_decode.mla_decode` takes the Gluon kernel on this GPU
+    (64: a Hopper GPU, bf16/fp16, ``r = 512``, ``dr = 64``); for any other model, None."""
+    if not isinstance(model, DeepseekV3):
+        return None
+    from llmnote.ops.attention.mla_decode import preferred_page
+
+    c, p = model.config, next(model.parameters())
+    return preferred_page(c.kv_lora_rank, c.qk_rope_head_dim, p.dtype, p.device)
 
 
 class MLAModelRunner(ModelRunner):

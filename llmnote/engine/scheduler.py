@@ -63,6 +63,7 @@ class Scheduler:
             raise ValueError(
                 f"without chunked prefill max_num_batched_tokens ({config.max_num_batched_tokens}) "
                 f"must be >= max_model_len ({max_model_len}) so any prompt fits one step")
+        config = config.with_block_size()  # (the engine chooses it for its model first)
         self.config, self.max_model_len = config, max_model_len
         self.blocks = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.waiting: deque[Sequence] = deque()

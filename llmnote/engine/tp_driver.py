@@ -107,6 +107,7 @@ class TPRunner:
     def __init__(self, model: Llama | LlamaConfig | str | Path, config: EngineConfig,
                  dtype: torch.dtype | None = None, device: str | torch.device | None = None,
                  ops: LlamaOps | None = None) -> None:
+        config = config.with_block_size()  # (LLM passes it chosen; the ranks serve Llama models)
         n = config.tensor_parallel_size
         self.world_size, self.timeout_s = n, float(config.distributed_timeout_s)
         self.backend = _pick_backend(config, device)

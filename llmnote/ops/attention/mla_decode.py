@@ -394,6 +394,26 @@ def _gluon_takes(q_latent: torch.Tensor, q_rope: torch.Tensor, kv_cache: torch.T
     return unsupported(q_latent, q_rope, kv_cache) is None
 
 
+# the page of a latent cache for which mla_decode's default runs the Gluon kernel where it can
+# (a multiple of its 32-position tiles; FlashMLA's page)
+GLUON_PAGE = 64
+
+
+def preferred_page(latent_dim: int, rope_dim: int, dtype: torch.dtype,
+                   where: torch.device | str) -> int | None:
+    """The page size (positions per cache block) at which :func:`mla_decode`'s default takes
+    the Gluon kernel for a latent cache of ``latent_dim + rope_dim`` columns of ``dtype`` on
+    ``where`` (:data:`GLUON_PAGE`), or None where it never does (not a Hopper GPU, another
+    dtype, other widths): the engine sizes its cache blocks by it."""
+    where = torch.device(where)
+    if where.type != "cuda":
+        return None
+    q_lat = torch.empty((1, 1, latent_dim), dtype=dtype, device=where)
+    q_rope = torch.empty((1, 1, rope_dim), dtype=dtype, device=where)
+    cache = torch.empty((1, GLUON_PAGE, latent_dim + rope_dim), dtype=dtype, device=where)
+    return GLUON_PAGE if _gluon_takes(q_lat, q_rope, cache) else None
+
+
 def mla_decode(q_latent: torch.Tensor, q_rope: torch.Tensor, kv_cache: torch.Tensor,
                block_tables: torch.Tensor, seq_lens: torch.Tensor, sm_scale: float,
                num_splits: int | None = None, return_lse: bool = False, validate: bool = True,
@@ -476,4 +496,5 @@ def mla_decode(q_latent: torch.Tensor, q_rope: torch.Tensor, kv_cache: torch.Ten
     return (out, lse) if return_lse else out
 
 
-__all__ = ["choose_mla_splits", "mla_decode", "mla_decode_ref", "tma_ok"]
+__all__ = ["GLUON_PAGE", "choose_mla_splits", "mla_decode", "mla_decode_ref", "preferred_page",
+           "tma_ok"]
