@@ -28,6 +28,8 @@ MODES = {
     "preempt": dict(attention_backend="reference", enable_prefix_caching=True,
                     enable_chunked_prefill=True, max_num_batched_tokens=24, num_blocks=8,
                     max_model_len=48),
+    # multi-step runs of decode steps through the kernel (engine.multistep), eagerly here
+    "multistep": dict(attention_backend="paged", decode_steps=4),
 }
 
 
@@ -98,16 +100,19 @@ def test_greedy_tokens_match_hf(checkpoint, mode, monkeypatch):
     calls = []
     kernel = M.mla_decode
     monkeypatch.setattr(M, "mla_decode", lambda *a, **k: calls.append(1) or kernel(*a, **k))
-    where = device.default_device() if mode == "kernel" else "cpu"  # the kernel: where it runs
+    kernel_mode = mode in ("kernel", "multistep")
+    where = device.default_device() if kernel_mode else "cpu"  # the kernel: where it runs
     with LLM(path, device=where, dtype=torch.float32, ops=reference_ops(), block_size=8,
              **MODES[mode]) as llm:
         assert isinstance(llm.model, DeepseekV3)
         row = CFG["kv_lora_rank"] + CFG["qk_rope_head_dim"]
         assert llm.runner.kv_caches[0].shape[1:] == (8, row)
         outs = llm.generate(prompts, SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0))
+        runs = llm.runner.num_decode_runs  # multi-step runs: several decode steps each
+        assert (0 < runs < MAX_TOKENS - 1) if mode == "multistep" else runs == 0
     assert [o.token_ids for o in outs] == want
     # the kernel mode's decode steps ran the Triton kernel (the interpreter here)
-    assert bool(calls) == (mode == "kernel") and device.backend() != "reference"
+    assert bool(calls) == kernel_mode and device.backend() != "reference"
 
 
 @pytest.mark.parametrize("family", ["V3", "V2"])
@@ -131,7 +136,6 @@ def test_moe_layers_greedy_tokens_match_hf(moe_checkpoint, moe_v2_checkpoint, fa
 def test_unsupported_engine_switches(checkpoint):
     path, _, _ = checkpoint
     for kw, match in ((dict(attention_backend="flash"), "flash"),
-                      (dict(decode_steps=4), "decode_steps"),
                       (dict(cuda_graphs=True), "cuda_graphs=True needs the model on a CUDA")):
         with pytest.raises(ValueError, match=match):
             LLM(path, device="cpu", dtype=torch.float32, **kw)

@@ -2,10 +2,11 @@
 DeepSeek-V2-Lite's attention (16 heads, r = 512, dr = 64, hidden 2048; 4 dense layers,
 random weights, bf16), served by LLM(model) with its defaults (block_size=None: 64 on
 Hopper, so decode steps take the Gluon MLA kernel) and with block_size=16 (the Triton
-kernel), CUDA graphs on; batch B of 4096-token prompts, 64 new tokens each; time per output
-token (median over requests) and the decode kernel's share of the step from the MLA
-suite's byte count. Run: python3 benchmarks/logs/engine-mla-page.py"""
+kernel), CUDA graphs on; batch B of 4096-token prompts: once every request has its first
+token, 32 engine steps (decode only) are timed, synchronised, and the step time reported.
+Run: python3 benchmarks/logs/engine-mla-page.py"""
 import importlib
+import time
 
 import torch
 
@@ -22,20 +23,32 @@ real, calls = G.mla_decode_gluon, []
 G.mla_decode_gluon = lambda *a, **k: calls.append(1) or real(*a, **k)
 print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}", flush=True)
 g = torch.Generator().manual_seed(1)
+STEPS = 32
 for batch in (1, 16, 64):
     prompts = [torch.randint(0, 32000, (4096,), generator=g).tolist() for _ in range(batch)]
-    sp = SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True)
+    sp = SamplingParams(max_tokens=1024, temperature=0.0, ignore_eos=True)  # none ends
     res = {}
     for label, kw in (("default", {}), ("block_size=16", {"block_size": 16})):
         n0 = len(calls)
         with LLM(model, max_model_len=8192, enable_prefix_caching=False, **kw) as llm:
             llm.generate(prompts[:1], SamplingParams(max_tokens=4, ignore_eos=True),
                          use_tqdm=False)  # graphs captured, kernels tuned
-            outs = llm.generate(prompts, sp, use_tqdm=False)
+            ids = [llm.add_request(p, sp) for p in prompts]
+            while min(llm.requests[i].num_output_tokens for i in ids) < 2:
+                llm.step()
+            for _ in range(4):
+                llm.step()
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            for _ in range(STEPS):
+                llm.step()
+            torch.cuda.synchronize()
+            step = (time.perf_counter() - t0) / STEPS
             bs = llm.config.block_size
-        tpot = sorted(o.tpot for o in outs)[len(outs) // 2]
-        res[label] = tpot
+            for i in ids:
+                llm.abort(i)
+        res[label] = step
         print(f"B={batch:3d} {label:14s} block_size={bs:3d} gluon_calls={len(calls) - n0:6d} "
-              f"tpot={tpot * 1e3:.3f} ms", flush=True)
+              f"decode step {step * 1e3:.3f} ms", flush=True)
     print(f"B={batch:3d} default is {res['block_size=16'] / res['default']:.2f}x "
           "block_size=16's speed", flush=True)

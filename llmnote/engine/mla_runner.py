@@ -23,8 +23,10 @@ differs. Each layer of a step, on the packed tokens ``(T, hidden)``:
 On a GPU the decode steps replay CUDA graphs as the other runner's do
 (:mod:`llmnote.engine.cuda_graphs`: static inputs, a scratch block for padded rows, the
 graph of each batch size captured at its first step); the captured forward is
-:meth:`MLAModelRunner._mla_layers` with the paged MLA kernel. Multi-step decoding is
-not built for this runner (one decode step per scheduler step).
+:meth:`MLAModelRunner._mla_layers` with the paged MLA kernel. Multi-step decoding
+(:mod:`llmnote.engine.multistep`, ``decode_steps``: 8 with graphs) is the other runner's:
+the captured step feeds itself its inputs and its greedy tokens, so a run of decode steps
+is replays, the host reading the tokens once at the end.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ import torch
 
 from llmnote import device
 from llmnote.engine.attention import AttentionMetadata
-from llmnote.engine.config import EngineConfig
+from llmnote.engine.config import GRAPH_DECODE_STEPS, EngineConfig
 from llmnote.engine.cuda_graphs import use_graphs
 from llmnote.engine.kv_cache import choose_num_blocks
 from llmnote.engine.model_runner import ModelRunner
@@ -93,9 +95,6 @@ class MLAModelRunner(ModelRunner):
         if config.attention_backend == "flash":
             raise ValueError("attention_backend='flash' does not apply to MLA models; pass "
                              "None, 'reference' or 'paged'")
-        if (config.decode_steps or 1) > 1:
-            raise ValueError(f"decode_steps={config.decode_steps}: multi-step decoding is not "
-                             "built for MLA models; pass None or 1")
         on_gpu = device.on_gpu() and self.device.type == "cuda"
         self.backend = config.attention_backend or ("paged" if on_gpu else "reference")
         # graphs capture the paged kernel's decode; the reference reads the host
@@ -103,7 +102,9 @@ class MLAModelRunner(ModelRunner):
             raise ValueError("cuda_graphs=True captures the paged MLA kernel: pass "
                              "attention_backend=None or 'paged'")
         self.use_graphs = graphs and self.backend == "paged"
-        self.use_gemv, self.use_w4, self.decode_steps = False, False, 1
+        self.use_gemv, self.use_w4 = False, False
+        # multi-step decoding (engine.multistep) as the other runner: the graph feeds itself
+        self.decode_steps = config.decode_steps or (GRAPH_DECODE_STEPS if self.use_graphs else 1)
         self.max_model_len = min(config.max_model_len or 10**12, c.max_position_embeddings)
         self.num_blocks = choose_num_blocks(model, config, self.dtype, self.device,
                                             self.max_model_len)
