@@ -108,8 +108,10 @@ def test_greedy_tokens_match_hf(checkpoint, mode, monkeypatch):
         row = CFG["kv_lora_rank"] + CFG["qk_rope_head_dim"]
         assert llm.runner.kv_caches[0].shape[1:] == (8, row)
         outs = llm.generate(prompts, SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0))
-        runs = llm.runner.num_decode_runs  # multi-step runs: several decode steps each
-        assert (0 < runs < MAX_TOKENS - 1) if mode == "multistep" else runs == 0
+        # multi-step runs (several decode steps each): asked for, or by default with graphs
+        runs, multi = llm.runner.num_decode_runs, llm.runner.decode_steps > 1
+        assert multi == (mode == "multistep" or llm.runner.use_graphs)
+        assert (0 < runs < MAX_TOKENS - 1) if multi else runs == 0
     assert [o.token_ids for o in outs] == want
     # the kernel mode's decode steps ran the Triton kernel (the interpreter here)
     assert bool(calls) == kernel_mode and device.backend() != "reference"
