@@ -3,7 +3,8 @@ DeepSeek-V2-Lite's attention (16 heads, r = 512, dr = 64, hidden 2048; 4 dense l
 random weights, bf16), served by LLM(model) with its defaults (block_size=None: 64 on
 Hopper, so decode steps take the Gluon MLA kernel) and with block_size=16 (the Triton
 kernel), CUDA graphs on; batch B of 4096-token prompts: once every request has its first
-token, 32 engine steps (decode only) are timed, synchronised, and the step time reported.
+token, 32 calls of LLM.step (decode only; each reads a multi-step run) are timed,
+synchronised, and divided by the tokens each request gained.
 Run: python3 benchmarks/logs/engine-mla-page.py"""
 import importlib
 import time
@@ -39,16 +40,17 @@ for batch in (1, 16, 64):
             for _ in range(4):
                 llm.step()
             torch.cuda.synchronize()
+            n0 = llm.requests[ids[0]].num_output_tokens
             t0 = time.perf_counter()
-            for _ in range(STEPS):
+            for _ in range(STEPS):  # each reads a run of decode_steps tokens per request
                 llm.step()
             torch.cuda.synchronize()
-            step = (time.perf_counter() - t0) / STEPS
+            step = (time.perf_counter() - t0) / (llm.requests[ids[0]].num_output_tokens - n0)
             bs = llm.config.block_size
             for i in ids:
                 llm.abort(i)
         res[label] = step
         print(f"B={batch:3d} {label:14s} block_size={bs:3d} gluon_calls={len(calls) - n0:6d} "
-              f"decode step {step * 1e3:.3f} ms", flush=True)
+              f"per decode step (token) {step * 1e3:.3f} ms", flush=True)
     print(f"B={batch:3d} default is {res['block_size=16'] / res['default']:.2f}x "
           "block_size=16's speed", flush=True)
