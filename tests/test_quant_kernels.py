@@ -53,7 +53,8 @@ def _int8_operands(m, n, k, dev, per_token=True, per_channel=True):
     return a, sa, w, sw
 
 
-@pytest.mark.parametrize("m,n,k", [(1, 1, 1), (1, 40, 17), (17, 33, 65), (33, 19, 40), (64, 48, 96)])
+@pytest.mark.parametrize("m,n,k", [(1, 1, 1), (1, 40, 17), (1, 37, 300), (17, 33, 65), (33, 19, 40),
+                                   (64, 48, 96)])
 @pytest.mark.parametrize("out_dtype", [torch.float32, torch.float16, torch.bfloat16])
 def test_int8_gemm(seed, dev, m, n, k, out_dtype):
     a, sa, w, sw = _int8_operands(m, n, k, dev)
@@ -65,22 +66,41 @@ def test_int8_gemm(seed, dev, m, n, k, out_dtype):
     assert err <= tol * float(ref.abs().max()) + interpreter_allowance(out_dtype, ref) + 1e-6, err
 
 
+@pytest.mark.parametrize("m", [1, 19])  # batch 1 runs the GEMV, more the tensor-core kernel
 @pytest.mark.parametrize("per_token,per_channel", [(False, True), (True, False), (False, False)])
-def test_int8_gemm_scale_modes_and_bias(seed, dev, per_token, per_channel):
-    a, sa, w, sw = _int8_operands(19, 24, 50, dev, per_token, per_channel)
+def test_int8_gemm_scale_modes_and_bias(seed, dev, m, per_token, per_channel):
+    a, sa, w, sw = _int8_operands(m, 24, 50, dev, per_token, per_channel)
     bias = torch.randn(24, device=dev)
     out = K.int8_gemm(a, sa, w, sw, bias, out_dtype=torch.float32)
     assert_close(out, K.int8_gemm_ref(a, sa, w, sw, bias, out_dtype=torch.float32), rtol=1e-5, atol=1e-5)
 
 
-def test_int8_gemm_extreme_values_exact(dev):
-    """-127 * -127 * K at the int32 accumulator: no overflow, exact."""
+@pytest.mark.parametrize("m", [1, 16])
+def test_int8_gemm_extreme_values_exact(dev, m):
+    """-127 * -127 * K at the int32 accumulator: no overflow, exact (the GEMV at batch 1)."""
     k = 200
-    a = torch.full((16, k), -127, dtype=torch.int8, device=dev)
+    a = torch.full((m, k), -127, dtype=torch.int8, device=dev)
     w = torch.full((16, k), -127, dtype=torch.int8, device=dev)
     one = torch.ones(1, device=dev)
     out = K.int8_gemm(a, one, w, one, out_dtype=torch.float32)
     assert bool((out == 127 * 127 * k).all())
+
+
+@pytest.mark.skipif(not device.on_gpu(), reason="the batch-1 int8 GEMV tiles of a GPU")
+@pytest.mark.parametrize("n,k", [(4096, 4096), (1000, 14336), (37, 300)])
+def test_int8_gemv_every_tile(seed, n, k):
+    """Every tile the batch-1 W8A8 GEMV may be tuned to (Llama-3-8B's o and down shapes, and
+    one smaller than most tiles) equals the reference exactly in fp32: the int32 sums are
+    exact, the dequantization is the reference's product in its order (no bias here: an
+    added bias may be contracted into an FMA, one rounding fewer than the reference's)."""
+    from llmnote.quant.kernels.int8 import INT8_GEMV_GPU, _int8_gemv
+
+    a, sa, w, sw = _int8_operands(1, n, k, "cuda")
+    ref = K.int8_gemm_ref(a, sa, w, sw, out_dtype=torch.float32)
+    for cfg in INT8_GEMV_GPU:
+        c = torch.empty((1, n), device="cuda")
+        _int8_gemv(a, sa, w, sw, None, c, config=cfg)
+        assert torch.equal(c, ref), (cfg, float((c - ref).abs().max()))
 
 
 def test_int8_gemm_wrong_result_caught(dev):

@@ -273,11 +273,15 @@ def test_fuse_linears_concatenates_outputs_without_copies(seed, dev, cls, kw, bi
     assert fuse_linears([nn.Linear(4, 4), nn.Linear(4, 4)]) is None
 
 
-@pytest.mark.parametrize("method, kernels", [("awq", False), ("smoothquant", False), ("awq", True)])
-def test_quantized_model_through_the_engine(seed, dev, method, kernels):
+@pytest.mark.parametrize("method, kernels, gemv", [
+    ("awq", False, None), ("smoothquant", False, None), ("awq", True, True), ("awq", True, None),
+    ("smoothquant", True, None)])
+def test_quantized_model_through_the_engine(seed, dev, method, kernels, gemv):
     """The engine fuses a quantized model's q/k/v and gate/up layers into one quantized layer
-    each and generates the greedy tokens of the model's own forward (reference path; for the
-    int4 model on the kernels, in fp16, batch-1 steps take the fused-prologue W4A16 kernels)."""
+    each and generates the greedy tokens of the model's own forward (reference path; on the
+    kernels in fp16: the int4 model's batch-1 steps take the fused-prologue W4A16 kernels
+    when asked, ``gemv=True``, else the separate norm kernels and W4A16 GEMVs, the default;
+    the W8A8 model's batch-1 steps the int8 GEMV)."""
     from llmnote.engine import LLM, EngineConfig, SamplingParams
 
     m = quantize_model(tiny().to(dev), method, [ids(2, 16).to(dev)], group_size=32, use_kernel=kernels)
@@ -293,54 +297,54 @@ def test_quantized_model_through_the_engine(seed, dev, method, kernels):
             for _ in range(6):
                 seq.append(int(m(torch.tensor([seq], device=dev))[0, -1].argmax()))
             want.append(seq[len(p):])
-    llm = LLM(m, config=EngineConfig(block_size=4, cpu_num_blocks=40, num_blocks=40))
+    llm = LLM(m, config=EngineConfig(block_size=4, cpu_num_blocks=40, num_blocks=40, gemv=gemv))
     kind = W4A16Linear if method == "awq" else W8A8Linear
     assert all(type(f) is kind for f in llm.runner.fused_qkv + llm.runner.fused_gate_up)
-    assert llm.runner.use_w4 == kernels
+    fused = kernels and gemv is True  # the int4 fused-prologue path is asked for, not the default
+    assert llm.runner.use_w4 == fused
     params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
     together = llm.generate(prompts, params, use_tqdm=False)  # batch-2 steps (CUDA graphs on a GPU)
     alone = [llm.generate([p], params, use_tqdm=False)[0] for p in prompts]  # batch-1 steps
     assert [o.token_ids for o in together] == want and [o.token_ids for o in alone] == want
     if device.on_gpu():  # the graphs were captured before any patch: count on an eager engine
-        llm = LLM(m, config=EngineConfig(block_size=4, num_blocks=40, cuda_graphs=False))
+        llm = LLM(m, config=EngineConfig(block_size=4, num_blocks=40, cuda_graphs=False, gemv=gemv))
     calls = []
     w4_layer = llm.runner._w4_layer
     llm.runner._w4_layer = lambda *a, **k: calls.append(a[0]) or w4_layer(*a, **k)
     assert llm.generate([prompts[0]], params, use_tqdm=False)[0].token_ids == want[0]
-    assert (len(calls) > 0) == kernels  # batch-1 steps of the int4 model on the kernels
+    assert (len(calls) > 0) == fused  # batch-1 steps of the int4 model on the fused kernels
 
 
 def test_decode_notice_reads_the_recorded_engine_benchmark():
     """The one-line notice: said for a method the recorded batch-1 run found slower than
-    bf16 on that GPU, for models no larger than the measured one; silent otherwise."""
-    from llmnote.quant.pays import _recorded, decode_notice
+    bf16 on that GPU, for models no larger than the smallest measured model at least as
+    large (the notice names its ratio and size); silent otherwise, and for models larger
+    than any measured."""
+    from llmnote.quant.pays import _recorded, decode_notice, measured_ratios
 
     rec = _recorded()
     assert not rec.empty, "engine.csv has no decode-b1-quant rows"
     gpu = rec.gpu_name.iloc[0]
-    r = rec[rec.gpu_name == gpu].set_index("provider")
-    size = float(r.loc["llmnote-bf16", "weight_bytes"])
-    for method, provider in (("awq", "llmnote-w4a16"), ("smoothquant", "llmnote-w8a8")):
-        ratio = r.loc[provider, "p50"] / r.loc["llmnote-bf16", "p50"]
-        line = decode_notice(method, size / 2, gpu)
-        if ratio > 1:
-            assert line is not None and f"{ratio:.2f}x" in line and gpu in line
-        else:
-            assert line is None
-        assert decode_notice(method, size * 2, gpu) is None  # a larger model: not measured
-    assert decode_notice("awq", size / 2, "a GPU nothing was recorded on") is None
-    # nothing recorded on this GPU model: a recorded one of the same compute capability
-    # answers, named in the line; another capability stays silent
     cap = rec[rec.gpu_name == gpu].capability.iloc[0]
-    for method, provider in (("awq", "llmnote-w4a16"), ("smoothquant", "llmnote-w8a8")):
-        ratio = r.loc[provider, "p50"] / r.loc["llmnote-bf16", "p50"]
-        line = decode_notice(method, size / 2, "NVIDIA H999", cap)
-        if ratio > 1:
-            assert line is not None and f"{ratio:.2f}x" in line
-            assert f"an {gpu} (compute capability {cap}, as this NVIDIA H999)" in line
-        else:
-            assert line is None
-    assert decode_notice("awq", size / 2, "NVIDIA H999", "1.0") is None
+    for method in ("awq", "smoothquant"):
+        table = measured_ratios(method, gpu)
+        assert len(table) >= 1, method
+        below = 0.0
+        for size, ratio in zip(table["size"], table["ratio"]):
+            for asked in ((below + size) / 2, size):  # above the smaller model, up to this one
+                for name, capability in ((gpu, None), ("NVIDIA H999", cap)):
+                    line = decode_notice(method, asked, name, capability)
+                    if ratio > 1:
+                        assert line is not None and f"{ratio:.2f}x" in line, (method, asked, line)
+                        assert f"{size / 1e9:.2f} GB" in line
+                        assert (gpu in line if name == gpu else
+                                f"an {gpu} (compute capability {cap}, as this NVIDIA H999)" in line)
+                    else:
+                        assert line is None, (method, asked, line)
+            below = size
+        assert decode_notice(method, below * 2, gpu) is None  # larger than any measured
+        assert decode_notice(method, below / 2, "a GPU nothing was recorded on") is None
+        assert decode_notice(method, below / 2, "NVIDIA H999", "1.0") is None
 
 
 def test_quantize_model_warns_from_the_record_of_its_architecture(monkeypatch):
@@ -349,18 +353,19 @@ def test_quantize_model_warns_from_the_record_of_its_architecture(monkeypatch):
     import types
 
     from llmnote import quant
-    from llmnote.quant.pays import _recorded
+    from llmnote.quant.pays import _recorded, measured_ratios
 
     rec = _recorded()
     gpu, cap = rec.gpu_name.iloc[0], rec.capability.iloc[0]
-    r = rec[rec.gpu_name == gpu].set_index("provider")
-    if r.loc["llmnote-w4a16", "p50"] <= r.loc["llmnote-bf16", "p50"]:
-        pytest.skip("the record has W4A16 faster than bf16: there is no notice to see")
+    table = measured_ratios("awq", gpu)
+    slower = table[table.ratio > 1]
+    if slower.empty:
+        pytest.skip("the record has W4A16 faster than bf16 on every model: no notice to see")
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda d=None: "NVIDIA H999")
     monkeypatch.setattr(torch.cuda, "get_device_capability",
                         lambda d=None: tuple(int(v) for v in cap.split(".")))
     weight = types.SimpleNamespace(is_cuda=True, device="cuda:0")
-    size = float(r.loc["llmnote-bf16", "weight_bytes"])
+    size = float(slower["size"].iloc[0])
     with pytest.warns(UserWarning, match=f"on an {gpu} \\(compute capability {cap}, as this "
                                          "NVIDIA H999\\)"):
         quant._say_if_it_does_not_pay("awq", weight, size / 2)

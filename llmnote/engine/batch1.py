@@ -5,8 +5,9 @@ each layer runs six kernels through llmnote's GEMVs: the q/k/v and gate/up GEMVs
 the residual add and RMSNorm folded in (:mod:`llmnote.ops.fused_gemv`), the down GEMV
 with SwiGLU folded in, the q/k kernel, split-KV attention, and ``combine_gemv``
 (:mod:`llmnote.ops.attention.combine_gemv`), the output projection merging attention's
-split partials itself. An int4 (W4A16) model has the same shape of step through the
-W4A16 kernels with the same prologues (:mod:`llmnote.quant.kernels`).
+split partials itself. An int4 (W4A16) model can take the same shape of step through the
+W4A16 kernels with the same prologues (:mod:`llmnote.quant.kernels`), with ``gemv=True``
+only: measured, it is slower than the separate kernels (see :meth:`Batch1Paths._w4_ready`).
 """
 
 from __future__ import annotations
@@ -74,12 +75,13 @@ class Batch1Paths:
         """Whether one-token batch-1 steps can take :meth:`_w4_layer`: an AWQ/RTN int4 model
         (every layer's q/k/v and gate/up fused into one :class:`~llmnote.quant.W4A16Linear`
         each, ``down_proj`` one too) in fp16 or bf16, its layers on the Triton kernels,
-        llmnote's norm and SwiGLU ops, RoPE tabulated; and ``EngineConfig.gemv`` asks for
-        the fused prologues (``None``: hidden size at most :data:`GEMV_MAX_HIDDEN`, as for
-        bf16: at Llama-3-8B's 4096 each program's re-reduction of the input row cost more
-        than the launches it saves, 3.96 against 2.73 ms per token on the H200,
-        ``benchmarks/logs/engine-w4a16-b1-fusion-h200-2026-11-29.txt``). Otherwise an
-        int4 step runs the separate norm and SwiGLU kernels and the plain W4A16 GEMVs."""
+        llmnote's norm and SwiGLU ops, RoPE tabulated; and ``EngineConfig.gemv`` is True.
+        Unlike bf16's, the int4 fusion is not the default (``gemv=None``): every program
+        re-reduces the whole input row before its weights, and with 4-bit weights those
+        re-reads weigh four times more against the weight bytes. On the H200 the fused
+        step was slower at both sizes measured: Llama-3-8B 4.00 against 2.90 ms per token,
+        Qwen3-0.6B 1.07 against 0.99 (``benchmarks/logs/engine-quant-b1-h200-2026-11-29.txt``).
+        Otherwise an int4 step runs the separate norm and SwiGLU kernels and the W4A16 GEMVs."""
         from llmnote.ops.rmsnorm import add_rmsnorm
         from llmnote.ops.swiglu import swiglu
         from llmnote.quant.layers import W4A16Linear, _use_kernel
@@ -87,10 +89,7 @@ class Batch1Paths:
         mods = self.fused_qkv + self.fused_gate_up + [getattr(l.mlp, "down_proj", None)
                                                       for l in self.model.model.layers]
         ops = self.ops
-        wanted = self.config.gemv
-        if wanted is None:  # see GEMV_MAX_HIDDEN
-            wanted = self.model.config.hidden_size <= GEMV_MAX_HIDDEN
-        return (wanted and self.dtype in (torch.float16, torch.bfloat16) and self.rope_table is not None
+        return (self.config.gemv is True and self.dtype in (torch.float16, torch.bfloat16) and self.rope_table is not None
                 and ops.add_rmsnorm is add_rmsnorm and ops.swiglu is swiglu
                 and all(type(f) is W4A16Linear and _use_kernel(f.use_kernel) for f in mods))
 

@@ -43,11 +43,11 @@ from llmnote.engine._check import check_int
 
 GRAPH_DECODE_STEPS = 8  # decode_steps=None with CUDA graphs
 DEFAULT_BLOCK_SIZE = 16  # block_size=None, but for a latent cache the Gluon MLA kernel reads
-# gemv=None: the batch-1 fused-prologue path (bf16 GEMVs, or the int4 W4A16 GEMVs) for
-# models of at most this hidden size. Its fused prologues make every program re-read the
-# whole input rows; measured on the H100 that pays for Qwen3-0.6B (hidden 1024) and costs
-# for Llama-3-8B (hidden 4096, 6.6 -> 7.2 ms per batch-1 step in bf16; in int4 on the
-# H200 2.73 -> 3.96 ms), see ModelRunner._gemv_ready and _w4_ready.
+# gemv=None: the bf16 batch-1 GEMV path for models of at most this hidden size. Its fused
+# prologues make every program re-read the whole input rows; measured on the H100 that
+# pays for Qwen3-0.6B (hidden 1024) and costs for Llama-3-8B (hidden 4096, 6.6 -> 7.2 ms
+# per batch-1 step), see ModelRunner._gemv_ready. An int4 model takes its fused path
+# only with gemv=True (it measured slower at both sizes, see ModelRunner._w4_ready).
 GEMV_MAX_HIDDEN = 2048
 
 
@@ -69,8 +69,8 @@ class EngineConfig:
     decode_steps: int | None = None  # None: 8 with CUDA graphs, else 1
     async_scheduling: bool = True  # queue the next decode run before reading this one
     dependent_launches: bool = True  # PDL between the graph's kernels (Hopper+; llmnote.ops._pdl)
-    gemv: bool | None = None  # batch-1 steps with the norms folded into the GEMVs (bf16 or
-    # int4); None: for hidden <= GEMV_MAX_HIDDEN
+    gemv: bool | None = None  # batch-1 steps with the norms folded into the GEMVs; None: bf16
+    # models of hidden <= GEMV_MAX_HIDDEN (int4 models only with True)
     tune_graph: bool = False  # GEMV tiles of the batch-1 decode graph chosen by timing that graph
     tensor_parallel_size: int = 1  # > 1: sharded over worker processes (engine.tp_driver)
     distributed_backend: str | None = None  # "nccl" | "gloo"; None: nccl on GPUs, else gloo

@@ -26,7 +26,8 @@ Qwen3-0.6B shapes of :data:`llmnote.models.presets.PRESETS`.
 * ``decode-b1-quant`` (``quant=True``, GPU): the same after
   :func:`llmnote.quant.quantize_model` (``llmnote-w8a8``: SmoothQuant W8A8;
   ``llmnote-w4a16``: AWQ int4 g128, random calibration ids) against
-  ``llmnote-bf16``; extra column ``weight_bytes``.
+  ``llmnote-bf16``, for each of :data:`QUANT_MODELS` (Qwen3-0.6B and Llama-3-8B
+  shapes); extra columns ``weight_bytes`` and ``model``.
 * ``prefix``: 64 requests sharing a 1024-token system prompt plus 32 own
   tokens, 64 new tokens each, prefix caching on and off: TTFT and throughput.
 * ``hf-check``: the Shakespeare model in fp32, 8 prompts, 32 greedy tokens:
@@ -54,6 +55,8 @@ from llmnote.bench.suites.engine_startup import startup_rows
 BENCH = "engine"
 MODEL = "qwen3-0.6b"
 PARTS = ("startup", "check", "engine", "hf", "prefix", "quant")
+# the quant part's models: where batch-1 quantized decode does not pay, and where it must
+QUANT_MODELS = ("qwen3-0.6b", "llama-3-8b")
 
 
 def _rows(provider: str, x_name: str, x_value, wall_s: float, values: dict[str, tuple[str, float]],
@@ -326,7 +329,8 @@ def quant_decode(bw: float, max_len: int = 1024, quick: bool = False,
                 _free()
                 llm = _engine(model, attention_backend=backend, cuda_graphs=False)
             rows += _decode_b1(llm, model, name, vocab, max_len, quick, bw, ops,
-                               workload="decode-b1-quant", extra={"method": method or "bf16"})
+                               workload="decode-b1-quant",
+                               extra={"method": method or "bf16", "model": model_name})
             del llm
         except Exception as e:  # one method failing must not cost the others
             print(f"{name}: failed: {e!r}")
@@ -433,6 +437,7 @@ def run(quick: bool = False, *, model_name: str = MODEL, max_len: int = 1024,
         del llm, outs
         _free()
     if "quant" in parts and (quant if quant is not None else (device.on_gpu() and not quick)):
-        rows += quant_decode(bw, max_len, quick, model_name, working[0])
+        for name in QUANT_MODELS if model_name == MODEL else (model_name,):
+            rows += quant_decode(bw, max_len, quick, name, working[0])
     df = pd.DataFrame(rows)
     return df[list(dict.fromkeys(COLUMNS + list(df.columns)))]

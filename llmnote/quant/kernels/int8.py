@@ -8,7 +8,13 @@
   A times per-output-channel scale of W) fused into the epilogue, so the int32
   tile never reaches memory. Tiles, grouped program order, the store and the
   config pruning are those of :mod:`llmnote.ops.matmul` (``_tile_offsets``,
-  ``_store_tile``, ``prune_configs``).
+  ``_store_tile``, ``prune_configs``). One row (a batch-1 decode step) goes to a
+  GEMV instead, :func:`_int8_gemv_kernel`: int32 FMAs over a few weight rows per
+  program, as :mod:`llmnote.ops.gemv` does in bf16. The smallest tensor-core tile
+  has 16 rows, so at batch 1 it would compute 15 wasted rows and, with its wide
+  tiles, launch too few programs to keep the memory busy (a Llama-3-8B W8A8 step
+  took 6.1 ms against bf16's 4.6 on the H200 before; see
+  ``benchmarks/logs/engine-w4a16-b1-fusion-h200-2026-11-29.txt``).
 
 Rounding: the kernel rounds half away from zero (``floor(|v| + 0.5)``); the
 reference does the same (``torch.round`` would round half to even). int8
@@ -22,7 +28,11 @@ import triton
 import triton.language as tl
 
 from llmnote import device
+from llmnote.ops import _pdl
+from llmnote.ops._pdl import wait_and_release
+from llmnote.ops._tuning import TuneCache
 from llmnote.ops._validate import check_device, check_same
+from llmnote.ops.gemv import GemvConfig
 from llmnote.ops.matmul import _store_tile, _tile_offsets
 from llmnote.ops.matmul_configs import _config, prune_configs
 from llmnote.quant.primitives import check_tensor
@@ -177,9 +187,73 @@ def _int8_gemm_kernel(
     _store_tile(c_ptr, out, offs_m, offs_n, M, N, stride_cm, stride_cn)
 
 
+# Batch 1: weight rows x K chunk per program (int8 tiles of 8-32 KB; the whole row where
+# it fits, so that every load is issued at once), timed per shape on the first call.
+INT8_GEMV_GPU = [GemvConfig(8, 2048), GemvConfig(16, 1024), GemvConfig(4, 4096), GemvConfig(8, 4096, 8),
+                 GemvConfig(16, 2048, 8), GemvConfig(32, 1024, 8), GemvConfig(16, 512), GemvConfig(32, 512)]
+INT8_GEMV_INTERPRETER = GemvConfig(16, 64)
+GEMV_TUNING = TuneCache("int8_gemv", retime=3)  # key -> GemvConfig
+
+
+@triton.jit
+def _int8_gemv_kernel(
+    a_ptr, w_ptr, c_ptr, a_scale_ptr, w_scale_ptr, bias_ptr, N, K, stride_wn,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, W_PER_CHANNEL: tl.constexpr, HAS_BIAS: tl.constexpr,
+    USE_PDL: tl.constexpr,
+):
+    """Batch 1: ``c[rows] = (W_q[rows] . a_q) * s_a * s_w[rows] (+ bias)`` for the program's
+    BLOCK_N weight rows; int8 x int8 products summed in int32 (exact), dequantized in fp32
+    in the order :func:`int8_gemm_ref` uses."""
+    rows = (tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
+    wait_and_release(USE_PDL)  # a_q comes from the kernel before (quantize_per_token)
+    acc = tl.zeros((BLOCK_N,), tl.int32)
+    for k0 in range(0, K, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        w = tl.load(w_ptr + rows[:, None] * stride_wn + ks[None, :],
+                    mask=(rows[:, None] < N) & (ks[None, :] < K), other=0)  # (BLOCK_N, BLOCK_K)
+        a = tl.load(a_ptr + ks, mask=ks < K, other=0)  # (BLOCK_K,)
+        acc += tl.sum(w.to(tl.int32) * a.to(tl.int32)[None, :], axis=1)
+    sa = tl.load(a_scale_ptr)
+    if W_PER_CHANNEL:
+        sw = tl.load(w_scale_ptr + rows, mask=rows < N, other=0.0)
+    else:
+        sw = tl.load(w_scale_ptr)
+    out = acc.to(tl.float32) * sa * sw
+    if HAS_BIAS:
+        out += tl.load(bias_ptr + rows, mask=rows < N, other=0.0).to(tl.float32)
+    tl.store(c_ptr + rows, out.to(c_ptr.dtype.element_ty), mask=rows < N)
+
+
+def _int8_gemv(a_q: torch.Tensor, a_scale: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor,
+               bias: torch.Tensor | None, c: torch.Tensor, config: GemvConfig | None = None) -> None:
+    """Launch :func:`_int8_gemv_kernel` for one row ``a_q (1, K)`` into ``c (1, N)``, the tile
+    timed among :data:`INT8_GEMV_GPU` on the first call of a shape (``GEMV_TUNING``);
+    ``config`` forces one (tests)."""
+    K, N = a_q.shape[1], w_q.shape[0]
+    a_q = a_q if a_q.stride(1) == 1 else a_q.contiguous()
+    w_q = w_q if w_q.stride(1) == 1 else w_q.contiguous()
+    kp = triton.next_power_of_2(max(K, 16))
+
+    def launch(cfg: GemvConfig) -> None:
+        _int8_gemv_kernel[(triton.cdiv(N, cfg.block_n),)](
+            a_q, w_q, c, a_scale, w_scale, bias if bias is not None else c, N, K, w_q.stride(0),
+            BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, W_PER_CHANNEL=w_scale.shape[0] == N,
+            HAS_BIAS=bias is not None, num_warps=cfg.num_warps, USE_PDL=_pdl.enabled(), **_pdl.launch_options())
+
+    if device.interpreting():
+        cands = [INT8_GEMV_INTERPRETER]
+    else:  # chunks no longer than the row
+        cands = list(dict.fromkeys(cfg._replace(block_k=min(cfg.block_k, kp)) for cfg in INT8_GEMV_GPU))
+    if config is not None:
+        return launch(config)
+    key = (N, K, w_scale.shape[0] == N, bias is not None, c.dtype, c.device, _pdl.enabled())
+    launch(GEMV_TUNING.tune(key, cands, launch, timing=a_q.is_cuda))
+
+
 def int8_gemm(a_q: torch.Tensor, a_scale: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor,
               bias: torch.Tensor | None = None, out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
-    """W8A8 product with the dequantization fused; same signature as :func:`int8_gemm_ref`."""
+    """W8A8 product with the dequantization fused; same signature as :func:`int8_gemm_ref`.
+    One row runs on the batch-1 GEMV (:func:`_int8_gemv_kernel`), more on the tensor cores."""
     _check_int8_gemm(a_q, a_scale, w_q, w_scale, bias, out_dtype)
     if device.use_reference("int8_gemm", min_capability=(8, 0)):
         return int8_gemm_ref(a_q, a_scale, w_q, w_scale, bias, out_dtype)
@@ -188,6 +262,9 @@ def int8_gemm(a_q: torch.Tensor, a_scale: torch.Tensor, w_q: torch.Tensor, w_sca
     (M, K), N = a_q.shape, w_q.shape[0]
     c = torch.empty((M, N), dtype=out_dtype, device=a_q.device)
     if M == 0 or N == 0:
+        return c
+    if M == 1:  # batch 1: the GEMV (the tensor-core tile would idle 15 of its 16 rows)
+        _int8_gemv(a_q, a_scale, w_q, w_scale, bias, c)
         return c
     b = w_q.t()  # (K, N) view
     grid = lambda m: (triton.cdiv(M, m["BLOCK_M"]) * triton.cdiv(N, m["BLOCK_N"]),)  # noqa: E731
