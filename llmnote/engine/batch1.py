@@ -89,7 +89,8 @@ class Batch1Paths:
         mods = self.fused_qkv + self.fused_gate_up + [getattr(l.mlp, "down_proj", None)
                                                       for l in self.model.model.layers]
         ops = self.ops
-        return (self.config.gemv is True and self.dtype in (torch.float16, torch.bfloat16) and self.rope_table is not None
+        return (self.config.gemv is True and self.dtype in (torch.float16, torch.bfloat16)
+                and self.rope_table is not None
                 and ops.add_rmsnorm is add_rmsnorm and ops.swiglu is swiglu
                 and all(type(f) is W4A16Linear and _use_kernel(f.use_kernel) for f in mods))
 

@@ -189,8 +189,9 @@ def _int8_gemm_kernel(
 
 # Batch 1: weight rows x K chunk per program (int8 tiles of 8-32 KB; the whole row where
 # it fits, so that every load is issued at once), timed per shape on the first call.
-INT8_GEMV_GPU = [GemvConfig(8, 2048), GemvConfig(16, 1024), GemvConfig(4, 4096), GemvConfig(8, 4096, 8),
-                 GemvConfig(16, 2048, 8), GemvConfig(32, 1024, 8), GemvConfig(16, 512), GemvConfig(32, 512)]
+INT8_GEMV_GPU = [GemvConfig(8, 2048), GemvConfig(16, 1024), GemvConfig(4, 4096),
+                 GemvConfig(8, 4096, 8), GemvConfig(16, 2048, 8), GemvConfig(32, 1024, 8),
+                 GemvConfig(16, 512), GemvConfig(32, 512)]
 INT8_GEMV_INTERPRETER = GemvConfig(16, 64)
 GEMV_TUNING = TuneCache("int8_gemv", retime=3)  # key -> GemvConfig
 
@@ -198,8 +199,8 @@ GEMV_TUNING = TuneCache("int8_gemv", retime=3)  # key -> GemvConfig
 @triton.jit
 def _int8_gemv_kernel(
     a_ptr, w_ptr, c_ptr, a_scale_ptr, w_scale_ptr, bias_ptr, N, K, stride_wn,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, W_PER_CHANNEL: tl.constexpr, HAS_BIAS: tl.constexpr,
-    USE_PDL: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, W_PER_CHANNEL: tl.constexpr,
+    HAS_BIAS: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     """Batch 1: ``c[rows] = (W_q[rows] . a_q) * s_a * s_w[rows] (+ bias)`` for the program's
     BLOCK_N weight rows; int8 x int8 products summed in int32 (exact), dequantized in fp32
@@ -225,7 +226,8 @@ def _int8_gemv_kernel(
 
 
 def _int8_gemv(a_q: torch.Tensor, a_scale: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor,
-               bias: torch.Tensor | None, c: torch.Tensor, config: GemvConfig | None = None) -> None:
+               bias: torch.Tensor | None, c: torch.Tensor,
+               config: GemvConfig | None = None) -> None:
     """Launch :func:`_int8_gemv_kernel` for one row ``a_q (1, K)`` into ``c (1, N)``, the tile
     timed among :data:`INT8_GEMV_GPU` on the first call of a shape (``GEMV_TUNING``);
     ``config`` forces one (tests)."""
@@ -238,7 +240,8 @@ def _int8_gemv(a_q: torch.Tensor, a_scale: torch.Tensor, w_q: torch.Tensor, w_sc
         _int8_gemv_kernel[(triton.cdiv(N, cfg.block_n),)](
             a_q, w_q, c, a_scale, w_scale, bias if bias is not None else c, N, K, w_q.stride(0),
             BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, W_PER_CHANNEL=w_scale.shape[0] == N,
-            HAS_BIAS=bias is not None, num_warps=cfg.num_warps, USE_PDL=_pdl.enabled(), **_pdl.launch_options())
+            HAS_BIAS=bias is not None, num_warps=cfg.num_warps, USE_PDL=_pdl.enabled(),
+            **_pdl.launch_options())
 
     if device.interpreting():
         cands = [INT8_GEMV_INTERPRETER]
