@@ -339,65 +339,6 @@ def test_w4a16_full_size_every_candidate(seed, dev, m):
         assert_close_lowp(out, ref32, lowp, atol=1e-3, name=f"w4a16 m={m} {cfg} split={split}")
 
 
-_HOPPER = device.on_gpu() and not device.interpreting() and (device.capability() or (0, 0))[0] == 9
-
-
-@pytest.mark.skipif(not _HOPPER, reason="the Gluon batch-1 kernel fed by TMA runs on a Hopper GPU")
-@pytest.mark.parametrize("n,k", [(8, 128), (40, 384), (264, 1024), (4096, 4096)])
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_w4a16_tma_tiles(seed, dev, n, k, dtype):
-    """Every TmaTile, split 1 to past the number of groups, with and without bias: N below one
-    tile and no multiple of it, K of one group (a single step) and of several."""
-    qw, s, z = _w4(n, k, 128, dtype, dev)
-    x = torch.randn(1, k, device=dev).to(dtype)
-    bias = torch.randn(n, device=dev).to(dtype)
-    ref32 = K.w4a16_linear_ref(x.float(), qw, s.float(), z.float(), 128)
-    for cfg in K.W4_GEMV_TMA:
-        for split in (1, 2, 3, 64):
-            out = K.w4a16_linear(x, qw, s, z, 128, split_k=split, config=cfg)
-            assert out.dtype == dtype and out.shape == (1, n)
-            assert_close_lowp(out, ref32, _lowp_ref(x, qw, s, z, 128), atol=1e-3, name=f"{cfg} split={split}")
-        out = K.w4a16_linear(x, qw, s, z, 128, bias, split_k=2, config=cfg)
-        assert_close_lowp(out, ref32 + bias.float(), _lowp_ref(x, qw, s, z, 128, bias), atol=1e-3,
-                          name=f"{cfg} bias")
-
-
-@pytest.mark.skipif(not _HOPPER, reason="the Gluon batch-1 kernel fed by TMA runs on a Hopper GPU")
-def test_w4a16_tma_column_slices_and_tuning(seed, dev):
-    """Column slices of a wider packed weight (a fused projection's parts) read in place by
-    TMA, and chosen by the tuner alone; a slice starting at an odd column cannot take a TMA
-    tile (its rows are not 16-byte aligned) and gets another kernel."""
-    qw, s, z = _w4(96, 256, 128, torch.bfloat16, dev)
-    x = torch.randn(1, 256, device=dev).bfloat16()
-    for lo, hi in ((8, 72), (3, 67)):
-        parts = qw[:, lo:hi], s[:, lo:hi], z[:, lo:hi]
-        ref32 = K.w4a16_linear_ref(x.float(), parts[0].contiguous(), parts[1].float(), parts[2].float(), 128)
-        lowp = _lowp_ref(x, parts[0].contiguous(), parts[1], parts[2], 128)
-        assert_close_lowp(K.w4a16_linear(x, *parts, 128), ref32, lowp, atol=1e-3, name=f"slice {lo}:{hi}")
-        if lo == 8:
-            assert_close_lowp(K.w4a16_linear(x, *parts, 128, config=K.TmaTile()), ref32, lowp, atol=1e-3)
-        else:
-            with pytest.raises(ValueError, match="TmaTile"):
-                K.w4a16_linear(x, *parts, 128, config=K.TmaTile())
-
-
-def test_w4a16_tma_tile_where_it_cannot_run(dev):
-    """Off a Hopper GPU (the interpreter included), at another group size or batch, a TmaTile
-    is never a candidate, and asking for one names what it needs."""
-    qw, s, z = _w4(16, 256, 64, torch.float16, dev)
-    x = torch.randn(2, 256, device=dev).half()
-    assert not any(isinstance(c, K.TmaTile) for c, _ in w4_candidates(1, 16, 256, 64, x.device, None))
-    assert not any(isinstance(c, K.TmaTile) for c, _ in w4_candidates(2, 16, 256, 128, x.device, None))
-    if not _HOPPER:
-        assert not any(isinstance(c, K.TmaTile) for c, _ in w4_candidates(1, 16, 256, 128, x.device, None))
-    if device.use_reference("w4a16_linear", min_capability=(8, 0)):
-        return  # the reference runs: no kernel config is read
-    with pytest.raises(ValueError, match="needs a Hopper GPU, batch 1, group_size 128"):
-        K.w4a16_linear(x[:1], qw, s, z, 64, config=K.TmaTile())
-    with pytest.raises(ValueError, match="TmaTile"):
-        K.w4a16_linear(x, qw, s, z, 64, config=K.TmaTile())
-
-
 # ------------------------------------------------------------ W4A16 with a fused prologue (batch 1)
 TILE3 = [K.GemvTile(bn=16, bk=64, prefetch=True), K.GemvTile(bn=32, bk=128)]
 

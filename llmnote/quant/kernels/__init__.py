@@ -28,8 +28,7 @@ from llmnote.quant.kernels.w4a16 import (
 from llmnote.quant.kernels.w4a16_basic import w4a16_linear_basic
 from llmnote.quant.kernels.w4a16_configs import (
     GEMV_MAX_M, LARGE_MIN_M, MAX_SPLIT, SPLIT_MAX_M, W4_GEMM_GPU, W4_GEMM_INTERPRETER, W4_GEMM_LARGE_GPU,
-    W4_GEMV_GPU, W4_GEMV_INTERPRETER, W4_GEMV_TMA, GemvTile, MmaTile, RowTile, TmaTile, W4Config,
-    default_split_k,
+    W4_GEMV_GPU, W4_GEMV_INTERPRETER, GemvTile, MmaTile, RowTile, W4Config, default_split_k,
 )
 from llmnote.quant.kernels.w4a16_ref import (
     HALF_DTYPES, dequantize_int4_weight, w4a16_add_rmsnorm_linear_ref, w4a16_linear_ref, w4a16_swiglu_linear_ref,
@@ -38,8 +37,7 @@ from llmnote.quant.kernels.w4a16_ref import (
 __all__ = [
     "ACT_DTYPES", "ADD_RMSNORM", "GEMV_MAX_M", "HALF_DTYPES", "LARGE_MIN_M", "MAX_SPLIT", "NONE", "SPLIT_MAX_M",
     "SWIGLU", "TUNING", "W4_GEMM_GPU", "W4_GEMM_INTERPRETER", "W4_GEMM_LARGE_GPU", "W4_GEMV_GPU",
-    "W4_GEMV_INTERPRETER", "W4_GEMV_TMA", "GemvTile", "MmaTile", "RowTile", "TmaTile", "W4Config",
-    "default_split_k",
+    "W4_GEMV_INTERPRETER", "GemvTile", "MmaTile", "RowTile", "W4Config", "default_split_k",
     "dequantize_int4_weight", "int8_gemm", "int8_gemm_ref", "quantize_per_token", "quantize_per_token_ref",
     "recorded_keys", "set_config", "tuning_candidates", "w4a16_add_rmsnorm_linear",
     "w4a16_add_rmsnorm_linear_ref", "w4a16_linear", "w4a16_linear_basic", "w4a16_linear_ref",

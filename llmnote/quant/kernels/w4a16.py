@@ -29,7 +29,7 @@ from llmnote.ops._validate import check_device, check_same
 from llmnote.ops.fused_gemv import Prologue
 from llmnote.quant.kernels.w4_decode import NIBBLE
 from llmnote.quant.kernels.w4a16_configs import (
-    GemvTile, MmaTile, RowTile, TmaTile, W4Config, candidates, default_split_k, gemv_ok,
+    GemvTile, MmaTile, RowTile, W4Config, candidates, default_split_k, gemv_ok,
 )
 from llmnote.quant.kernels.w4a16_gemv import _w4a16_gemv_kernel, _w4a16_row_kernel
 from llmnote.quant.kernels.w4a16_mma import _w4a16_mma_kernel
@@ -95,9 +95,8 @@ def w4a16_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, z
         raise TypeError(f"x must be float16 or bfloat16 for the W4A16 kernel, got {x.dtype}")
     if split_k is not None and (not isinstance(split_k, int) or split_k < 1):
         raise ValueError(f"split_k must be None or a positive int, got {split_k!r}")
-    if config is not None and not isinstance(config, (GemvTile, RowTile, MmaTile, TmaTile)):
-        raise TypeError(f"config must be None, a GemvTile, RowTile, MmaTile or TmaTile, got "
-                        f"{type(config).__name__}")
+    if config is not None and not isinstance(config, (GemvTile, RowTile, MmaTile)):
+        raise TypeError(f"config must be None, a GemvTile, RowTile or MmaTile, got {type(config).__name__}")
     if device.use_reference("w4a16_linear", min_capability=(8, 0)) or group_size % 8:
         return w4a16_linear_ref(x, qweight, scales, zeros, group_size, bias)
     x2, lead = kernel_operands(x, qweight, scales, zeros)  # (M, K), rows contiguous
@@ -107,16 +106,6 @@ def w4a16_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, z
         return c.reshape(*lead, N)
     _w4_run(x2, qweight, scales, zeros, group_size, bias, c, split_k, config)
     return c.reshape(*lead, N)
-
-
-def _tma_ok(x2: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
-            group_size: int) -> bool:
-    """:func:`llmnote.ops.gluon.w4a16_gemv.tma_ok` (imported only where it may apply)."""
-    if x2.shape[0] != 1 or group_size != 128 or not x2.is_cuda or device.interpreting():
-        return False
-    from llmnote.ops.gluon import w4a16_gemv
-
-    return w4a16_gemv.tma_ok(x2, qweight, scales, zeros, group_size)
 
 
 def _w4_run(x2: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
@@ -135,14 +124,7 @@ def _w4_run(x2: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros
     if scales.stride(1) != 1 or zeros.stride() != scales.stride():
         scales, zeros = scales.contiguous(), zeros.contiguous()
     meta = dict(GROUP=group_size, HAS_BIAS=bias is not None, GROUP_M=8, EVEN_N=N % 16 == 0)
-    tma = prologue == NONE and _tma_ok(x2, qweight, scales, zeros, group_size)  # TmaTile may run
-    key = (triton.next_power_of_2(M), N, K, group_size, split_k, x2.dtype, bias is not None, x2.device, tma,
-           prologue)
-    if isinstance(config, TmaTile) and not tma:
-        raise ValueError(f"config {config} (a TmaTile) needs a Hopper GPU, batch 1, group_size 128, no "
-                         f"fused prologue, 16-bit scales and zeros, and the packed words' and scales' "
-                         f"base addresses and row strides multiples of 16 bytes; got batch {M}, "
-                         f"group_size {group_size}, scales {scales.dtype}")
+    key = (triton.next_power_of_2(M), N, K, group_size, split_k, x2.dtype, bias is not None, x2.device, prologue)
     if config is not None:
         if (isinstance(config, GemvTile) or prologue) and not gemv_ok(group_size):
             raise ValueError(f"config {config} (a GemvTile) needs a power-of-two group_size, got {group_size}")
@@ -153,8 +135,7 @@ def _w4_run(x2: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros
         cands = [TUNING.get(key)]
     else:
         cands = [cs for cs in candidates(M, N, K, group_size, x2.device, split_k)
-                 if (not prologue or isinstance(cs[0], GemvTile))
-                 and (tma or not isinstance(cs[0], TmaTile))]
+                 if not prologue or isinstance(cs[0], GemvTile)]
     max_split = max(s for _, s in cands)
     ws, cnt = _workspace(x2.device, max_split * M * N, M * triton.cdiv(N, 16) + 1)
     r, nw, h, eps = pro_args if prologue == ADD_RMSNORM else (x2, x2, c, 0.0)
@@ -165,12 +146,7 @@ def _w4_run(x2: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros
         args = (x2, qweight, scales, zeros, c, bias if bias is not None else c, ws, cnt, M, N, K, split, NIBBLE,
                 x2.stride(0), c.stride(0), c.stride(1), qweight.stride(0), scales.stride(0))
         pdl = dict(USE_PDL=_pdl.enabled(), **_pdl.launch_options())
-        if isinstance(cfg, TmaTile):  # Gluon; launched without PDL (it waits for the kernel before)
-            from llmnote.ops.gluon import w4a16_gemv
-
-            w4a16_gemv.launch(x2, qweight, scales, zeros, bias, c, ws, cnt, split, r=cfg.r, warps=cfg.warps,
-                              stages=cfg.stages)
-        elif isinstance(cfg, GemvTile):
+        if isinstance(cfg, GemvTile):
             _w4a16_gemv_kernel[grid](*args, r, nw, h, eps, **meta, **cfg.meta(), PROLOGUE=int(prologue), **pdl)
         elif isinstance(cfg, RowTile):
             _w4a16_row_kernel[grid](*args, **meta, **cfg.meta(), **pdl)

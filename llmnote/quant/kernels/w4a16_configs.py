@@ -75,25 +75,7 @@ class MmaTile:
         return dict(BLOCK_M=self.bm, BLOCK_N=self.bn, BLOCK_K=self.bk, num_warps=self.warps, num_stages=self.stages)
 
 
-@dataclass(frozen=True, kw_only=True)
-class TmaTile:
-    """Batch 1 on Hopper, group 128: :mod:`llmnote.ops.gluon.w4a16_gemv` (Gluon, the packed
-    words brought in by TMA): ``r`` packed rows per thread, ``warps`` warps along N
-    (``bn`` columns, from the two), a ring of ``stages`` shared-memory slots."""
-
-    r: int = 4
-    warps: int = 2
-    stages: int = 2
-    bm = 1
-    bk = 128  # one group per step
-    sub = 1
-
-    @property
-    def bn(self) -> int:
-        return 8 * (32 * self.r // 16) * self.warps
-
-
-W4Config = GemvTile | RowTile | MmaTile | TmaTile
+W4Config = GemvTile | RowTile | MmaTile
 GEMV_MAX_M = 1  # batch 1: FMA reduction (no tensor cores); larger: tensor-core tiles
 
 # Batch 1. Long steps (GemvTile) first; best GemvTile and best RowTile within ~0.2-1 us of
@@ -122,10 +104,6 @@ W4_GEMM_LARGE_GPU = [
     MmaTile(bm=128, bn=128, bk=128, warps=8), MmaTile(bm=256, bn=128, bk=64, warps=8),
 ]
 LARGE_MIN_M = 64  # from this batch: W4_GEMM_LARGE_GPU and the first two 16-row tiles
-# Batch 1 on a Hopper GPU with group 128 (and TMA-aligned operands), beside the above: the Gluon
-# kernel fed by TMA. Swept on the H200 (benchmarks/logs/w4a16-b1-limits-h200-2026-11-29.txt):
-# two slots beat four and six; these three were the fastest on the Llama-3-8B shapes.
-W4_GEMV_TMA = [TmaTile(r=4, warps=2), TmaTile(r=2, warps=4), TmaTile(r=4, warps=4)]
 W4_GEMV_INTERPRETER = [GemvTile(bn=16, bk=64), RowTile(bn=16, bk=32, sub=2)]
 W4_GEMM_INTERPRETER = [MmaTile(bm=16, bn=16, bk=64, stages=1)]
 
@@ -158,13 +136,6 @@ def default_split_k(M: int, N: int, K: int, dev: torch.device, cfg: W4Config | N
     return split
 
 
-def tma_candidates_apply(M: int, group: int, dev: torch.device) -> bool:
-    """Whether :data:`W4_GEMV_TMA` join the candidates: batch 1, group 128, compiled on a
-    Hopper GPU (the operands' alignment is checked per call: ``w4a16_gemv.tma_ok``)."""
-    return (M <= GEMV_MAX_M and group == 128 and dev.type == "cuda" and not device.interpreting()
-            and device.backend() == "triton" and (device.capability() or (0, 0))[0] == 9)
-
-
 def candidates(M: int, N: int, K: int, group: int, dev: torch.device,
                split_k: int | None) -> list[tuple[W4Config, int]]:
     """The (tile, split) pairs timed on the first call of a shape."""
@@ -177,8 +148,6 @@ def candidates(M: int, N: int, K: int, group: int, dev: torch.device,
     else:
         configs = W4_GEMM_GPU
     bm_cap = max(16, triton.next_power_of_2(M))
-    if tma_candidates_apply(M, group, dev):
-        configs = configs + W4_GEMV_TMA
     out = []
     for c in configs:
         if isinstance(c, GemvTile) and not gemv_ok(group):
@@ -190,8 +159,6 @@ def candidates(M: int, N: int, K: int, group: int, dev: torch.device,
         else:
             s = default_split_k(M, N, K, dev, c)
             splits = [s] if s == 1 else [s, s // 2] + ([1] if isinstance(c, GemvTile) else [])
-            if isinstance(c, TmaTile) and 2 * s <= min(MAX_SPLIT, K // 128):
-                splits.append(2 * s)
         out += [(c, s) for s in splits if (c, s) not in out]
     return out
 
