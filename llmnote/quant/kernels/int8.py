@@ -14,7 +14,7 @@
   has 16 rows, so at batch 1 it would compute 15 wasted rows and, with its wide
   tiles, launch too few programs to keep the memory busy (a Llama-3-8B W8A8 step
   took 6.1 ms against bf16's 4.6 on the H200 before; see
-  ``benchmarks/logs/engine-w4a16-b1-fusion-h200-2026-11-29.txt``).
+  ``benchmarks/logs/engine-quant-b1-h200-2026-11-29.txt``).
 
 Rounding: the kernel rounds half away from zero (``floor(|v| + 0.5)``); the
 reference does the same (``torch.round`` would round half to even). int8
