@@ -38,7 +38,7 @@ off_gpu = pytest.mark.skipif(device.on_gpu(), reason="checks the error raised wi
                                                    (torch.float8_e4m3fn, 128, True)], ids=str)
 def test_compiles_to_three_partitions_tma_and_wgmma(dtype, head_dim, causal):
     c = GA.compile_attention(dtype, head_dim, causal=causal)
-    cfg = GA.DEFAULT_CONFIG
+    cfg = GA._config({}, fp8=dtype == torch.float8_e4m3fn)
     t = {torch.bfloat16: "bf16", torch.float16: "f16", torch.float8_e4m3fn: "e4m3"}[dtype]
     k_step = 32 if dtype == torch.float8_e4m3fn else 16  # 32 bytes of K per instruction
     size = 1 if dtype == torch.float8_e4m3fn else 2
@@ -46,11 +46,15 @@ def test_compiles_to_three_partitions_tma_and_wgmma(dtype, head_dim, causal):
     budgets = {int(line.split()[-1].rstrip(";")) for line in c.lines("setmaxnreg")}
     assert set(GA.WORKER_REGS.value) <= budgets
     # per consumer and K step of 16: one wgmma for S (A = Q from shared memory: only the
-    # accumulator in registers) and one for P V (A = P in registers: two register lists)
+    # accumulator in registers) and one for P V (A = P in registers: two register lists);
+    # with OVERLAP each is written twice (the first tile's S before the loop, the last
+    # tile's P V after it)
     wgmma = c.lines("wgmma.mma_async")
     s_ins = [w for w in wgmma if w.count("{") == 1]
     pv_ins = [w for w in wgmma if w.count("{") == 2]
-    assert len(s_ins) == 2 * head_dim // k_step and len(pv_ins) == 2 * cfg["BLOCK_N"] // k_step
+    copies = 2 if cfg["OVERLAP"] else 1
+    assert len(s_ins) == copies * 2 * head_dim // k_step
+    assert len(pv_ins) == copies * 2 * cfg["BLOCK_N"] // k_step
     assert all(w.startswith(f"wgmma.mma_async.sync.aligned.m64n{cfg['BLOCK_N']}k{k_step}.f32.{t}.{t}")
                for w in s_ins)
     assert all(w.startswith(f"wgmma.mma_async.sync.aligned.m64n{head_dim}k{k_step}.f32.{t}.{t}")
@@ -71,6 +75,18 @@ def test_ping_pong_adds_the_turn_barriers_only():
     on, off = (GA.compile_attention(torch.bfloat16, 64, PINGPONG=p) for p in (True, False))
     assert on.count("mbarrier.try_wait") > off.count("mbarrier.try_wait")
     assert on.count("wgmma.mma_async") == off.count("wgmma.mma_async")
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float8_e4m3fn], ids=str)
+def test_overlap_keeps_the_product_in_flight_under_the_softmax(dtype):
+    """OVERLAP: in the loop the scores' wgmma and the P V one are issued back to back and
+    the first wait lets one group stay in flight (``wgmma.wait_group 1``); without it every
+    wait is for all groups."""
+    on, off = (GA.compile_attention(dtype, 128, OVERLAP=o) for o in (True, False))
+    waits_on = {ln.split()[1].rstrip(";") for ln in on.lines("wgmma.wait_group")}
+    waits_off = {ln.split()[1].rstrip(";") for ln in off.lines("wgmma.wait_group")}
+    assert waits_off == {"0"} and waits_on == {"0", "1"}
+    assert on.spilled == 0 or dtype == torch.float8_e4m3fn
 
 
 def test_bad_inputs():
@@ -95,6 +111,8 @@ def _bad_inputs(bf, q):
         GA.attention(q, q, q, BLOCK_N=256)
     with pytest.raises(ValueError, match="PINGPONG must be one of"):
         GA.attention(q, q, q, PINGPONG=1)
+    with pytest.raises(ValueError, match="OVERLAP must be one of"):
+        GA.attention(q, q, q, OVERLAP="yes")
     # the FP8 entry takes what quantize_fp8_blocks / quantize_fp8_channels make
     q8, qs = A.quantize_fp8_blocks(q.float())
     vt8, vs = A.quantize_fp8_channels(q.float())
@@ -141,12 +159,13 @@ CASES = [  # (b, h, h_kv, n_q, n_k, d)
 @pytest.mark.parametrize("case", CASES, ids=str)
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("pingpong", [True, False], ids=["pingpong", "free"])
-def test_matches_exact_attention(case, causal, pingpong, seed):
+@pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "serial"])
+def test_matches_exact_attention(case, causal, pingpong, overlap, seed):
     b, h, h_kv, n_q, n_k, d = case
     q = (torch.randn(b, h, n_q, d, device="cuda") * 2).bfloat16()
     k = torch.randn(b, h_kv, n_k, d, device="cuda").bfloat16()
     v = torch.randn(b, h_kv, n_k, d, device="cuda").bfloat16()
-    out = GA.attention(q, k, v, causal=causal, PINGPONG=pingpong)
+    out = GA.attention(q, k, v, causal=causal, PINGPONG=pingpong, OVERLAP=overlap)
     torch.cuda.synchronize()
     ref32 = flash_attention_v3_ref(q.float(), k.float(), v.float(), causal=causal)
     peer = flash_attention_v3_ref(q, k, v, causal=causal)
@@ -174,14 +193,15 @@ def test_fp16_strided_inputs_and_scale(d, seed):
 @pytest.mark.timeout(300, method="thread")
 @pytest.mark.parametrize("case", [CASES[1], CASES[3], CASES[5], CASES[6]], ids=str)
 @pytest.mark.parametrize("causal", [False, True])
-def test_fp8_within_the_p_rounding_bound(case, causal, seed):
+@pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "serial"])
+def test_fp8_within_the_p_rounding_bound(case, causal, overlap, seed):
     """FP8 against its quantise-dequantise reference (the same scales, exact attention):
     within the bound that rounding P to e4m3 allows, as the Triton FP8 kernel's test."""
     b, h, h_kv, n_q, n_k, d = case
     q = (torch.randn(b, h, n_q, d, device="cuda") * 2).bfloat16()
     k = torch.randn(b, h_kv, n_k, d, device="cuda").bfloat16()
     v = torch.randn(b, h_kv, n_k, d, device="cuda").bfloat16()
-    out = GA.attention_fp8(q, k, v, causal=causal)
+    out = GA.attention_fp8(q, k, v, causal=causal, OVERLAP=overlap)
     torch.cuda.synchronize()
     ref = A.flash_attention_fp8_ref(q, k, v, causal=causal).float()
     excess = (out.float() - ref).abs() - fp8_p_rounding_bound(q, k, v, causal=causal)

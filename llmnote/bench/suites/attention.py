@@ -18,7 +18,8 @@ Parts (``run(parts=...)``), every provider timed in the same run:
     ``fa3-fp8`` (inputs already FP8, checked against
     ``flash_attention_fp8_ref`` first), ``fa3-fp8-quant`` (quantising Q, K, V
     inside the timed call), ``fa3-gluon`` (:func:`llmnote.ops.gluon.attention`, the
-    warp-specialised Gluon kernel; ``fa3-gluon-nopp`` without its ping-pong;
+    warp-specialised Gluon kernel with its defaults; ``fa3-gluon-nopp`` without its
+    ping-pong; ``fa3-gluon-serial`` without its intra-warpgroup overlap;
     ``fa3-gluon-fp8`` its FP8 path on quantised inputs), beside
     ``llmnote``, ``sdpa-flash``, ``sdpa-cudnn``.
 ``memory`` (bench ``attention-memory``, ``x_name = "N"``)
@@ -290,16 +291,17 @@ def _fa3_providers(setup: Setup, d: int, causal: bool, dtype) -> dict:
             return fn
         return f
 
-    def gluon(pingpong: bool):  # (llmnote.ops.gluon imported by require_hopper, on Hopper)
+    def gluon(**config):  # (llmnote.ops.gluon imported by require_hopper, on Hopper)
         def fn(q, k, v):
-            return require_hopper().attention(q, k, v, causal=causal, PINGPONG=pingpong)
+            return require_hopper().attention(q, k, v, causal=causal, **config)
         return fn
 
     providers = {
         "llmnote": exact(lambda q, k, v: flash_attention(q, k, v, causal=causal), "llmnote"),
         "fa3": exact(lambda q, k, v: flash_attention_v3(q, k, v, causal=causal), "fa3"),
-        "fa3-gluon": exact(gluon(True), "fa3-gluon"),
-        "fa3-gluon-nopp": exact(gluon(False), "fa3-gluon-nopp"),
+        "fa3-gluon": exact(gluon(), "fa3-gluon"),
+        "fa3-gluon-nopp": exact(gluon(PINGPONG=False), "fa3-gluon-nopp"),
+        "fa3-gluon-serial": exact(gluon(OVERLAP=False), "fa3-gluon-serial"),
         "fa3-gluon-fp8": fp8(False, gluon=True),
         "fa3-fp8": fp8(False),
         "fa3-fp8-quant": fp8(True),

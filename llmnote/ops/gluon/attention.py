@@ -12,8 +12,14 @@ rows of one head and runs three partitions of warps (``gl.warp_specialize``):
 * **two consumers** (a warpgroup each, one Q tile each): ``S = Q K^T`` by
   ``warpgroup_mma`` from shared memory, the online softmax in registers, then
   ``O += P V`` with ``P`` handed to the tensor cores from registers;
-* **ping-pong** (``PINGPONG``): two mbarriers give the consumers turns at ``S``'s MMA,
-  so one warpgroup's softmax runs while the other's MMA keeps the tensor cores busy.
+* **intra-warpgroup overlap** (``OVERLAP``): a consumer issues tile ``j``'s ``S`` and
+  tile ``j - 1``'s ``P V`` together and runs tile ``j``'s softmax while ``P V`` is
+  still on the tensor cores (two score tiles live in registers);
+* **ping-pong** (``PINGPONG``): two mbarriers give the consumers turns at the tensor
+  cores, so one warpgroup's softmax runs while the other's products keep them busy.
+
+K and V have separate "empty" barriers, so a slot's next K is loaded as soon as both
+consumers have their scores, before they are done with the slot's V.
 
 FP8 (:func:`attention_fp8`): the same partitions on e4m3 tiles with
 ``flash_attention_fp8``'s scales (Q, K per 128 rows, folded into the softmax scale;
@@ -50,12 +56,19 @@ SIG_DTYPES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float8_e4m3fn
 LOG2E = 1.4426950408889634
 # 64 query rows a consumer (one wgmma M block), 128 keys a tile, two slots of K and V:
 # at D = 128, 2 x 16 KiB of Q + 2 x 2 x 32 KiB of K and V = 160 KiB of shared memory.
-DEFAULT_CONFIG = {"BLOCK_M": 64, "BLOCK_N": 128, "STAGES": 2, "PINGPONG": True}
+DEFAULT_CONFIG = {"BLOCK_M": 64, "BLOCK_N": 128, "STAGES": 2, "PINGPONG": True,
+                  "OVERLAP": True}
+# FP8 runs without the intra-warpgroup overlap: its P needs a layout conversion (not the
+# accumulator's own registers, as for 16 bits) and the second score tile spills; on an
+# H200 the overlapped FP8 kernel was 2-15% slower (benchmarks/logs/flash_attention_3.md)
+FP8_DEFAULTS = {"OVERLAP": False}
 # registers a thread: the loader's warpgroup the fewest there are, the second consumer
 # what its S, P and O tiles need; the first (the default partition) gets the rest of
 # maxnreg x 3 warpgroups
 WORKER_WARPS, WORKER_REGS = gl.constexpr([1, 4]), gl.constexpr([24, 232])
 MAXNREG = 168
+_CHILD = True
+_SWITCHES = ("PINGPONG", "OVERLAP")  # the config keys that take True or False
 QBLOCK = gl.constexpr(FP8_BLOCK)  # FP8: rows of Q (and of K) sharing one scale
 
 
@@ -65,13 +78,15 @@ class _Flags:
     the kernel would turn constexpr members into run-time values (Triton 3.6-3.9)."""
 
     # (set as a dict: this module's string annotations would not be types to the decorator)
-    __annotations__ = {"CAUSAL": gl.constexpr, "PINGPONG": gl.constexpr, "FP8": gl.constexpr}
+    __annotations__ = {"CAUSAL": gl.constexpr, "PINGPONG": gl.constexpr, "FP8": gl.constexpr,
+                       "OVERLAP": gl.constexpr}
 
     @gluon.constexpr_function
-    def __init__(self, CAUSAL, PINGPONG, FP8):
+    def __init__(self, CAUSAL, PINGPONG, FP8, OVERLAP):
         self.CAUSAL = gl.constexpr(CAUSAL)
         self.PINGPONG = gl.constexpr(PINGPONG)
         self.FP8 = gl.constexpr(FP8)
+        self.OVERLAP = gl.constexpr(OVERLAP)
 
 
 @gluon.constexpr_function
@@ -90,9 +105,10 @@ def _operand_layout(parent, fp8):
 @gluon.jit
 def _loader(q_desc, k_desc, v_desc, o_ptr, scales, q_smem, k_ring, v_ring, bars, q_row, kv_row,
             v_row, m0, n_q, n_k, n_tiles, qk_scale, flags):
-    """1 warp: the two Q tiles, then K and V tile ``j`` into slot ``j % STAGES`` once
-    both consumers released the slot's previous tile (FP8: V^T tiles, (D, BLOCK_N))."""
-    q_bar, k_ready, v_ready, kv_empty, turn = bars
+    """1 warp: the two Q tiles, then K and V tile ``j`` into slot ``j % STAGES``, K once
+    both consumers released the slot's previous K (after its scores), V once both
+    released its previous V (after its product) (FP8: V^T tiles, (D, BLOCK_N))."""
+    q_bar, k_ready, v_ready, k_empty, v_empty, turn = bars
     BLOCK_M: gl.constexpr = q_desc.block_type.shape[0]
     BLOCK_N: gl.constexpr = k_desc.block_type.shape[0]
     STAGES: gl.constexpr = k_ring.type.shape[0]
@@ -103,9 +119,11 @@ def _loader(q_desc, k_desc, v_desc, o_ptr, scales, q_smem, k_ring, v_ring, bars,
     for j in range(n_tiles):
         s = j % STAGES
         # a barrier starts with its phase 1 complete: the first round passes at once
-        mbarrier.wait(kv_empty.index(s), ((j // STAGES) & 1) ^ 1)
+        empty_phase = ((j // STAGES) & 1) ^ 1
+        mbarrier.wait(k_empty.index(s), empty_phase)
         mbarrier.expect(k_ready.index(s), k_desc.block_type.nbytes)
         tma_load(k_desc, [kv_row + j * BLOCK_N, 0], k_ready.index(s), k_ring.index(s))
+        mbarrier.wait(v_empty.index(s), empty_phase)
         mbarrier.expect(v_ready.index(s), v_desc.block_type.nbytes)
         if FP8:
             tma_load(v_desc, [v_row, j * BLOCK_N], v_ready.index(s), v_ring.index(s))
@@ -114,12 +132,55 @@ def _loader(q_desc, k_desc, v_desc, o_ptr, scales, q_smem, k_ring, v_ring, bars,
 
 
 @gluon.jit
+def _keep_alive(x):
+    """Read ``x``'s registers here (a ``mov`` with side effects, its result unused), so
+    that they are not given to other values before this point: the FP8 ``P`` operand of
+    an asynchronous ``wgmma`` must stay in its registers until the ``wgmma`` is waited
+    for, and ``warpgroup_mma_wait`` keeps only 16- and 32-bit operands alive (Triton
+    3.6-3.9). Four e4m3 values a register."""
+    gl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [x], dtype=x.dtype, is_pure=False,
+                              pack=4)
+
+
+@gluon.jit
+def _softmax_step(scores, j, m_i, l_i, rows, cols0, qk_scale, ks_ptr, ks_off, n_k, shift,
+                  unmasked, flags, BLOCK_N: gl.constexpr):
+    """Tile ``j``'s scores to ``P = exp2(S - m)`` (fp32), with the factor ``alpha`` that
+    moves what was summed against the old row maxima to the new ones, and the new maxima
+    and sums. FP8: the K tile's scale is folded in here."""
+    CAUSAL: gl.constexpr = flags.CAUSAL
+    if flags.FP8:  # log2 domain, with this K tile's scale (BLOCK_N divides QBLOCK)
+        scores = scores * (qk_scale * gl.load(ks_ptr + ks_off + j * BLOCK_N // QBLOCK))
+    else:
+        scores = scores * qk_scale  # log2 domain: sm_scale * log2(e) folded in
+    if (j + 1) * BLOCK_N > unmasked:  # a tile the edge or the diagonal cuts
+        cols = j * BLOCK_N + cols0
+        if CAUSAL:
+            ok = (cols[None, :] < n_k) & (cols[None, :] <= rows[:, None] + shift)
+        else:
+            ok = (cols[None, :] < n_k) & (rows[:, None] >= 0)
+        scores = gl.where(ok, scores, float("-inf"))
+    m_new = gl.maximum(m_i, gl.max(scores, axis=1))
+    m_use = gl.where(m_new == float("-inf"), 0.0, m_new)  # a row with no key yet
+    alpha = gl.exp2(m_i - m_use)
+    p = gl.exp2(scores - m_use[:, None])
+    l_i = l_i * alpha + gl.sum(p, axis=1)
+    return p, alpha, m_new, l_i
+
+
+@gluon.jit
 def _consumer(c: gl.constexpr, q_desc, k_desc, v_desc, o_ptr, scales, q_smem, k_ring, v_ring,
               bars, q_row, kv_row, v_row, m0, n_q, n_k, n_tiles, qk_scale, flags):
     """One warpgroup: rows ``[m0 + c BLOCK_M, m0 + (c + 1) BLOCK_M)`` of the head's output.
     FP8: Q and K carry one scale per QBLOCK rows, folded into the softmax scale; P is
-    rounded to e4m3 unscaled (it lies in [0, 1]); V's per-channel scales multiply O."""
-    q_bar, k_ready, v_ready, kv_empty, turn = bars
+    rounded to e4m3 unscaled (it lies in [0, 1]); V's per-channel scales multiply O.
+
+    OVERLAP (FlashAttention-3's intra-warpgroup overlap): for each tile ``j >= 1`` the
+    warpgroup issues ``S_j = Q K_j^T`` and ``O += P_{j-1} V_{j-1}`` together, waits for
+    ``S_j`` alone and runs its softmax while the second product is still on the tensor
+    cores; ``O`` is rescaled once that product is done. Without it, each tile's softmax
+    waits for its scores and the product waits for the softmax."""
+    q_bar, k_ready, v_ready, k_empty, v_empty, turn = bars
     qs_ptr, ks_ptr, vs_ptr, qs_off, ks_off, vs_off = scales
     BLOCK_M: gl.constexpr = q_desc.block_type.shape[0]
     HEAD_D: gl.constexpr = q_desc.block_type.shape[1]
@@ -133,6 +194,7 @@ def _consumer(c: gl.constexpr, q_desc, k_desc, v_desc, o_ptr, scales, q_smem, k_
     o_layout: gl.constexpr = _mma_layout(HEAD_D, FP8)
     p_layout: gl.constexpr = _operand_layout(o_layout, FP8)
     row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
+    o_rows: gl.constexpr = gl.SliceLayout(1, o_layout)
 
     first = m0 + c * BLOCK_M  # this warpgroup's first query row
     rows = first + gl.arange(0, BLOCK_M, layout=row_layout)
@@ -154,50 +216,94 @@ def _consumer(c: gl.constexpr, q_desc, k_desc, v_desc, o_ptr, scales, q_smem, k_
     s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=s_layout)
     mbarrier.wait(q_bar.index(c), 0)
     q_tile = q_smem.index(c)
-    for j in range(my_tiles):
-        s = j % STAGES
-        phase = (j // STAGES) & 1
-        mbarrier.wait(k_ready.index(s), phase)
-        if PINGPONG:  # my turn at the tensor cores (consumer 0 is let in first)
-            mbarrier.wait(turn.index(c), j & 1)
-        scores = warpgroup_mma(q_tile, k_ring.index(s).permute((1, 0)), s_zero, use_acc=False,
-                               is_async=True)  # 2 BLOCK_M BLOCK_N D FLOP
-        scores = warpgroup_mma_wait(num_outstanding=0, deps=(scores,))
-        if PINGPONG:  # the other warpgroup's turn while this one does the softmax
-            mbarrier.arrive(turn.index(1 - c), count=1)
-        if FP8:  # log2 domain, with this K tile's scale (BLOCK_N divides QBLOCK)
-            scores = scores * (qk_scale * gl.load(ks_ptr + ks_off + j * BLOCK_N // QBLOCK))
-        else:
-            scores = scores * qk_scale  # log2 domain: sm_scale * log2(e) folded in
-        if (j + 1) * BLOCK_N > unmasked:  # a tile the edge or the diagonal cuts
-            cols = j * BLOCK_N + cols0
-            if CAUSAL:
-                ok = (cols[None, :] < n_k) & (cols[None, :] <= rows[:, None] + shift)
-            else:
-                ok = (cols[None, :] < n_k) & (rows[:, None] >= 0)
-            scores = gl.where(ok, scores, float("-inf"))
-        m_new = gl.maximum(m_i, gl.max(scores, axis=1))
-        m_use = gl.where(m_new == float("-inf"), 0.0, m_new)  # a row with no key yet
-        alpha = gl.exp2(m_i - m_use)
-        p = gl.exp2(scores - m_use[:, None])
-        l_i = l_i * alpha + gl.sum(p, axis=1)
-        m_i = m_new
-        acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
-        mbarrier.wait(v_ready.index(s), phase)
-        if FP8:  # V^T's tile (D, BLOCK_N) read as (BLOCK_N, D): K-major, as FP8 wgmma wants
+    if flags.OVERLAP:
+        # tile 0: its scores and softmax alone; P_0 waits in registers for V_0
+        p_op = gl.zeros([BLOCK_M, BLOCK_N], dtype, layout=p_layout)
+        if my_tiles > 0:
+            mbarrier.wait(k_ready.index(0), 0)
+            if PINGPONG:
+                mbarrier.wait(turn.index(c), 0)
+            scores = warpgroup_mma(q_tile, k_ring.index(0).permute((1, 0)), s_zero,
+                                   use_acc=False, is_async=True)
+            scores = warpgroup_mma_wait(num_outstanding=0, deps=(scores,))
+            if PINGPONG:
+                mbarrier.arrive(turn.index(1 - c), count=1)
+            mbarrier.arrive(k_empty.index(0), count=1)
+            p, alpha, m_i, l_i = _softmax_step(scores, 0, m_i, l_i, rows, cols0, qk_scale,
+                                               ks_ptr, ks_off, n_k, shift, unmasked, flags,
+                                               BLOCK_N)
             p_op = gl.convert_layout(p.to(dtype), p_layout)
-            acc = warpgroup_mma(p_op, v_ring.index(s).permute((1, 0)), acc)
-        else:  # the accumulator's layout is already the operand's: P stays in registers
-            p_op = gl.convert_layout(p.to(dtype), p_layout, assert_trivial=True)
-            acc = warpgroup_mma(p_op, v_ring.index(s), acc)  # 2 BLOCK_M BLOCK_N D FLOP
-        mbarrier.arrive(kv_empty.index(s), count=1)  # this consumer is done with the slot
+        for j in range(1, my_tiles):
+            s = j % STAGES
+            sp = (j - 1) % STAGES  # the slot of tile j - 1's V
+            mbarrier.wait(k_ready.index(s), (j // STAGES) & 1)
+            if PINGPONG:  # my turn at the tensor cores, for both products
+                mbarrier.wait(turn.index(c), j & 1)
+            scores = warpgroup_mma(q_tile, k_ring.index(s).permute((1, 0)), s_zero,
+                                   use_acc=False, is_async=True)  # 2 BLOCK_M BLOCK_N D FLOP
+            mbarrier.wait(v_ready.index(sp), ((j - 1) // STAGES) & 1)
+            if FP8:
+                acc = warpgroup_mma(p_op, v_ring.index(sp).permute((1, 0)), acc, is_async=True)
+            else:
+                acc = warpgroup_mma(p_op, v_ring.index(sp), acc, is_async=True)
+            if PINGPONG:
+                mbarrier.arrive(turn.index(1 - c), count=1)
+            # S_j done (wgmma groups complete in order); P_{j-1} V_{j-1} still running
+            scores = warpgroup_mma_wait(num_outstanding=1, deps=(scores,))
+            mbarrier.arrive(k_empty.index(s), count=1)
+            p, alpha, m_i, l_i = _softmax_step(scores, j, m_i, l_i, rows, cols0, qk_scale,
+                                               ks_ptr, ks_off, n_k, shift, unmasked, flags,
+                                               BLOCK_N)
+            if FP8:  # (the wait cannot take 8-bit operands: P's registers are pinned below)
+                acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+                _keep_alive(p_op)
+            else:
+                acc, p_op = warpgroup_mma_wait(num_outstanding=0, deps=(acc, p_op))
+            mbarrier.arrive(v_empty.index(sp), count=1)
+            acc = acc * gl.convert_layout(alpha, o_rows)[:, None]
+            p_op = gl.convert_layout(p.to(dtype), p_layout)
+        if my_tiles > 0:  # the last tile's product
+            last = my_tiles - 1
+            sl = last % STAGES
+            mbarrier.wait(v_ready.index(sl), (last // STAGES) & 1)
+            if FP8:
+                acc = warpgroup_mma(p_op, v_ring.index(sl).permute((1, 0)), acc)
+            else:
+                acc = warpgroup_mma(p_op, v_ring.index(sl), acc)
+            mbarrier.arrive(v_empty.index(sl), count=1)
+    else:
+        for j in range(my_tiles):
+            s = j % STAGES
+            phase = (j // STAGES) & 1
+            mbarrier.wait(k_ready.index(s), phase)
+            if PINGPONG:  # my turn at the tensor cores (consumer 0 is let in first)
+                mbarrier.wait(turn.index(c), j & 1)
+            scores = warpgroup_mma(q_tile, k_ring.index(s).permute((1, 0)), s_zero,
+                                   use_acc=False, is_async=True)  # 2 BLOCK_M BLOCK_N D FLOP
+            scores = warpgroup_mma_wait(num_outstanding=0, deps=(scores,))
+            if PINGPONG:  # the other warpgroup's turn while this one does the softmax
+                mbarrier.arrive(turn.index(1 - c), count=1)
+            mbarrier.arrive(k_empty.index(s), count=1)  # this consumer is done with K
+            p, alpha, m_i, l_i = _softmax_step(scores, j, m_i, l_i, rows, cols0, qk_scale,
+                                               ks_ptr, ks_off, n_k, shift, unmasked, flags,
+                                               BLOCK_N)
+            acc = acc * gl.convert_layout(alpha, o_rows)[:, None]
+            mbarrier.wait(v_ready.index(s), phase)
+            if FP8:  # V^T's tile (D, BLOCK_N) read as (BLOCK_N, D): K-major, as FP8 wgmma wants
+                p_op = gl.convert_layout(p.to(dtype), p_layout)
+                acc = warpgroup_mma(p_op, v_ring.index(s).permute((1, 0)), acc)
+            else:  # the accumulator's layout is already the operand's: P stays in registers
+                p_op = gl.convert_layout(p.to(dtype), p_layout, assert_trivial=True)
+                acc = warpgroup_mma(p_op, v_ring.index(s), acc)  # 2 BLOCK_M BLOCK_N D FLOP
+            mbarrier.arrive(v_empty.index(s), count=1)  # ... and with V
     for j in range(my_tiles, n_tiles):  # tiles the other warpgroup alone needs (causal)
         if PINGPONG:
             mbarrier.wait(turn.index(c), j & 1)
             mbarrier.arrive(turn.index(1 - c), count=1)
-        mbarrier.arrive(kv_empty.index(j % STAGES), count=1)
+        mbarrier.arrive(k_empty.index(j % STAGES), count=1)
+        mbarrier.arrive(v_empty.index(j % STAGES), count=1)
 
-    l_o = gl.convert_layout(l_i, gl.SliceLayout(1, o_layout))
+    l_o = gl.convert_layout(l_i, o_rows)
     inv = gl.where(l_o > 0.0, 1.0 / l_o, 0.0)  # a row that saw no key: 0
     acc = acc * inv[:, None]
     if FP8:  # V's per-channel scales
@@ -228,7 +334,7 @@ def _consumer1(q_desc, k_desc, v_desc, o_ptr, scales, q_smem, k_ring, v_ring, ba
 @gluon.jit
 def _attention_kernel(q_desc, k_desc, v_desc, o_ptr, qs_ptr, ks_ptr, vs_ptr, n_q, n_k, heads,
                       group, qk_scale, CAUSAL: gl.constexpr, PINGPONG: gl.constexpr,
-                      STAGES: gl.constexpr, FP8: gl.constexpr):
+                      STAGES: gl.constexpr, FP8: gl.constexpr, OVERLAP: gl.constexpr):
     """Rows ``[2 BLOCK_M pid, 2 BLOCK_M (pid + 1))`` of head ``program_id(1)``."""
     BLOCK_M: gl.constexpr = q_desc.block_type.shape[0]
     HEAD_D: gl.constexpr = q_desc.block_type.shape[1]
@@ -258,19 +364,21 @@ def _attention_kernel(q_desc, k_desc, v_desc, o_ptr, qs_ptr, ks_ptr, vs_ptr, n_q
     turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    kv_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(2):
         mbarrier.init(q_bar.index(i), count=1)
         mbarrier.init(turn.index(i), count=1)
     for i in gl.static_range(STAGES):
         mbarrier.init(k_ready.index(i), count=1)
         mbarrier.init(v_ready.index(i), count=1)
-        mbarrier.init(kv_empty.index(i), count=2)  # both consumers release a slot
+        mbarrier.init(k_empty.index(i), count=2)  # both consumers release a slot's K
+        mbarrier.init(v_empty.index(i), count=2)  # ... and its V
     mbarrier.arrive(turn.index(0), count=1)  # consumer 0 takes the first turn
 
-    bars = (q_bar, k_ready, v_ready, kv_empty, turn)
+    bars = (q_bar, k_ready, v_ready, k_empty, v_empty, turn)
     args = (q_desc, k_desc, v_desc, o_ptr, scales, q_smem, k_ring, v_ring, bars, q_row, kv_row,
-            v_row, m0, n_q, n_k, n_tiles, qk_scale, _Flags(CAUSAL, PINGPONG, FP8))
+            v_row, m0, n_q, n_k, n_tiles, qk_scale, _Flags(CAUSAL, PINGPONG, FP8, OVERLAP))
     gl.warp_specialize([(_consumer0, args), (_loader, args), (_consumer1, args)],
                        WORKER_WARPS, WORKER_REGS)
 
@@ -283,17 +391,18 @@ def attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: boo
     return flash_attention_ref(q, k, v, causal=causal, sm_scale=sm_scale)
 
 
-def _config(config: dict) -> dict:
-    """DEFAULT_CONFIG with ``config``'s entries: BLOCK_M 64 (one wgmma M block a
-    warpgroup), BLOCK_N 64 or 128 (dividing FP8's 128-row scale blocks), 1-4 STAGES."""
+def _config(config: dict, fp8: bool = False) -> dict:
+    """DEFAULT_CONFIG (and FP8_DEFAULTS for ``fp8``) with ``config``'s entries: BLOCK_M 64
+    (one wgmma M block a warpgroup), BLOCK_N 64 or 128 (dividing FP8's 128-row scale
+    blocks), 1-4 STAGES, PINGPONG and OVERLAP True or False."""
     unknown = set(config) - set(DEFAULT_CONFIG)
     if unknown:
         raise TypeError(f"unknown config key(s) {sorted(unknown)}; expected some of "
                         f"{sorted(DEFAULT_CONFIG)}")
-    cfg = {**DEFAULT_CONFIG, **config}
+    cfg = {**DEFAULT_CONFIG, **(FP8_DEFAULTS if fp8 else {}), **config}
     for key, allowed in (("BLOCK_M", (64,)), ("BLOCK_N", (64, 128)), ("STAGES", (1, 2, 3, 4)),
-                         ("PINGPONG", (True, False))):
-        if cfg[key] not in allowed or isinstance(cfg[key], bool) != (key == "PINGPONG"):
+                         ("PINGPONG", (True, False)), ("OVERLAP", (True, False))):
+        if cfg[key] not in allowed or isinstance(cfg[key], bool) != (key in _SWITCHES):
             raise ValueError(f"{key} must be one of {allowed}, got {cfg[key]!r}")
     return cfg
 
@@ -316,21 +425,22 @@ def compile_attention(dtype: torch.dtype = torch.bfloat16, head_dim: int = 128, 
                         f"got {dtype}")
     if head_dim not in (64, 128):
         raise ValueError(f"head_dim must be 64 or 128, got {head_dim}")
-    cfg = _config(config)
     fp8 = dtype == FP8_DTYPE
+    cfg = _config(config, fp8)
     (q_block, q_l), (k_block, k_l), (v_block, v_l) = _layouts(dtype, head_dim, cfg, fp8)
     t, o = SIG_DTYPES[dtype], "bf16" if fp8 else SIG_DTYPES[dtype]
     sig = {"q_desc": tensordesc(t, q_block, q_l), "k_desc": tensordesc(t, k_block, k_l),
            "v_desc": tensordesc(t, v_block, v_l), "o_ptr": f"*{o}", "qs_ptr": "*fp32",
            "ks_ptr": "*fp32", "vs_ptr": "*fp32", "n_q": "i32", "n_k": "i32", "heads": "i32",
            "group": "i32", "qk_scale": "fp32", "CAUSAL": "constexpr", "PINGPONG": "constexpr",
+           "OVERLAP": "constexpr",
            "STAGES": "constexpr", "FP8": "constexpr"}
-    const = {"CAUSAL": bool(causal), "PINGPONG": bool(cfg["PINGPONG"]), "STAGES": cfg["STAGES"],
-             "FP8": fp8}
+    const = {"CAUSAL": bool(causal), "PINGPONG": cfg["PINGPONG"], "STAGES": cfg["STAGES"],
+             "FP8": fp8, "OVERLAP": cfg["OVERLAP"]}
     # pointers 16-byte aligned, as torch's allocations are and as a launch specialises them
     return compile_kernel(_attention_kernel, sig, const, aligned=("o_ptr", "qs_ptr", "ks_ptr",
                                                                   "vs_ptr"),
-                          num_warps=4, child=True, maxnreg=MAXNREG)
+                          num_warps=4, child=_CHILD, maxnreg=MAXNREG)
 
 
 def _launch(q, k, v, out, scales, causal: bool, sm_scale: float, cfg: dict, fp8: bool):
@@ -352,8 +462,9 @@ def _launch(q, k, v, out, scales, causal: bool, sm_scale: float, cfg: dict, fp8:
         scales = (out,) * 3  # never read
     grid = (triton.cdiv(n_q, 2 * cfg["BLOCK_M"]), b * h)
     _attention_kernel[grid](*descs, out, *scales, n_q, n_k, h, h // h_kv, sm_scale * LOG2E,
-                            CAUSAL=bool(causal), PINGPONG=bool(cfg["PINGPONG"]),
-                            STAGES=cfg["STAGES"], FP8=fp8, num_warps=4, maxnreg=MAXNREG)
+                            CAUSAL=bool(causal), PINGPONG=cfg["PINGPONG"],
+                            STAGES=cfg["STAGES"], FP8=fp8, OVERLAP=cfg["OVERLAP"], num_warps=4,
+                            maxnreg=MAXNREG)
     return out
 
 
@@ -407,7 +518,7 @@ def attention_fp8_quantized(q8: torch.Tensor, q_scale: torch.Tensor, k8: torch.T
                                  FP8_BLOCK)
     if out_dtype not in (torch.float16, torch.bfloat16):
         raise TypeError(f"out_dtype must be torch.float16 or torch.bfloat16, got {out_dtype}")
-    cfg = _config(config)
+    cfg = _config(config, fp8=True)
     _on_hopper("attention_fp8", {"q8": q8, "k8": k8, "vt8": vt8})
     q8, k8 = q8.contiguous(), k8.contiguous()
     if vt8.stride(-1) != 1 or vt8.stride(-2) % 16 or vt8.stride(1) != vt8.shape[2] * vt8.stride(2) \
@@ -429,13 +540,13 @@ def attention_fp8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: boo
     from llmnote.ops.attention.reference import quantize_fp8_blocks, quantize_fp8_channels
 
     scale = _validate(q, k, v, causal, sm_scale)
-    cfg = _config(config)
+    _config(config, fp8=True)  # (bad keys and values raise before the quantisation)
     _on_hopper("attention_fp8", {"q": q, "k": k, "v": v})
     q8, qs = quantize_fp8_blocks(q, FP8_BLOCK)
     k8, ks = quantize_fp8_blocks(k, FP8_BLOCK)
     vt8, vs = quantize_fp8_channels(v)
     return attention_fp8_quantized(q8, qs, k8, ks, vt8, vs, causal=causal, sm_scale=scale,
-                                   out_dtype=q.dtype, **cfg)
+                                   out_dtype=q.dtype, **config)
 
 
 def attention_flops(b: int, h: int, n_q: int, n_k: int, d: int, causal: bool) -> float:
