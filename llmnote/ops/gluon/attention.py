@@ -150,20 +150,24 @@ def _softmax_step(scores, j, m_i, l_i, rows, cols0, qk_scale, ks_ptr, ks_off, n_
     and sums. FP8: the K tile's scale is folded in here."""
     CAUSAL: gl.constexpr = flags.CAUSAL
     if flags.FP8:  # log2 domain, with this K tile's scale (BLOCK_N divides QBLOCK)
-        scores = scores * (qk_scale * gl.load(ks_ptr + ks_off + j * BLOCK_N // QBLOCK))
+        scale = qk_scale * gl.load(ks_ptr + ks_off + j * BLOCK_N // QBLOCK)
     else:
-        scores = scores * qk_scale  # log2 domain: sm_scale * log2(e) folded in
-    if (j + 1) * BLOCK_N > unmasked:  # a tile the edge or the diagonal cuts
+        scale = qk_scale  # log2 domain: sm_scale * log2(e) folded in
+    # The scale (> 0) is applied inside the exponent's argument, one fused multiply-add
+    # per score (scale * s - m), and to the row maxima of the raw scores. A tile the edge
+    # or the diagonal cuts is scaled first and masked (so a zero scale makes no NaN).
+    if (j + 1) * BLOCK_N > unmasked:
         cols = j * BLOCK_N + cols0
         if CAUSAL:
             ok = (cols[None, :] < n_k) & (cols[None, :] <= rows[:, None] + shift)
         else:
             ok = (cols[None, :] < n_k) & (rows[:, None] >= 0)
-        scores = gl.where(ok, scores, float("-inf"))
-    m_new = gl.maximum(m_i, gl.max(scores, axis=1))
+        scores = gl.where(ok, scores * scale, float("-inf"))
+        scale = 1.0
+    m_new = gl.maximum(m_i, gl.max(scores, axis=1) * scale)
     m_use = gl.where(m_new == float("-inf"), 0.0, m_new)  # a row with no key yet
     alpha = gl.exp2(m_i - m_use)
-    p = gl.exp2(scores - m_use[:, None])
+    p = gl.exp2(scores * scale - m_use[:, None])
     l_i = l_i * alpha + gl.sum(p, axis=1)
     return p, alpha, m_new, l_i
 
