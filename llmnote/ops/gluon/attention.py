@@ -57,7 +57,7 @@ LOG2E = 1.4426950408889634
 # 64 query rows a consumer (one wgmma M block), 128 keys a tile, two slots of K and V:
 # at D = 128, 2 x 16 KiB of Q + 2 x 2 x 32 KiB of K and V = 160 KiB of shared memory.
 DEFAULT_CONFIG = {"BLOCK_M": 64, "BLOCK_N": 128, "STAGES": 2, "PINGPONG": True,
-                  "OVERLAP": True}
+                  "OVERLAP": True, "CONSUMERS": 2}
 # FP8 runs without the intra-warpgroup overlap: its P needs a layout conversion (not the
 # accumulator's own registers, as for 16 bits) and the second score tile spills; on an
 # H200 the overlapped FP8 kernel was 2-15% slower (benchmarks/logs/flash_attention_3.md)
@@ -67,6 +67,10 @@ FP8_DEFAULTS = {"OVERLAP": False}
 # maxnreg x 3 warpgroups
 WORKER_WARPS, WORKER_REGS = gl.constexpr([1, 4]), gl.constexpr([24, 232])
 MAXNREG = 168
+# three consumers (CONSUMERS = 3): four warpgroups (the loader's warp takes one) share the
+# register file, 128 a thread at launch; the workers' budgets, the default partition the rest
+WORKER_WARPS3, WORKER_REGS3 = gl.constexpr([1, 4, 4]), gl.constexpr([24, 160, 160])
+MAXNREG3 = 128
 _CHILD = True
 _SWITCHES = ("PINGPONG", "OVERLAP")  # the config keys that take True or False
 QBLOCK = gl.constexpr(FP8_BLOCK)  # FP8: rows of Q (and of K) sharing one scale
@@ -113,7 +117,8 @@ def _loader(q_desc, k_desc, v_desc, o_ptr, scales, q_smem, k_ring, v_ring, bars,
     BLOCK_N: gl.constexpr = k_desc.block_type.shape[0]
     STAGES: gl.constexpr = k_ring.type.shape[0]
     FP8: gl.constexpr = flags.FP8
-    for c in gl.static_range(2):
+    NC: gl.constexpr = q_smem.type.shape[0]  # consumers, a Q tile each
+    for c in gl.static_range(NC):
         mbarrier.expect(q_bar.index(c), q_desc.block_type.nbytes)
         tma_load(q_desc, [q_row + c * BLOCK_M, 0], q_bar.index(c), q_smem.index(c))
     for j in range(n_tiles):
@@ -190,6 +195,7 @@ def _consumer(c: gl.constexpr, q_desc, k_desc, v_desc, o_ptr, scales, q_smem, k_
     HEAD_D: gl.constexpr = q_desc.block_type.shape[1]
     BLOCK_N: gl.constexpr = k_desc.block_type.shape[0]
     STAGES: gl.constexpr = k_ring.type.shape[0]
+    NC: gl.constexpr = q_smem.type.shape[0]  # consumers: the turns go round
     CAUSAL: gl.constexpr = flags.CAUSAL
     PINGPONG: gl.constexpr = flags.PINGPONG
     FP8: gl.constexpr = flags.FP8
@@ -231,7 +237,7 @@ def _consumer(c: gl.constexpr, q_desc, k_desc, v_desc, o_ptr, scales, q_smem, k_
                                    use_acc=False, is_async=True)
             scores = warpgroup_mma_wait(num_outstanding=0, deps=(scores,))
             if PINGPONG:
-                mbarrier.arrive(turn.index(1 - c), count=1)
+                mbarrier.arrive(turn.index((c + 1) % NC), count=1)
             mbarrier.arrive(k_empty.index(0), count=1)
             p, alpha, m_i, l_i = _softmax_step(scores, 0, m_i, l_i, rows, cols0, qk_scale,
                                                ks_ptr, ks_off, n_k, shift, unmasked, flags,
@@ -251,7 +257,7 @@ def _consumer(c: gl.constexpr, q_desc, k_desc, v_desc, o_ptr, scales, q_smem, k_
             else:
                 acc = warpgroup_mma(p_op, v_ring.index(sp), acc, is_async=True)
             if PINGPONG:
-                mbarrier.arrive(turn.index(1 - c), count=1)
+                mbarrier.arrive(turn.index((c + 1) % NC), count=1)
             # S_j done (wgmma groups complete in order); P_{j-1} V_{j-1} still running
             scores = warpgroup_mma_wait(num_outstanding=1, deps=(scores,))
             mbarrier.arrive(k_empty.index(s), count=1)
@@ -286,7 +292,7 @@ def _consumer(c: gl.constexpr, q_desc, k_desc, v_desc, o_ptr, scales, q_smem, k_
                                    use_acc=False, is_async=True)  # 2 BLOCK_M BLOCK_N D FLOP
             scores = warpgroup_mma_wait(num_outstanding=0, deps=(scores,))
             if PINGPONG:  # the other warpgroup's turn while this one does the softmax
-                mbarrier.arrive(turn.index(1 - c), count=1)
+                mbarrier.arrive(turn.index((c + 1) % NC), count=1)
             mbarrier.arrive(k_empty.index(s), count=1)  # this consumer is done with K
             p, alpha, m_i, l_i = _softmax_step(scores, j, m_i, l_i, rows, cols0, qk_scale,
                                                ks_ptr, ks_off, n_k, shift, unmasked, flags,
@@ -303,7 +309,7 @@ def _consumer(c: gl.constexpr, q_desc, k_desc, v_desc, o_ptr, scales, q_smem, k_
     for j in range(my_tiles, n_tiles):  # tiles the other warpgroup alone needs (causal)
         if PINGPONG:
             mbarrier.wait(turn.index(c), j & 1)
-            mbarrier.arrive(turn.index(1 - c), count=1)
+            mbarrier.arrive(turn.index((c + 1) % NC), count=1)
         mbarrier.arrive(k_empty.index(j % STAGES), count=1)
         mbarrier.arrive(v_empty.index(j % STAGES), count=1)
 
@@ -336,16 +342,25 @@ def _consumer1(q_desc, k_desc, v_desc, o_ptr, scales, q_smem, k_ring, v_ring, ba
 
 
 @gluon.jit
+def _consumer2(q_desc, k_desc, v_desc, o_ptr, scales, q_smem, k_ring, v_ring, bars, q_row, kv_row,
+               v_row, m0, n_q, n_k, n_tiles, qk_scale, flags):
+    _consumer(2, q_desc, k_desc, v_desc, o_ptr, scales, q_smem, k_ring, v_ring, bars, q_row,
+              kv_row, v_row, m0, n_q, n_k, n_tiles, qk_scale, flags)
+
+
+@gluon.jit
 def _attention_kernel(q_desc, k_desc, v_desc, o_ptr, qs_ptr, ks_ptr, vs_ptr, n_q, n_k, heads,
                       group, qk_scale, CAUSAL: gl.constexpr, PINGPONG: gl.constexpr,
-                      STAGES: gl.constexpr, FP8: gl.constexpr, OVERLAP: gl.constexpr):
+                      STAGES: gl.constexpr, FP8: gl.constexpr, OVERLAP: gl.constexpr,
+                      CONSUMERS: gl.constexpr = 2):
     """Rows ``[2 BLOCK_M pid, 2 BLOCK_M (pid + 1))`` of head ``program_id(1)``."""
     BLOCK_M: gl.constexpr = q_desc.block_type.shape[0]
     HEAD_D: gl.constexpr = q_desc.block_type.shape[1]
     BLOCK_N: gl.constexpr = k_desc.block_type.shape[0]
     bh = gl.program_id(1)
     kv_bh = (bh // heads) * (heads // group) + (bh % heads) // group  # GQA: its K/V head
-    m0 = gl.program_id(0) * 2 * BLOCK_M
+    NC: gl.constexpr = CONSUMERS
+    m0 = gl.program_id(0) * NC * BLOCK_M
     q_row = bh * n_q + m0
     kv_row = kv_bh * n_k
     if FP8:  # V^T: HEAD_D rows of the K/V head, the positions along the columns
@@ -353,38 +368,42 @@ def _attention_kernel(q_desc, k_desc, v_desc, o_ptr, qs_ptr, ks_ptr, vs_ptr, n_q
     else:
         v_row = kv_row
     if CAUSAL:  # the keys the program's last row can see
-        n_tiles = gl.cdiv(gl.minimum(n_k, gl.maximum(m0 + 2 * BLOCK_M + n_k - n_q, 0)), BLOCK_N)
+        n_tiles = gl.cdiv(gl.minimum(n_k, gl.maximum(m0 + NC * BLOCK_M + n_k - n_q, 0)), BLOCK_N)
     else:
         n_tiles = gl.cdiv(n_k, BLOCK_N)
     # FP8 scales: (B H, ceil(N_q / QBLOCK)), (B H_kv, ceil(N_k / QBLOCK)), (B H_kv, D)
     scales = (qs_ptr, ks_ptr, vs_ptr, bh * gl.cdiv(n_q, QBLOCK), kv_bh * gl.cdiv(n_k, QBLOCK),
               kv_bh * HEAD_D)
 
-    q_smem = gl.allocate_shared_memory(q_desc.dtype, [2, BLOCK_M, HEAD_D], q_desc.layout)
+    q_smem = gl.allocate_shared_memory(q_desc.dtype, [NC, BLOCK_M, HEAD_D], q_desc.layout)
     k_ring = gl.allocate_shared_memory(k_desc.dtype, [STAGES, BLOCK_N, HEAD_D], k_desc.layout)
     v_ring = gl.allocate_shared_memory(v_desc.dtype, [STAGES] + v_desc.block_type.shape,
                                        v_desc.layout)
-    q_bar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    q_bar = gl.allocate_shared_memory(gl.int64, [NC, 1], mbarrier.MBarrierLayout())
+    turn = gl.allocate_shared_memory(gl.int64, [NC, 1], mbarrier.MBarrierLayout())
     k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(2):
+    for i in gl.static_range(NC):
         mbarrier.init(q_bar.index(i), count=1)
         mbarrier.init(turn.index(i), count=1)
     for i in gl.static_range(STAGES):
         mbarrier.init(k_ready.index(i), count=1)
         mbarrier.init(v_ready.index(i), count=1)
-        mbarrier.init(k_empty.index(i), count=2)  # both consumers release a slot's K
-        mbarrier.init(v_empty.index(i), count=2)  # ... and its V
+        mbarrier.init(k_empty.index(i), count=NC)  # every consumer releases a slot's K
+        mbarrier.init(v_empty.index(i), count=NC)  # ... and its V
     mbarrier.arrive(turn.index(0), count=1)  # consumer 0 takes the first turn
 
     bars = (q_bar, k_ready, v_ready, k_empty, v_empty, turn)
     args = (q_desc, k_desc, v_desc, o_ptr, scales, q_smem, k_ring, v_ring, bars, q_row, kv_row,
             v_row, m0, n_q, n_k, n_tiles, qk_scale, _Flags(CAUSAL, PINGPONG, FP8, OVERLAP))
-    gl.warp_specialize([(_consumer0, args), (_loader, args), (_consumer1, args)],
-                       WORKER_WARPS, WORKER_REGS)
+    if NC == 3:
+        gl.warp_specialize([(_consumer0, args), (_loader, args), (_consumer1, args),
+                            (_consumer2, args)], WORKER_WARPS3, WORKER_REGS3)
+    else:
+        gl.warp_specialize([(_consumer0, args), (_loader, args), (_consumer1, args)],
+                           WORKER_WARPS, WORKER_REGS)
 
 
 def attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False,
@@ -405,10 +424,16 @@ def _config(config: dict, fp8: bool = False) -> dict:
                         f"{sorted(DEFAULT_CONFIG)}")
     cfg = {**DEFAULT_CONFIG, **(FP8_DEFAULTS if fp8 else {}), **config}
     for key, allowed in (("BLOCK_M", (64,)), ("BLOCK_N", (64, 128)), ("STAGES", (1, 2, 3, 4)),
-                         ("PINGPONG", (True, False)), ("OVERLAP", (True, False))):
+                         ("PINGPONG", (True, False)), ("OVERLAP", (True, False)),
+                         ("CONSUMERS", (2, 3))):
         if cfg[key] not in allowed or isinstance(cfg[key], bool) != (key in _SWITCHES):
             raise ValueError(f"{key} must be one of {allowed}, got {cfg[key]!r}")
     return cfg
+
+
+def _maxnreg(cfg: dict) -> int:
+    """Registers a thread at launch: the register file split over the program's warpgroups."""
+    return MAXNREG3 if cfg["CONSUMERS"] == 3 else MAXNREG
 
 
 def _layouts(dtype, d: int, cfg: dict, fp8: bool = False):
@@ -437,14 +462,14 @@ def compile_attention(dtype: torch.dtype = torch.bfloat16, head_dim: int = 128, 
            "v_desc": tensordesc(t, v_block, v_l), "o_ptr": f"*{o}", "qs_ptr": "*fp32",
            "ks_ptr": "*fp32", "vs_ptr": "*fp32", "n_q": "i32", "n_k": "i32", "heads": "i32",
            "group": "i32", "qk_scale": "fp32", "CAUSAL": "constexpr", "PINGPONG": "constexpr",
-           "OVERLAP": "constexpr",
+           "OVERLAP": "constexpr", "CONSUMERS": "constexpr",
            "STAGES": "constexpr", "FP8": "constexpr"}
     const = {"CAUSAL": bool(causal), "PINGPONG": cfg["PINGPONG"], "STAGES": cfg["STAGES"],
-             "FP8": fp8, "OVERLAP": cfg["OVERLAP"]}
+             "FP8": fp8, "OVERLAP": cfg["OVERLAP"], "CONSUMERS": cfg["CONSUMERS"]}
     # pointers 16-byte aligned, as torch's allocations are and as a launch specialises them
     return compile_kernel(_attention_kernel, sig, const, aligned=("o_ptr", "qs_ptr", "ks_ptr",
                                                                   "vs_ptr"),
-                          num_warps=4, child=_CHILD, maxnreg=MAXNREG)
+                          num_warps=4, child=_CHILD, maxnreg=_maxnreg(cfg))
 
 
 def _launch(q, k, v, out, scales, causal: bool, sm_scale: float, cfg: dict, fp8: bool):
@@ -464,11 +489,11 @@ def _launch(q, k, v, out, scales, causal: bool, sm_scale: float, cfg: dict, fp8:
              for t, blk, lay in ((q2, q_block, q_l), (k2, k_block, k_l), (v2, v_block, v_l))]
     if scales is None:
         scales = (out,) * 3  # never read
-    grid = (triton.cdiv(n_q, 2 * cfg["BLOCK_M"]), b * h)
+    grid = (triton.cdiv(n_q, cfg["CONSUMERS"] * cfg["BLOCK_M"]), b * h)
     _attention_kernel[grid](*descs, out, *scales, n_q, n_k, h, h // h_kv, sm_scale * LOG2E,
                             CAUSAL=bool(causal), PINGPONG=cfg["PINGPONG"],
-                            STAGES=cfg["STAGES"], FP8=fp8, OVERLAP=cfg["OVERLAP"], num_warps=4,
-                            maxnreg=MAXNREG)
+                            STAGES=cfg["STAGES"], FP8=fp8, OVERLAP=cfg["OVERLAP"],
+                            CONSUMERS=cfg["CONSUMERS"], num_warps=4, maxnreg=_maxnreg(cfg))
     return out
 
 
