@@ -18,9 +18,10 @@ Parts (``run(parts=...)``), every provider timed in the same run:
     ``fa3-fp8`` (inputs already FP8, checked against
     ``flash_attention_fp8_ref`` first), ``fa3-fp8-quant`` (quantising Q, K, V
     inside the timed call), ``fa3-gluon`` (:func:`llmnote.ops.gluon.attention`, the
-    warp-specialised Gluon kernel with its defaults; ``fa3-gluon-nopp`` without its
-    ping-pong; ``fa3-gluon-serial`` without its intra-warpgroup overlap;
-    ``fa3-gluon-fp8`` its FP8 path on quantised inputs), beside
+    warp-specialised Gluon kernel with its defaults; ``fa3-gluon-2wg`` with two consumer
+    warpgroups, the overlap and the ping-pong, and from there ``fa3-gluon-nopp`` without
+    the ping-pong, ``fa3-gluon-serial`` without the intra-warpgroup overlap;
+    ``fa3-gluon-fp8`` its FP8 path on quantised inputs, defaults), beside
     ``llmnote``, ``sdpa-flash``, ``sdpa-cudnn``.
 ``memory`` (bench ``attention-memory``, ``x_name = "N"``)
     Peak memory of one forward beyond its inputs (MiB), B = 1, H = 16, D = 128.
@@ -55,6 +56,9 @@ from llmnote.ops.attention.reference import fp8_p_rounding_bound
 from llmnote.testing import assert_close_lowp
 
 BENCH = "attention"
+# the Gluon FlashAttention-3 with two consumer warpgroups, FlashAttention-3's own
+# schedule at d = 128 (the ablations fa3-gluon-nopp and -serial start from it)
+GLUON_2WG = {"CONSUMERS": 2, "OVERLAP": True, "PINGPONG": True}
 PARTS = ("fwd", "bwd", "decode", "memory", "fa3")
 SDPA_BACKENDS = {
     "sdpa-flash": SDPBackend.FLASH_ATTENTION,
@@ -300,8 +304,9 @@ def _fa3_providers(setup: Setup, d: int, causal: bool, dtype) -> dict:
         "llmnote": exact(lambda q, k, v: flash_attention(q, k, v, causal=causal), "llmnote"),
         "fa3": exact(lambda q, k, v: flash_attention_v3(q, k, v, causal=causal), "fa3"),
         "fa3-gluon": exact(gluon(), "fa3-gluon"),
-        "fa3-gluon-nopp": exact(gluon(PINGPONG=False), "fa3-gluon-nopp"),
-        "fa3-gluon-serial": exact(gluon(OVERLAP=False), "fa3-gluon-serial"),
+        "fa3-gluon-2wg": exact(gluon(**GLUON_2WG), "fa3-gluon-2wg"),
+        "fa3-gluon-nopp": exact(gluon(**{**GLUON_2WG, "PINGPONG": False}), "fa3-gluon-nopp"),
+        "fa3-gluon-serial": exact(gluon(**{**GLUON_2WG, "OVERLAP": False}), "fa3-gluon-serial"),
         "fa3-gluon-fp8": fp8(False, gluon=True),
         "fa3-fp8": fp8(False),
         "fa3-fp8-quant": fp8(True),

@@ -58,10 +58,14 @@ LOG2E = 1.4426950408889634
 # at D = 128, 2 x 16 KiB of Q + 2 x 2 x 32 KiB of K and V = 160 KiB of shared memory.
 DEFAULT_CONFIG = {"BLOCK_M": 64, "BLOCK_N": 128, "STAGES": 2, "PINGPONG": True,
                   "OVERLAP": True, "CONSUMERS": 2}
-# FP8 runs without the intra-warpgroup overlap: its P needs a layout conversion (not the
-# accumulator's own registers, as for 16 bits) and the second score tile spills; on an
-# H200 the overlapped FP8 kernel was 2-15% slower (benchmarks/logs/flash_attention_3.md)
-FP8_DEFAULTS = {"OVERLAP": False}
+# The schedule by (FP8, head dim), from a sweep on an H200 (benchmarks/logs/
+# flash_attention_3.md): three consumers everywhere; with three, a second score tile fits
+# in the 160 registers a thread only at d = 64 in 16 bits (elsewhere it spills and runs at
+# half speed), and without the overlap the turns cost more than they bring.
+TUNED = {(False, 64): {"CONSUMERS": 3, "OVERLAP": True, "PINGPONG": True},
+         (False, 128): {"CONSUMERS": 3, "OVERLAP": False, "PINGPONG": False},
+         (True, 64): {"CONSUMERS": 3, "OVERLAP": False, "PINGPONG": False},
+         (True, 128): {"CONSUMERS": 3, "OVERLAP": False, "PINGPONG": False}}
 # registers a thread: the loader's warpgroup the fewest there are, the second consumer
 # what its S, P and O tiles need; the first (the default partition) gets the rest of
 # maxnreg x 3 warpgroups
@@ -414,15 +418,16 @@ def attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: boo
     return flash_attention_ref(q, k, v, causal=causal, sm_scale=sm_scale)
 
 
-def _config(config: dict, fp8: bool = False) -> dict:
-    """DEFAULT_CONFIG (and FP8_DEFAULTS for ``fp8``) with ``config``'s entries: BLOCK_M 64
-    (one wgmma M block a warpgroup), BLOCK_N 64 or 128 (dividing FP8's 128-row scale
-    blocks), 1-4 STAGES, PINGPONG and OVERLAP True or False."""
+def _config(config: dict, fp8: bool = False, head_dim: int | None = None) -> dict:
+    """DEFAULT_CONFIG, then TUNED's entries for ``(fp8, head_dim)`` (when ``head_dim`` is
+    given), then ``config``'s: BLOCK_M 64 (one wgmma M block a warpgroup), BLOCK_N 64 or
+    128 (dividing FP8's 128-row scale blocks), 1-4 STAGES, PINGPONG and OVERLAP True or
+    False, CONSUMERS 2 or 3."""
     unknown = set(config) - set(DEFAULT_CONFIG)
     if unknown:
         raise TypeError(f"unknown config key(s) {sorted(unknown)}; expected some of "
                         f"{sorted(DEFAULT_CONFIG)}")
-    cfg = {**DEFAULT_CONFIG, **(FP8_DEFAULTS if fp8 else {}), **config}
+    cfg = {**DEFAULT_CONFIG, **TUNED.get((bool(fp8), head_dim), {}), **config}
     for key, allowed in (("BLOCK_M", (64,)), ("BLOCK_N", (64, 128)), ("STAGES", (1, 2, 3, 4)),
                          ("PINGPONG", (True, False)), ("OVERLAP", (True, False)),
                          ("CONSUMERS", (2, 3))):
@@ -455,7 +460,7 @@ def compile_attention(dtype: torch.dtype = torch.bfloat16, head_dim: int = 128, 
     if head_dim not in (64, 128):
         raise ValueError(f"head_dim must be 64 or 128, got {head_dim}")
     fp8 = dtype == FP8_DTYPE
-    cfg = _config(config, fp8)
+    cfg = _config(config, fp8, head_dim)
     (q_block, q_l), (k_block, k_l), (v_block, v_l) = _layouts(dtype, head_dim, cfg, fp8)
     t, o = SIG_DTYPES[dtype], "bf16" if fp8 else SIG_DTYPES[dtype]
     sig = {"q_desc": tensordesc(t, q_block, q_l), "k_desc": tensordesc(t, k_block, k_l),
@@ -526,7 +531,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = 
     ``config`` overrides :data:`DEFAULT_CONFIG`. Needs a Hopper GPU; raises
     ``RuntimeError`` elsewhere, the CPU interpreter included."""
     scale = _validate(q, k, v, causal, sm_scale)
-    cfg = _config(config)
+    cfg = _config(config, head_dim=q.shape[-1])
     _on_hopper("attention_v3", {"q": q, "k": k, "v": v})
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()  # rows of D, TMA-aligned
     return _launch(q, k, v, torch.empty_like(q), None, causal, scale, cfg, False)
@@ -547,7 +552,7 @@ def attention_fp8_quantized(q8: torch.Tensor, q_scale: torch.Tensor, k8: torch.T
                                  FP8_BLOCK)
     if out_dtype not in (torch.float16, torch.bfloat16):
         raise TypeError(f"out_dtype must be torch.float16 or torch.bfloat16, got {out_dtype}")
-    cfg = _config(config, fp8=True)
+    cfg = _config(config, fp8=True, head_dim=q8.shape[-1])
     _on_hopper("attention_fp8", {"q8": q8, "k8": k8, "vt8": vt8})
     q8, k8 = q8.contiguous(), k8.contiguous()
     if vt8.stride(-1) != 1 or vt8.stride(-2) % 16 or vt8.stride(1) != vt8.shape[2] * vt8.stride(2) \
