@@ -38,9 +38,12 @@ off_gpu = pytest.mark.skipif(device.on_gpu(), reason="checks the error raised wi
                                                    (torch.float8_e4m3fn, 128, True)], ids=str)
 @pytest.mark.parametrize("nc", [2, 3])
 def test_compiles_to_its_partitions_tma_and_wgmma(dtype, head_dim, causal, nc):
-    """The loader and ``nc`` consumers (the rest of the schedule as TUNED has it)."""
-    c = GA.compile_attention(dtype, head_dim, causal=causal, CONSUMERS=nc)
-    cfg = GA._config({"CONSUMERS": nc}, fp8=dtype == torch.float8_e4m3fn, head_dim=head_dim)
+    """The loader and ``nc`` consumers: the defaults (two), or THREE_CONSUMERS' schedule."""
+    fp8 = dtype == torch.float8_e4m3fn
+    schedule = GA.THREE_CONSUMERS[(fp8, head_dim)] if nc == 3 else {}
+    c = GA.compile_attention(dtype, head_dim, causal=causal, **schedule)
+    cfg = GA._config(schedule, fp8=fp8, head_dim=head_dim)
+    assert cfg["CONSUMERS"] == nc
     t = {torch.bfloat16: "bf16", torch.float16: "f16", torch.float8_e4m3fn: "e4m3"}[dtype]
     k_step = 32 if dtype == torch.float8_e4m3fn else 16  # 32 bytes of K per instruction
     size = 1 if dtype == torch.float8_e4m3fn else 2
@@ -149,16 +152,16 @@ def test_reference_is_exact_attention():
 
 
 # ------------------------------------------------------------------------------ on Hopper
-# the defaults (TUNED, by head dim), then every switch of the two-consumer kernel, and three
-# consumers with the ping-pong and the overlap (16 bits, d = 64) and without either
+# the defaults, every switch of the two-consumer kernel, and three consumers with the
+# ping-pong and the overlap (THREE_CONSUMERS at d = 64) and without either (at d = 128)
 SCHEDULES = [{}] + [dict(CONSUMERS=2, PINGPONG=p, OVERLAP=o) for p in (True, False)
                     for o in (True, False)] + [dict(CONSUMERS=3, PINGPONG=True, OVERLAP=True),
                                                dict(CONSUMERS=3, PINGPONG=False, OVERLAP=False)]
 SCHEDULE_IDS = ["default"] + [f"{nc}wg-{'pp' if pp else 'free'}-{'overlap' if ov else 'serial'}"
                               for nc, pp, ov in ((2, 1, 1), (2, 1, 0), (2, 0, 1), (2, 0, 0),
                                                  (3, 1, 1), (3, 0, 0))]
-FP8_SCHEDULES = [{}, dict(CONSUMERS=2, OVERLAP=False), dict(CONSUMERS=2, OVERLAP=True),
-                 dict(CONSUMERS=3, PINGPONG=True)]
+FP8_SCHEDULES = [{}, dict(CONSUMERS=2, OVERLAP=True), dict(CONSUMERS=3, PINGPONG=True),
+                 dict(CONSUMERS=3, PINGPONG=False)]
 CASES = [  # (b, h, h_kv, n_q, n_k, d)
     (1, 2, 2, 128, 128, 64),
     (2, 4, 2, 200, 200, 128),  # GQA, ragged: the last program's second tile past N

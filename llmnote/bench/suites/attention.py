@@ -18,10 +18,10 @@ Parts (``run(parts=...)``), every provider timed in the same run:
     ``fa3-fp8`` (inputs already FP8, checked against
     ``flash_attention_fp8_ref`` first), ``fa3-fp8-quant`` (quantising Q, K, V
     inside the timed call), ``fa3-gluon`` (:func:`llmnote.ops.gluon.attention`, the
-    warp-specialised Gluon kernel with its defaults; ``fa3-gluon-2wg`` with two consumer
-    warpgroups, the overlap and the ping-pong, and from there ``fa3-gluon-nopp`` without
-    the ping-pong, ``fa3-gluon-serial`` without the intra-warpgroup overlap;
-    ``fa3-gluon-fp8`` its FP8 path on quantised inputs, defaults), beside
+    warp-specialised Gluon kernel with its defaults; ``fa3-gluon-nopp`` without the
+    ping-pong, ``fa3-gluon-serial`` without the intra-warpgroup overlap,
+    ``fa3-gluon-3wg`` with three consumer warpgroups (its ``THREE_CONSUMERS`` schedule);
+    ``fa3-gluon-fp8`` and ``fa3-gluon-fp8-3wg`` its FP8 path on quantised inputs), beside
     ``llmnote``, ``sdpa-flash``, ``sdpa-cudnn``.
 ``memory`` (bench ``attention-memory``, ``x_name = "N"``)
     Peak memory of one forward beyond its inputs (MiB), B = 1, H = 16, D = 128.
@@ -32,6 +32,9 @@ sizes in the interpreter: a smoke test, not a measurement.
 """
 
 from __future__ import annotations
+
+import functools
+import importlib
 
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -56,9 +59,6 @@ from llmnote.ops.attention.reference import fp8_p_rounding_bound
 from llmnote.testing import assert_close_lowp
 
 BENCH = "attention"
-# the Gluon FlashAttention-3 with two consumer warpgroups, FlashAttention-3's own
-# schedule at d = 128 (the ablations fa3-gluon-nopp and -serial start from it)
-GLUON_2WG = {"CONSUMERS": 2, "OVERLAP": True, "PINGPONG": True}
 PARTS = ("fwd", "bwd", "decode", "memory", "fa3")
 SDPA_BACKENDS = {
     "sdpa-flash": SDPBackend.FLASH_ATTENTION,
@@ -235,6 +235,12 @@ def _flex_task(setup: Setup, n: int, h: int, d: int, causal: bool, direction: st
 # --------------------------------------------------------------------------------------------
 
 
+def _three_consumers(fp8: bool, d: int) -> dict:
+    """The Gluon kernel's three-consumer schedule for this head dim (its THREE_CONSUMERS;
+    the module, as ``llmnote.ops.gluon.attention`` is also the name of the function)."""
+    return importlib.import_module("llmnote.ops.gluon.attention").THREE_CONSUMERS[(fp8, d)]
+
+
 def _fa3_providers(setup: Setup, d: int, causal: bool, dtype) -> dict:
     h = setup.hidden // d
 
@@ -255,14 +261,16 @@ def _fa3_providers(setup: Setup, d: int, causal: bool, dtype) -> dict:
             return task
         return factory
 
-    def fp8(with_quant: bool, gluon: bool = False):
-        name = "fa3-gluon-fp8" if gluon else "fa3-fp8"
+    def fp8(with_quant: bool, gluon: bool = False, three: bool = False):
+        name = ("fa3-gluon-fp8-3wg" if three else "fa3-gluon-fp8") if gluon else "fa3-fp8"
 
         def factory(n):
             require_compiled(name, HOPPER)
             if gluon:
                 G = require_hopper()
-                run_fp8, run_quantized = G.attention_fp8, G.attention_fp8_quantized
+                cfg = _three_consumers(True, d) if three else {}
+                run_fp8 = functools.partial(G.attention_fp8, **cfg)
+                run_quantized = functools.partial(G.attention_fp8_quantized, **cfg)
             else:
                 run_fp8, run_quantized = flash_attention_fp8, flash_attention_fp8_quantized
             q, k, v = inputs(n)
@@ -295,19 +303,22 @@ def _fa3_providers(setup: Setup, d: int, causal: bool, dtype) -> dict:
             return fn
         return f
 
-    def gluon(**config):  # (llmnote.ops.gluon imported by require_hopper, on Hopper)
+    def gluon(three: bool = False, **config):  # (llmnote.ops.gluon: by require_hopper)
         def fn(q, k, v):
-            return require_hopper().attention(q, k, v, causal=causal, **config)
+            G = require_hopper()
+            extra = _three_consumers(False, d) if three else {}
+            return G.attention(q, k, v, causal=causal, **extra, **config)
         return fn
 
     providers = {
         "llmnote": exact(lambda q, k, v: flash_attention(q, k, v, causal=causal), "llmnote"),
         "fa3": exact(lambda q, k, v: flash_attention_v3(q, k, v, causal=causal), "fa3"),
         "fa3-gluon": exact(gluon(), "fa3-gluon"),
-        "fa3-gluon-2wg": exact(gluon(**GLUON_2WG), "fa3-gluon-2wg"),
-        "fa3-gluon-nopp": exact(gluon(**{**GLUON_2WG, "PINGPONG": False}), "fa3-gluon-nopp"),
-        "fa3-gluon-serial": exact(gluon(**{**GLUON_2WG, "OVERLAP": False}), "fa3-gluon-serial"),
+        "fa3-gluon-nopp": exact(gluon(PINGPONG=False), "fa3-gluon-nopp"),
+        "fa3-gluon-serial": exact(gluon(OVERLAP=False), "fa3-gluon-serial"),
+        "fa3-gluon-3wg": exact(gluon(three=True), "fa3-gluon-3wg"),
         "fa3-gluon-fp8": fp8(False, gluon=True),
+        "fa3-gluon-fp8-3wg": fp8(False, gluon=True, three=True),
         "fa3-fp8": fp8(False),
         "fa3-fp8-quant": fp8(True),
     }

@@ -3,23 +3,28 @@
 Attention forward with :func:`llmnote.ops.attention.flash_attention_v3`'s signature
 (``q (B, H, N_q, D)``, ``k, v (B, H_kv, N_k, D)``, bf16 or fp16, ``D`` 64 or 128, GQA,
 causal bottom-right aligned): FlashAttention-2's online softmax, with what
-FlashAttention-3 adds on Hopper written out. One program owns ``2 x BLOCK_M`` query
-rows of one head and runs three partitions of warps (``gl.warp_specialize``):
+FlashAttention-3 adds on Hopper written out. One program owns ``CONSUMERS x BLOCK_M``
+query rows of one head and runs a loader and two (or three) consumers, partitions of
+warps (``gl.warp_specialize``):
 
-* **the loader** (1 warp): TMA copies of the two Q tiles, then of each K and V tile
-  into a ring of ``STAGES`` slots, each with ``k_ready`` / ``v_ready`` mbarriers
-  (completed by the bytes) and a ``kv_empty`` one that both consumers arrive on;
-* **two consumers** (a warpgroup each, one Q tile each): ``S = Q K^T`` by
+* **the loader** (1 warp): TMA copies of the consumers' Q tiles, then of each K and V
+  tile into a ring of ``STAGES`` slots, each with ``k_ready`` / ``v_ready`` mbarriers
+  (completed by the bytes) and ``k_empty`` / ``v_empty`` ones that every consumer
+  arrives on;
+* **the consumers** (a warpgroup each, one Q tile each): ``S = Q K^T`` by
   ``warpgroup_mma`` from shared memory, the online softmax in registers, then
   ``O += P V`` with ``P`` handed to the tensor cores from registers;
 * **intra-warpgroup overlap** (``OVERLAP``): a consumer issues tile ``j``'s ``S`` and
   tile ``j - 1``'s ``P V`` together and runs tile ``j``'s softmax while ``P V`` is
   still on the tensor cores (two score tiles live in registers);
-* **ping-pong** (``PINGPONG``): two mbarriers give the consumers turns at the tensor
-  cores, so one warpgroup's softmax runs while the other's products keep them busy.
+* **ping-pong** (``PINGPONG``): one mbarrier per consumer gives them turns at the
+  tensor cores, round the consumers, so one warpgroup's softmax runs while another's
+  products keep them busy.
 
-K and V have separate "empty" barriers, so a slot's next K is loaded as soon as both
-consumers have their scores, before they are done with the slot's V.
+K and V have separate "empty" barriers, so a slot's next K is loaded as soon as every
+consumer has its scores, before they are done with the slot's V. Three consumers
+(``CONSUMERS = 3``, FlashAttention-3's choice at ``D = 64``) leave each 160 registers a
+thread instead of 232-248.
 
 FP8 (:func:`attention_fp8`): the same partitions on e4m3 tiles with
 ``flash_attention_fp8``'s scales (Q, K per 128 rows, folded into the softmax scale;
@@ -58,14 +63,20 @@ LOG2E = 1.4426950408889634
 # at D = 128, 2 x 16 KiB of Q + 2 x 2 x 32 KiB of K and V = 160 KiB of shared memory.
 DEFAULT_CONFIG = {"BLOCK_M": 64, "BLOCK_N": 128, "STAGES": 2, "PINGPONG": True,
                   "OVERLAP": True, "CONSUMERS": 2}
-# The schedule by (FP8, head dim), from a sweep on an H200 (benchmarks/logs/
-# flash_attention_3.md): three consumers everywhere; with three, a second score tile fits
-# in the 160 registers a thread only at d = 64 in 16 bits (elsewhere it spills and runs at
-# half speed), and without the overlap the turns cost more than they bring.
-TUNED = {(False, 64): {"CONSUMERS": 3, "OVERLAP": True, "PINGPONG": True},
-         (False, 128): {"CONSUMERS": 3, "OVERLAP": False, "PINGPONG": False},
-         (True, 64): {"CONSUMERS": 3, "OVERLAP": False, "PINGPONG": False},
-         (True, 128): {"CONSUMERS": 3, "OVERLAP": False, "PINGPONG": False}}
+# The schedule by (FP8, head dim) where it differs from DEFAULT_CONFIG, as benchmarked
+# (benchmarks/logs/flash_attention_3.md): FP8 runs without the intra-warpgroup overlap (its
+# P needs a shuffle into the operand's layout and the second score tile spills; on an H200
+# the overlapped FP8 kernel was 1-21% slower).
+TUNED = {(True, 64): {"OVERLAP": False}, (True, 128): {"OVERLAP": False}}
+# Three consumer warpgroups, the schedule a sweep on an H200 found fastest (same log):
+# with three, a second score tile fits in a thread's 160 registers only at d = 64 in 16
+# bits (elsewhere it spills and runs at half speed), and without the overlap the turns
+# cost more than they bring. Not yet the default: its GPU tests and benchmark run are
+# still to come (the benchmark times it as fa3-gluon-3wg and fa3-gluon-fp8-3wg).
+THREE_CONSUMERS = {(False, 64): {"CONSUMERS": 3, "OVERLAP": True, "PINGPONG": True},
+                   (False, 128): {"CONSUMERS": 3, "OVERLAP": False, "PINGPONG": False},
+                   (True, 64): {"CONSUMERS": 3, "OVERLAP": False, "PINGPONG": False},
+                   (True, 128): {"CONSUMERS": 3, "OVERLAP": False, "PINGPONG": False}}
 # registers a thread: the loader's warpgroup the fewest there are, the second consumer
 # what its S, P and O tiles need; the first (the default partition) gets the rest of
 # maxnreg x 3 warpgroups
