@@ -86,7 +86,6 @@ MAXNREG = 168
 # register file, 128 a thread at launch; the workers' budgets, the default partition the rest
 WORKER_WARPS3, WORKER_REGS3 = gl.constexpr([1, 4, 4]), gl.constexpr([24, 160, 160])
 MAXNREG3 = 128
-_CHILD = True
 _SWITCHES = ("PINGPONG", "OVERLAP")  # the config keys that take True or False
 QBLOCK = gl.constexpr(FP8_BLOCK)  # FP8: rows of Q (and of K) sharing one scale
 
@@ -485,7 +484,7 @@ def compile_attention(dtype: torch.dtype = torch.bfloat16, head_dim: int = 128, 
     # pointers 16-byte aligned, as torch's allocations are and as a launch specialises them
     return compile_kernel(_attention_kernel, sig, const, aligned=("o_ptr", "qs_ptr", "ks_ptr",
                                                                   "vs_ptr"),
-                          num_warps=4, child=_CHILD, maxnreg=_maxnreg(cfg))
+                          num_warps=4, child=True, maxnreg=_maxnreg(cfg))
 
 
 def _launch(q, k, v, out, scales, causal: bool, sm_scale: float, cfg: dict, fp8: bool):
