@@ -1,16 +1,18 @@
-"""llmnote.ops.gluon.attention: FlashAttention-3's forward in Gluon (producer warp, two
-consumer warpgroups, ping-pong).
+"""llmnote.ops.gluon.attention: FlashAttention-3's forward in Gluon (producer warp, two or
+three consumer warpgroups, ping-pong, intra-warpgroup overlap).
 
 On every machine: the kernel compiles for sm_90 with the installed Triton into what its
-docstring describes (three partitions with their register budgets, TMA copies of Q, K
-and V, ``S`` by wgmma from shared memory and ``P V`` with ``P`` in registers, no
-spills, the shared memory of its Q tiles and K/V ring); bad inputs and a missing
-Hopper GPU raise clear errors. On a Hopper GPU: the output against exact attention in
-fp32 on fresh random inputs, with and without ping-pong, causal and not, GQA, ragged
-and unequal lengths, rows that see no key, bf16 and fp16, the same rule as the Triton
-FlashAttention-3 kernel's tests (``assert_close_lowp`` against the same op run in the
-inputs' dtype). A schedule that deadlocks would hang the GPU: each GPU test has a
-time limit that ends the process.
+docstring describes (the loader and two or three consumers with their register budgets,
+TMA copies of Q, K and V, ``S`` by wgmma from shared memory and ``P V`` with ``P`` in
+registers, no spills with two consumers, the shared memory of its Q tiles and K/V ring,
+the overlap's partial wait); bad inputs and a missing Hopper GPU raise clear errors. On
+a Hopper GPU: the output against exact attention in fp32 on fresh random inputs, for the
+defaults and every schedule (ping-pong and overlap on and off, two and three consumers),
+causal and not, GQA, ragged and unequal lengths, rows that see no key, bf16 and fp16,
+the same rule as the Triton FlashAttention-3 kernel's tests (``assert_close_lowp``
+against the same op run in the inputs' dtype); FP8 within its P-rounding bound. A
+schedule that deadlocks would hang the GPU: each GPU test has a time limit that ends
+the process.
 """
 
 import importlib
