@@ -34,7 +34,6 @@ sizes in the interpreter: a smoke test, not a measurement.
 from __future__ import annotations
 
 import functools
-import importlib
 
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -236,9 +235,11 @@ def _flex_task(setup: Setup, n: int, h: int, d: int, causal: bool, direction: st
 
 
 def _three_consumers(fp8: bool, d: int) -> dict:
-    """The Gluon kernel's three-consumer schedule for this head dim (its THREE_CONSUMERS;
-    the module, as ``llmnote.ops.gluon.attention`` is also the name of the function)."""
-    return importlib.import_module("llmnote.ops.gluon.attention").THREE_CONSUMERS[(fp8, d)]
+    """The Gluon kernel's three-consumer schedule for this head dim (imported here: Gluon
+    only on Hopper)."""
+    from llmnote.ops.gluon.attention import THREE_CONSUMERS
+
+    return THREE_CONSUMERS[(fp8, d)]
 
 
 def _fa3_providers(setup: Setup, d: int, causal: bool, dtype) -> dict:

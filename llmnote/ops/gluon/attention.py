@@ -123,9 +123,9 @@ def _operand_layout(parent, fp8):
 @gluon.jit
 def _loader(q_desc, k_desc, v_desc, o_ptr, scales, q_smem, k_ring, v_ring, bars, q_row, kv_row,
             v_row, m0, n_q, n_k, n_tiles, qk_scale, flags):
-    """1 warp: the two Q tiles, then K and V tile ``j`` into slot ``j % STAGES``, K once
-    both consumers released the slot's previous K (after its scores), V once both
-    released its previous V (after its product) (FP8: V^T tiles, (D, BLOCK_N))."""
+    """1 warp: the consumers' Q tiles, then K and V tile ``j`` into slot ``j % STAGES``, K
+    once every consumer released the slot's previous K (after its scores), V once every
+    consumer released its previous V (after its product) (FP8: V^T tiles, (D, BLOCK_N))."""
     q_bar, k_ready, v_ready, k_empty, v_empty, turn = bars
     BLOCK_M: gl.constexpr = q_desc.block_type.shape[0]
     BLOCK_N: gl.constexpr = k_desc.block_type.shape[0]
