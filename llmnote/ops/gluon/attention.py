@@ -320,12 +320,18 @@ def _consumer(c: gl.constexpr, q_desc, k_desc, v_desc, o_ptr, scales, q_smem, k_
                 p_op = gl.convert_layout(p.to(dtype), p_layout, assert_trivial=True)
                 acc = warpgroup_mma(p_op, v_ring.index(s), acc)  # 2 BLOCK_M BLOCK_N D FLOP
             mbarrier.arrive(v_empty.index(s), count=1)  # ... and with V
-    for j in range(my_tiles, n_tiles):  # tiles the other warpgroup alone needs (causal)
+    for j in range(my_tiles, n_tiles):  # tiles only the other warpgroups need (causal)
         if PINGPONG:
             mbarrier.wait(turn.index(c), j & 1)
             mbarrier.arrive(turn.index((c + 1) % NC), count=1)
-        mbarrier.arrive(k_empty.index(j % STAGES), count=1)
-        mbarrier.arrive(v_empty.index(j % STAGES), count=1)
+        # Release tile j's slot only once tile j is in it. An early arrival would count
+        # towards the slot's previous round (tile j - STAGES) and could let the loader
+        # overwrite a V that another consumer's product is still reading.
+        s = j % STAGES
+        mbarrier.wait(k_ready.index(s), (j // STAGES) & 1)
+        mbarrier.arrive(k_empty.index(s), count=1)
+        mbarrier.wait(v_ready.index(s), (j // STAGES) & 1)
+        mbarrier.arrive(v_empty.index(s), count=1)
 
     l_o = gl.convert_layout(l_i, o_rows)
     inv = gl.where(l_o > 0.0, 1.0 / l_o, 0.0)  # a row that saw no key: 0
