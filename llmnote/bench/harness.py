@@ -237,6 +237,7 @@ def sweep(
         ext = extra(x) if callable(extra) else (extra or {})
         for name, factory in providers.items():
             bar.update(1)
+            bar.set_postfix_str(f"{name}, {x_name}={x}")  # (what runs now: a stall names it)
             if name in skipped:
                 continue
             try:
