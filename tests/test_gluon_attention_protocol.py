@@ -1,9 +1,11 @@
-"""The Gluon FlashAttention-3 kernel's barrier protocol, explored on the CPU.
+"""The barrier protocols of the Gluon FlashAttention-3 and MLA decode kernels, explored on
+the CPU.
 
 ``llmnote.ops.gluon.attention`` hands K and V tiles from a loader warp to two or three
 consumer warpgroups through mbarriers. Which interleavings a GPU produces depends on
-timing; a protocol error may show only at some sizes (one hung the kernel at d = 128,
-causal, N = 4096, while every test passed: benchmarks/logs/flash_attention_3.md). This
+timing; a protocol error may show only at some sizes (one is the likely cause of a hang
+at d = 128, causal, N = 4096, while every test passed: benchmarks/logs/flash_attention_3.md,
+not yet confirmed on a GPU). This
 file models each partition's sequence of barrier operations, as ``_loader`` and
 ``_consumer`` issue them, and visits *every* interleaving (a depth-first search over the
 reachable states) for small tile counts, checking that
@@ -16,7 +18,7 @@ An mbarrier is modelled as PTX defines it: ``count`` arrivals complete the curre
 phase and start the next; ``wait(parity)`` passes once the phase of that parity has
 completed, that is while the current phase's parity differs (so a barrier starts with
 "phase 1" complete). TMA copies land at once (a later landing only narrows the
-interleavings). The model mirrors the kernel by hand: a change to the kernel's barriers
+interleavings). The models mirror the kernels by hand: a change to a kernel's barriers
 must be made here too.
 """
 
@@ -74,23 +76,33 @@ def _consumer(c, nc, my_tiles, n_tiles, stages, pingpong, overlap, tail_waits):
 
 
 def explore(my_tiles, stages=2, pingpong=False, overlap=False, tail_waits=True, reads=True):
-    """None if every interleaving finishes with every read of the tile it waited for
-    (``reads`` False: only that it finishes); else a description of the first failing one
-    found."""
+    """The FlashAttention-3 kernel's protocol (``my_tiles``: the tiles each consumer
+    computes, the program's count the largest): None if every interleaving finishes with
+    every read of the tile it waited for (``reads`` False: only that it finishes); else a
+    description of the first failing one found."""
     nc, n_tiles = len(my_tiles), max(my_tiles)
     progs = [_loader(n_tiles, stages)] + [
         _consumer(c, nc, t, n_tiles, stages, pingpong, overlap, tail_waits)
         for c, t in enumerate(my_tiles)]
+    count = lambda b: nc if b[0].endswith("empty") else 1  # noqa: E731
+    # turn[0] is arrived on once at the start: consumer 0 goes first
+    return search(progs, count, [("turn", 0)] if pingpong else [], reads)
+
+
+def search(progs, count, arrived=(), reads=True):
+    """Every interleaving of ``progs`` (lists of operations): ``("wait", barrier, parity)``,
+    ``("arrive", barrier)``, ``("load", buffer, tile)``, ``("begin" | "end", buffer,
+    tile)`` (a read, checked to find ``tile`` there). ``count(barrier)``: the arrivals
+    that complete its phase; ``arrived``: barriers arrived on once before the partitions
+    start. None, or how the first failing interleaving found fails."""
     names = sorted({op[1] for p in progs for op in p if op[0] in ("wait", "arrive")})
     index = {b: i for i, b in enumerate(names)}
-    count = {b: nc if b[0].endswith("empty") else 1 for b in names}
-    slots = sorted({op[1] for p in progs for op in p if op[0] == "load"})
-    sidx = {s: i for i, s in enumerate(slots)}
-    # a barrier: (phase, arrivals still missing); turn[0] is arrived on once at the start
-    bars = [(0, count[b]) for b in names]
-    if pingpong:
-        bars[index[("turn", 0)]] = (1, 1)
-    start = (tuple(0 for _ in progs), tuple(bars), tuple(-1 for _ in slots))
+    buffers = sorted({op[1] for p in progs for op in p if op[0] == "load"})
+    bidx = {s: i for i, s in enumerate(buffers)}
+    bars = [(0, count(b)) for b in names]  # a barrier: (phase, arrivals still missing)
+    for b in arrived:
+        bars[index[b]] = (1, count(b)) if count(b) == 1 else (0, count(b) - 1)
+    start = (tuple(0 for _ in progs), tuple(bars), tuple(-1 for _ in buffers))
     seen, stack = {start}, [start]
     while stack:
         pcs, bars, content = stack.pop()
@@ -106,13 +118,13 @@ def explore(my_tiles, stages=2, pingpong=False, overlap=False, tail_waits=True, 
                     continue
             elif op[0] == "arrive":
                 phase, missing = bars[index[op[1]]]
-                nb[index[op[1]]] = (phase + 1, count[op[1]]) if missing == 1 else (phase,
-                                                                                   missing - 1)
+                nb[index[op[1]]] = ((phase + 1, count(op[1])) if missing == 1
+                                    else (phase, missing - 1))
             elif op[0] == "load":
-                nct[sidx[op[1]]] = op[2]
-            elif reads and content[sidx[op[1]]] != op[2]:  # begin / end of a read
-                return (f"consumer {p - 1} reads tile {op[2]} from slot {op[1]}, which holds "
-                        f"tile {content[sidx[op[1]]]}")
+                nct[bidx[op[1]]] = op[2]
+            elif reads and content[bidx[op[1]]] != op[2]:  # begin / end of a read
+                return (f"partition {p} reads tile {op[2]} from {op[1]}, which holds "
+                        f"tile {content[bidx[op[1]]]}")
             moved = True
             state = (pcs[:p] + (pcs[p] + 1,) + pcs[p + 1:], tuple(nb), tuple(nct))
             if state not in seen:
@@ -152,3 +164,61 @@ def test_the_model_finds_the_race_the_early_release_left_in_the_default():
     the other consumer's product was still reading."""
     why = explore((3, 4), stages=2, pingpong=True, overlap=True, tail_waits=False)
     assert why is not None and "reads tile" in why
+
+
+# ---------------------------------------------------------------- the MLA decode kernel
+def mla_programs(n_tiles, stages):
+    """``llmnote.ops.gluon.mla``'s partitions: the loader fills a ring of ``stages`` slots
+    (``kv_ready`` / ``kv_empty``, released by both consumers); consumer 0 computes the
+    scores and the softmax, hands P (and alpha) to consumer 1 through one buffer
+    (``p_ready`` / ``p_empty``) and multiplies P by the first half of c; consumer 1 by the
+    second half; ``done`` hands consumer 0's row sums over at the end. Consumer 0 releases
+    tile j - 1 in iteration j and never the last tile (no tile comes after it)."""
+    ph = lambda j: (j // stages) & 1  # noqa: E731
+    loader = []
+    for j in range(n_tiles):
+        s = j % stages
+        loader += [("wait", ("kv_empty", s), ph(j) ^ 1), ("load", ("c", s), j),
+                   ("arrive", ("kv_ready", s))]
+
+    def publish(j):  # _publish: P and alpha for consumer 1, once it is done with the last
+        return [("wait", ("p_empty",), (j & 1) ^ 1), ("load", ("P",), j),
+                ("arrive", ("p_ready",))]
+
+    c0 = []
+    if n_tiles > 0:
+        c0 += [("wait", ("kv_ready", 0), 0), ("begin", ("c", 0), 0), ("end", ("c", 0), 0)]
+        c0 += publish(0)
+    for j in range(1, n_tiles):
+        s, prev = j % stages, (j - 1) % stages
+        c0 += [("wait", ("kv_ready", s), ph(j)), ("begin", ("c", s), j),  # S of tile j
+               ("begin", ("c", prev), j - 1),  # P C_lo of tile j - 1, in flight
+               ("end", ("c", s), j)] + publish(j)
+        c0 += [("end", ("c", prev), j - 1), ("arrive", ("kv_empty", prev))]
+    if n_tiles > 0:
+        last = (n_tiles - 1) % stages
+        c0 += [("begin", ("c", last), n_tiles - 1), ("end", ("c", last), n_tiles - 1)]
+    c0 += [("arrive", ("done",))]
+    c1 = []
+    for j in range(n_tiles):
+        s = j % stages
+        c1 += [("wait", ("kv_ready", s), ph(j)), ("wait", ("p_ready",), j & 1),
+               ("begin", ("P",), j), ("begin", ("c", s), j), ("end", ("c", s), j),
+               ("end", ("P",), j), ("arrive", ("p_empty",)), ("arrive", ("kv_empty", s))]
+    c1 += [("wait", ("done",), 0)]
+    return [loader, c0, c1]
+
+
+@pytest.mark.parametrize("stages", [1, 2, 4])
+def test_mla_every_interleaving_finishes_and_reads_its_tile(stages):
+    """One slot deadlocks by design (consumer 0 waits for tile j before it releases tile
+    j - 1); the kernel's ring (``STAGES``) has more."""
+    from llmnote.ops.gluon import mla
+
+    assert mla.STAGES >= 2
+    for n_tiles in (1, 2, 3, 5):
+        why = search(mla_programs(n_tiles, stages), lambda b: 2 if b[0] == "kv_empty" else 1)
+        if stages == 1 and n_tiles > 1:
+            assert why is not None and why.startswith("deadlock")
+        else:
+            assert why is None, (n_tiles, stages, why)
