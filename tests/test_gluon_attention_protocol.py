@@ -5,10 +5,9 @@ the CPU.
 consumer warpgroups through mbarriers. Which interleavings a GPU produces depends on
 timing; a protocol error may show only at some sizes (one is the likely cause of a hang
 at d = 128, causal, N = 4096, while every test passed: benchmarks/logs/flash_attention_3.md,
-not yet confirmed on a GPU). This
-file models each partition's sequence of barrier operations, as ``_loader`` and
-``_consumer`` issue them, and visits *every* interleaving (a depth-first search over the
-reachable states) for small tile counts, checking that
+not yet confirmed on a GPU). This file models each partition's sequence of barrier
+operations, as ``_loader`` and ``_consumer`` issue them, and visits *every* interleaving
+(a depth-first search over the reachable states) for small tile counts, checking that
 
 * no interleaving deadlocks (every partition finishes), and
 * no consumer reads a slot that holds another tile than the one it waits for, from the
@@ -25,10 +24,15 @@ must be made here too.
 import pytest
 
 
+def _phase(j, stages):
+    """The parity of the phase of slot ``j % stages``'s barriers that tile ``j`` uses."""
+    return (j // stages) & 1
+
+
 def _loader(n_tiles, stages):
     ops = []
     for j in range(n_tiles):
-        s, free = j % stages, ((j // stages) & 1) ^ 1
+        s, free = j % stages, _phase(j, stages) ^ 1
         ops += [("wait", ("k_empty", s), free), ("load", ("K", s), j), ("arrive", ("k_ready", s)),
                 ("wait", ("v_empty", s), free), ("load", ("V", s), j), ("arrive", ("v_ready", s))]
     return ops
@@ -38,7 +42,7 @@ def _consumer(c, nc, my_tiles, n_tiles, stages, pingpong, overlap, tail_waits):
     """``_consumer(c)``'s barrier operations; ``tail_waits`` False is the protocol before
     the fix (a skipped tile released without waiting for it to be loaded)."""
     ops = []
-    ph = lambda j: (j // stages) & 1  # noqa: E731
+    ph = lambda j: _phase(j, stages)  # noqa: E731
     turn_wait = lambda j: [("wait", ("turn", c), j & 1)] if pingpong else []  # noqa: E731
     turn_pass = [("arrive", ("turn", (c + 1) % nc))] if pingpong else []
     if overlap:
@@ -174,7 +178,7 @@ def mla_programs(n_tiles, stages):
     (``p_ready`` / ``p_empty``) and multiplies P by the first half of c; consumer 1 by the
     second half; ``done`` hands consumer 0's row sums over at the end. Consumer 0 releases
     tile j - 1 in iteration j and never the last tile (no tile comes after it)."""
-    ph = lambda j: (j // stages) & 1  # noqa: E731
+    ph = lambda j: _phase(j, stages)  # noqa: E731
     loader = []
     for j in range(n_tiles):
         s = j % stages
